@@ -1,0 +1,218 @@
+"""The shared frame of every attnlab attention module: projections, ViT/Swin biases, head transform, head merge.
+
+A mechanism (standard, dna, diff, cog) subclasses :class:`AttnlabAttention` and overrides :meth:`attend`, which maps
+per-head queries, keys and values to per-head outputs. Everything around it is shared and keeps timm's parameter
+names, so a converted model loads the original state dict:
+
+    x --qkv--> q, k, v (B, H, N, D) --q_norm/k_norm--> attend(q, k, v, bias) --head_transform--> merge --proj--> y
+
+``bias`` carries the Swin relative-position bias and shifted-window mask (or a ViT ``attn_mask``); a kernel adds it
+to its own logits before its own normalisation. ``head_transform`` is ``nn.Identity`` unless a head term (``ns``)
+is set; a forward hook on it sees exactly the tensor right before head merge, which is what the analyses read.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import torch
+from torch import nn
+
+from timm.layers import Attention as TimmAttention
+from timm.models.swin_transformer import WindowAttention as TimmWindowAttention
+from timm.models.swin_transformer import get_relative_position_index
+
+
+class AttnlabAttention(nn.Module):
+    """Multi-head self-attention for ViT global attention (``window_size=None``) and Swin window attention.
+
+    The constructor mirrors timm's ``Attention`` and ``WindowAttention`` so one mechanism stands in for another.
+
+    Args:
+        dim: input (and output) token dimension.
+        num_heads: number of heads H.
+        qkv_bias: bias in the fused q, k, v projection.
+        qk_norm: normalise q and k per head with ``norm_layer`` (timm's QK-norm).
+        attn_drop: dropout on attention weights (training only).
+        proj_drop: dropout after the output projection.
+        norm_layer: normalisation for ``qk_norm`` / ``scale_norm`` (default ``nn.LayerNorm``).
+        head_dim: features per head D (default ``dim // num_heads``).
+        window_size: Swin window ``(Wh, Ww)``; adds the learned relative-position bias table.
+        scale_norm: normalise the merged heads before the projection (timm option).
+        proj_bias: bias in the output projection.
+        fused_attn: use ``F.scaled_dot_product_attention`` (True) or the explicit, readable path (False).
+        layer_index, num_layers: position of this block in the model (some mechanisms depend on depth).
+    """
+
+    fused_attn: Final[bool]
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        norm_layer: type[nn.Module] | None = None,
+        head_dim: int | None = None,
+        window_size: tuple[int, int] | None = None,
+        scale_norm: bool = False,
+        proj_bias: bool = True,
+        fused_attn: bool = True,
+        layer_index: int = 0,
+        num_layers: int = 1,
+    ) -> None:
+        super().__init__()
+        norm_layer = norm_layer or nn.LayerNorm
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = head_dim or dim // num_heads
+        self.attn_dim = self.num_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.fused_attn = fused_attn
+        self.layer_index = layer_index
+        self.num_layers = num_layers
+
+        self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias)
+        self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.head_transform: nn.Module = nn.Identity()
+        self.norm = norm_layer(self.attn_dim) if scale_norm else nn.Identity()
+        self.gate: nn.Linear | None = None
+        self.proj = nn.Linear(self.attn_dim, dim, bias=proj_bias)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+        self.window_size = tuple(window_size) if window_size is not None else None
+        if self.window_size is not None:
+            win_h, win_w = self.window_size
+            self.window_area = win_h * win_w
+            self.relative_position_bias_table = nn.Parameter(
+                torch.zeros((2 * win_h - 1) * (2 * win_w - 1), num_heads))
+            nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
+            self.register_buffer("relative_position_index", get_relative_position_index(win_h, win_w),
+                                 persistent=False)
+
+    # ---- construction from an existing module ------------------------------------------------------------------
+    @staticmethod
+    def geometry(module: nn.Module) -> dict:
+        """Constructor arguments that rebuild ``module`` (timm Attention, WindowAttention, or an attnlab one)."""
+        qkv = module.qkv
+        num_heads = module.num_heads
+        head_dim = qkv.out_features // 3 // num_heads
+        geo = dict(
+            dim=qkv.in_features,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            qkv_bias=qkv.bias is not None,
+            proj_bias=module.proj.bias is not None,
+            attn_drop=module.attn_drop.p,
+            proj_drop=module.proj_drop.p,
+            fused_attn=bool(getattr(module, "fused_attn", True)),
+        )
+        if isinstance(module, TimmWindowAttention):
+            geo["window_size"] = tuple(module.window_size)
+        elif isinstance(module, AttnlabAttention):
+            geo["window_size"] = module.window_size
+        return geo
+
+    @classmethod
+    def from_module(cls, module: nn.Module, layer_index: int = 0, num_layers: int = 1, **options) -> "AttnlabAttention":
+        """Build this mechanism in place of ``module``, taking over its submodules (and so its weights)."""
+        new = cls(**cls.geometry(module), layer_index=layer_index, num_layers=num_layers, **options)
+        new.adopt(module)
+        return new
+
+    def adopt(self, module: nn.Module) -> None:
+        """Take ``module``'s shared submodules: q, k, v and output projections, norms, Swin position bias."""
+        self.qkv = module.qkv
+        self.proj = module.proj
+        self.attn_drop = module.attn_drop
+        self.proj_drop = module.proj_drop
+        for name in ("q_norm", "k_norm", "norm", "gate"):
+            if hasattr(module, name):
+                setattr(self, name, getattr(module, name))
+        if self.window_size is not None:
+            self.relative_position_bias_table = module.relative_position_bias_table
+            self.relative_position_index = module.relative_position_index
+        self.train(module.training)
+
+    # ---- shared pieces ------------------------------------------------------------------------------------------
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of shape (B, H, N, D), q and k normalised when qk_norm is on."""
+        B, N, _ = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def rel_pos_bias(self) -> torch.Tensor:
+        """Swin's learned relative-position bias, (1, H, N, N)."""
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
+        return bias.view(self.window_area, self.window_area, -1).permute(2, 0, 1).contiguous().unsqueeze(0)
+
+    def attn_bias(self, B: int, N: int, mask: torch.Tensor | None, attn_mask: torch.Tensor | None):
+        """The additive bias every branch adds to its logits: position bias + shifted-window mask (Swin) or the
+        caller's ``attn_mask`` (ViT), broadcastable to (B, H, N, N); None when there is none."""
+        if self.window_size is None:
+            return attn_mask
+        bias = self.rel_pos_bias()
+        if mask is not None:  # (num_windows, N, N), 0 / -100; windows are the fastest-varying part of B
+            num_win = mask.shape[0]
+            mask = mask.view(1, num_win, 1, N, N).expand(B // num_win, -1, self.num_heads, -1, -1)
+            bias = bias + mask.reshape(-1, self.num_heads, N, N)
+        if attn_mask is not None:
+            bias = bias + attn_mask
+        return bias
+
+    def add_bias(self, logits: torch.Tensor, mask: torch.Tensor | None, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """``logits + bias`` in the order timm's explicit paths add it (position bias, then window mask)."""
+        B, H, N, _ = logits.shape
+        if self.window_size is not None:
+            logits = logits + self.rel_pos_bias()
+            if mask is not None:
+                num_win = mask.shape[0]
+                logits = (logits.view(-1, num_win, H, N, N) + mask.unsqueeze(1).unsqueeze(0)).view(-1, H, N, N)
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                attn_mask = torch.zeros_like(attn_mask, dtype=logits.dtype).masked_fill(~attn_mask, float("-inf"))
+            logits = logits + attn_mask
+        return logits
+
+    def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:  # pragma: no cover - abstract
+        """Per-head outputs (B, H, N, D) from q, k, v (B, H, N, D) and the biases; the mechanism's formula."""
+        raise NotImplementedError
+
+    def merge(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Head merge and output projection: (B, H, N, D) -> (B, N, dim)."""
+        B, _, N, _ = o.shape
+        out = self.norm(o.transpose(1, 2).reshape(B, N, self.attn_dim))
+        if self.gate is not None:
+            out = out * self.gate(x).sigmoid()
+        return self.proj_drop(self.proj(out))
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, N, dim). ``mask`` is Swin's shifted-window mask (num_windows, N, N); ``attn_mask`` a ViT mask."""
+        if is_causal:  # timm's blocks pass the flag; vision models leave it False
+            if attn_mask is not None:
+                raise ValueError("pass either attn_mask or is_causal=True, not both")
+            N = x.shape[1]
+            attn_mask = torch.ones(N, N, dtype=torch.bool, device=x.device).tril()
+        q, k, v = self.project(x)
+        o = self.attend(q, k, v, mask=mask, attn_mask=attn_mask)
+        return self.merge(self.head_transform(o), x)
+
+    def extra_repr(self) -> str:
+        win = f", window_size={self.window_size}" if self.window_size is not None else ""
+        return f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}{win}, fused_attn={self.fused_attn}"
+
+
+#: module types that :func:`attnlab.convert` replaces (exact types: subclasses may change the forward)
+SUPPORTED_TYPES: tuple[type, ...] = (TimmAttention, TimmWindowAttention)
+
+
+def is_supported(module: nn.Module) -> bool:
+    return type(module) in SUPPORTED_TYPES or isinstance(module, AttnlabAttention)
+
+
+__all__ = ["AttnlabAttention", "SUPPORTED_TYPES", "is_supported"]

@@ -1,0 +1,31 @@
+"""Errors a user can cause. Each carries one clear sentence; the CLI prints it and exits with code 2."""
+
+
+class AttnlabError(Exception):
+    """Base class of every error a user can cause (bad spec, model, dataset, config key...)."""
+
+
+class SpecError(AttnlabError, ValueError):
+    """The attention variant spec string is malformed, names an unknown method or key, or combines terms that cannot mean anything."""
+
+
+class UnsupportedModelError(AttnlabError, TypeError):
+    """The model has no attention module that attnlab knows how to replace."""
+
+
+class ModelNotFoundError(AttnlabError, ValueError):
+    """The model name is neither an attnlab preset nor a timm model."""
+
+
+class DatasetError(AttnlabError, ValueError):
+    """The dataset name is unknown, or its files are missing or malformed."""
+
+
+class ConfigError(AttnlabError, ValueError):
+    """A config file or option has an unknown key or an invalid value."""
+
+
+class NonFiniteLossError(AttnlabError, RuntimeError):
+    """Training produced a NaN or infinite loss; raised with the epoch and step."""
+
+    exit_code = 3

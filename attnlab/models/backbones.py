@@ -1,0 +1,95 @@
+"""Backbones: the NS-Attn paper's CIFAR ViT and Swin (Section 3.1) as timm builds them, a tiny ViT for the embedded
+digits demo, and any timm model by name. Every one can be built with any attention variant spec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import timm
+from timm.layers import DropPath
+from timm.models.swin_transformer import SwinTransformer
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from ..attention.base import SUPPORTED_TYPES
+from ..errors import ModelNotFoundError
+from .convert import convert
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named backbone: the timm class, its keyword arguments, and how drop-path is laid over the blocks."""
+
+    cls: type[nn.Module]
+    kwargs: dict[str, Any]
+    num_classes: int
+    doc: str
+    fixed_drop_path: bool = False  # same rate in every block (the paper's ViT) instead of timm's linear rise
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+PRESETS: dict[str, Preset] = {
+    "vit_cifar": Preset(
+        VisionTransformer,
+        dict(img_size=32, patch_size=4, embed_dim=192, depth=9, num_heads=12, mlp_ratio=2.0, qkv_bias=True,
+             class_token=True, global_pool="token", drop_path_rate=0.1),
+        num_classes=10, fixed_drop_path=True,
+        doc="NS-Attn paper's CIFAR ViT: 32x32, patch 4, dim 192, depth 9, 12 heads (D=16), MLP ratio 2, drop-path 0.1 in every block",
+    ),
+    "swin_cifar": Preset(
+        SwinTransformer,
+        dict(img_size=32, patch_size=2, embed_dim=96, depths=(2, 6, 4), num_heads=(3, 6, 12), head_dim=32,
+             window_size=4, mlp_ratio=2.0, drop_path_rate=0.1),
+        num_classes=10,
+        doc="NS-Attn paper's CIFAR Swin: 32x32, patch 2, dims 96/192/384, depths 2/6/4, heads 3/6/12 (D=32), window 4, drop-path 0 to 0.1",
+    ),
+    "vit_digits": Preset(
+        VisionTransformer,
+        dict(img_size=8, patch_size=2, in_chans=1, embed_dim=64, depth=3, num_heads=4, mlp_ratio=2.0, qkv_bias=True,
+             class_token=True, global_pool="token", drop_path_rate=0.0),
+        num_classes=10,
+        doc="tiny ViT for scikit-learn's 8x8 digits (the embedded demo): patch 2, dim 64, depth 3, 4 heads (D=16)",
+    ),
+}
+
+
+def _fix_drop_path(model: nn.Module, rate: float) -> None:
+    """Give every block the same stochastic-depth rate (timm's drop_path_rate rises linearly from 0)."""
+    for block in getattr(model, "blocks", []):
+        for name in ("drop_path1", "drop_path2"):
+            if hasattr(block, name):
+                setattr(block, name, DropPath(rate) if rate > 0 else nn.Identity())
+
+
+def build_model(name: str, num_classes: int | None = None, attn: str | None = "standard", **overrides) -> nn.Module:
+    """Build a backbone with the attention variant ``attn`` (a spec string; ``None`` leaves timm's modules untouched).
+
+    ``name`` is a preset (``vit_cifar``, ``swin_cifar``, ``vit_digits``) or any timm model name (random init).
+    ``overrides`` go to the timm constructor (e.g. ``drop_path_rate=0.0``, ``img_size=64``, ``in_chans=1``).
+    Attention modules run fused SDPA (timm's Swin leaves it off by default); the model's weights are drawn before the
+    conversion, so the same seed gives the same shared weights whatever the variant.
+    """
+    if name in PRESETS:
+        preset = PRESETS[name]
+        kwargs = {**preset.kwargs, **overrides}
+        kwargs["num_classes"] = preset.num_classes if num_classes is None else num_classes
+        model = preset.cls(**kwargs)
+        if preset.fixed_drop_path:
+            _fix_drop_path(model, kwargs.get("drop_path_rate", 0.0))
+    elif timm.is_model(name):
+        kwargs = dict(overrides)
+        if num_classes is not None:
+            kwargs["num_classes"] = num_classes
+        model = timm.create_model(name, pretrained=False, **kwargs)
+    else:
+        raise ModelNotFoundError(
+            f"unknown model {name!r}: use a preset ({', '.join(PRESETS)}) or a timm model name "
+            f"(see timm.list_models()).")
+    for module in model.modules():
+        if type(module) in SUPPORTED_TYPES:
+            module.fused_attn = True
+    model.attnlab_model = name
+    if attn is not None:
+        convert(model, attn)
+    return model

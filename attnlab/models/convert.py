@@ -1,0 +1,64 @@
+"""Model surgery: ``convert(model, spec)`` swaps every supported attention module for attnlab's mechanism of the
+spec's kind, taking over its weights, then applies the spec's q/k and weight terms."""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from ..attention.base import AttnlabAttention, is_supported
+from ..errors import SpecError, UnsupportedModelError
+from ..spec import Spec, parse_spec
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every attention module attnlab can replace or has replaced, in forward order."""
+    return [(name, m) for name, m in model.named_modules() if is_supported(m)]
+
+
+def _unsupported(model: nn.Module) -> UnsupportedModelError:
+    seen = sorted({type(m).__name__ for m in model.modules() if re.search(r"attn|attention", type(m).__name__, re.I)})
+    found = f"attention-like modules found: {', '.join(seen)}" if seen else "no attention-like module found"
+    return UnsupportedModelError(
+        f"{type(model).__name__} has no attention module attnlab can replace ({found}); supported are timm's "
+        f"Attention (ViT, DeiT and other models built from it) and WindowAttention (Swin).")
+
+
+def _head_transform(spec: Spec) -> nn.Module:
+    heads = [t.variant.load()(**t.resolved()) for t in spec.of_kind("head")]
+    if not heads:
+        return nn.Identity()
+    return heads[0] if len(heads) == 1 else nn.Sequential(*heads)
+
+
+def convert(model: nn.Module, spec: str | Spec) -> nn.Module:
+    """Give ``model`` the attention variant ``spec`` in place and return it.
+
+    Every timm ``Attention`` / ``WindowAttention`` (or attnlab module from an earlier conversion) is replaced by the
+    spec's kernel built from it, keeping its parameters and their state-dict names; head terms (``ns``) become the
+    module's ``head_transform``; q/k and weight terms are applied last. ``convert(model, "standard")`` leaves every
+    output bit unchanged.
+    """
+    spec = parse_spec(spec)
+    previous = getattr(model, "attnlab_spec", None)
+    if previous is not None and any(parse_spec(previous).of_kind(k) for k in ("qk", "weight")):
+        raise SpecError(f"this model already carries {previous!r} with weight-side terms; convert a fresh model.")
+    found = attention_modules(model)
+    if not found:
+        raise _unsupported(model)
+    kernel = spec.kernel
+    cls = kernel.variant.load()
+    options = kernel.resolved()
+    modules = []
+    for index, (name, old) in enumerate(found):
+        new: AttnlabAttention = cls.from_module(old, layer_index=index, num_layers=len(found), **options)
+        new.head_transform = _head_transform(spec)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        modules.append(new)
+    for kind in ("qk", "weight"):
+        for term in spec.of_kind(kind):
+            term.variant.load()(model, modules, **term.resolved())
+    model.attnlab_spec = str(spec)
+    return model
