@@ -1,0 +1,6 @@
+"""Latency and throughput protocols (the NS-Attn paper's: rounds, warm-up, alternating order)."""
+
+from attnlab.bench.latency import format_latency, measure_latency, round_orders
+from attnlab.bench.throughput import measure_train_throughput
+
+__all__ = ["format_latency", "measure_latency", "measure_train_throughput", "round_orders"]

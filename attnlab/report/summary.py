@@ -1,0 +1,220 @@
+"""Run directories -> per-variant summaries, following the NS-Attn paper's evaluation protocol (Section 3.1).
+
+For each (model, dataset) group and each attention variant with top-1 values x_1..x_n (one per seed):
+
+    mean = (1/n) sum_i x_i
+    sd   = sqrt( sum_i (x_i - mean)^2 / (n - 1) )        sample SD (ddof=1); None when n < 2
+    gain_pp = mean(variant) - mean(baseline)              from unrounded means, in percentage points
+    wins = k/m                                            m = seeds run by both variant and baseline,
+                                                          k = those seeds where variant top-1 > baseline top-1
+
+Further numeric entries of a run's ``extra`` dict (e.g. ``p1``, ``eff_rank``) are averaged per variant over the
+runs that report them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from attnlab.errors import AttnlabError
+
+REQUIRED_KEYS = ("name", "model", "dataset", "attn", "seed", "top1")
+NO_VALUE = "—"
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _variant_label(attn: str) -> str:
+    # The spec grammar ignores whitespace, so "ns( steps=2 )" and "ns(steps=2)" are one variant.
+    return "".join(str(attn).split())
+
+
+def load_runs(runs_dir: str | Path) -> list[dict]:
+    """Read every ``result.json`` below ``runs_dir`` (recursively), sorted by path.
+
+    Each returned dict is the file's content plus ``run_dir`` (the run's directory relative to ``runs_dir``).
+    Runs that have not finished (no ``result.json``) are not returned; see :func:`find_unfinished`.
+
+    Raises:
+        AttnlabError: ``runs_dir`` does not exist, holds no ``result.json``, or one is malformed.
+    """
+    root = Path(runs_dir)
+    if not root.is_dir():
+        raise AttnlabError(f"runs directory '{root}' does not exist; pass the folder that holds the runs/<name>/ directories.")
+    paths = sorted(root.rglob("result.json"))
+    if not paths:
+        raise AttnlabError(
+            f"no finished runs found under '{root}' (no result.json); train some runs first or pass the folder that holds them."
+        )
+    runs = []
+    for path in paths:
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise AttnlabError(f"'{path}' is not valid JSON ({exc}); rerun the run or delete the file.") from None
+        if not isinstance(run, dict):
+            raise AttnlabError(f"'{path}' holds a {type(run).__name__}, not a JSON object with the run's results.")
+        missing = [k for k in REQUIRED_KEYS if k not in run]
+        if missing:
+            raise AttnlabError(f"'{path}' lacks the key(s) {', '.join(missing)}; a result.json needs {', '.join(REQUIRED_KEYS)}.")
+        if not _is_number(run["top1"]):
+            raise AttnlabError(f"'{path}' has top1={run['top1']!r}; it must be a finite number (percent).")
+        run = dict(run)
+        run["run_dir"] = path.parent.relative_to(root).as_posix()
+        runs.append(run)
+    return runs
+
+
+def find_unfinished(runs_dir: str | Path) -> list[str]:
+    """Run directories below ``runs_dir`` that have a ``metrics.jsonl`` but no ``result.json`` (relative, sorted)."""
+    root = Path(runs_dir)
+    if not root.is_dir():
+        return []
+    return sorted(
+        p.parent.relative_to(root).as_posix() for p in root.rglob("metrics.jsonl") if not (p.parent / "result.json").exists()
+    )
+
+
+def _mean(xs: list[float]) -> float:
+    # statistics.mean sums exactly (fractions), so the mean does not depend on the order of the seeds.
+    return float(statistics.mean(xs))
+
+
+def _sd(xs: list[float]) -> float | None:
+    return float(statistics.stdev(xs)) if len(xs) >= 2 else None
+
+
+def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
+    """Summarise runs per (model, dataset) and attention variant.
+
+    Args:
+        runs: dicts as returned by :func:`load_runs` (at least ``model``, ``dataset``, ``attn``, ``seed``, ``top1``).
+        baseline: the variant spec that gains and wins are measured against.
+
+    Returns:
+        One row per (model, dataset, variant); groups sorted by (model, dataset); within a group the baseline row
+        first, then the other variants sorted by name. Each row holds ``model, dataset, variant, baseline`` (bool),
+        ``n, seeds`` (sorted), ``top1_by_seed``, ``mean, sd`` (top-1, percent), ``top5_mean`` (None if absent),
+        ``gain_pp`` and ``wins`` (``"k/m"``; with ``wins_k, wins_n``), None for the baseline row and in groups
+        without the baseline, and ``extras`` {name: mean}.
+
+    Raises:
+        AttnlabError: two runs share model, dataset, variant and seed (matched-seed pairing would be ambiguous).
+    """
+    baseline = _variant_label(baseline)
+    groups: dict[tuple[str, str], dict[str, dict[Any, dict]]] = {}
+    for run in runs:
+        key = (str(run["model"]), str(run["dataset"]))
+        variant = _variant_label(run["attn"])
+        by_seed = groups.setdefault(key, {}).setdefault(variant, {})
+        seed = run["seed"]
+        if seed in by_seed:
+            where = [r.get("run_dir", r.get("name")) for r in (by_seed[seed], run)]
+            raise AttnlabError(
+                f"two runs of {key[0]} / {key[1]} / {variant} have seed {seed} ({where[0]} and {where[1]}); "
+                "keep one per seed so matched-seed comparisons are unambiguous."
+            )
+        by_seed[seed] = run
+
+    rows = []
+    for (model, dataset) in sorted(groups):
+        variants = groups[(model, dataset)]
+        base_runs = variants.get(baseline)
+        base_mean = _mean([r["top1"] for r in base_runs.values()]) if base_runs else None
+        order = ([baseline] if base_runs else []) + sorted(v for v in variants if v != baseline)
+        for variant in order:
+            by_seed = variants[variant]
+            seeds = sorted(by_seed, key=lambda s: (str(type(s)), s))
+            top1 = [float(by_seed[s]["top1"]) for s in seeds]
+            mean = _mean(top1)
+            top5 = [float(by_seed[s]["top5"]) for s in seeds if _is_number(by_seed[s].get("top5"))]
+            extras: dict[str, list[float]] = {}
+            for s in seeds:
+                for name, value in (by_seed[s].get("extra") or {}).items():
+                    if _is_number(value):
+                        extras.setdefault(name, []).append(float(value))
+            row = {
+                "model": model,
+                "dataset": dataset,
+                "variant": variant,
+                "baseline": variant == baseline,
+                "n": len(seeds),
+                "seeds": seeds,
+                "top1_by_seed": {str(s): by_seed[s]["top1"] for s in seeds},
+                "mean": mean,
+                "sd": _sd(top1),
+                "top5_mean": _mean(top5) if top5 else None,
+                "gain_pp": None,
+                "wins": None,
+                "wins_k": None,
+                "wins_n": None,
+                "extras": {name: _mean(vals) for name, vals in sorted(extras.items())},
+            }
+            if base_runs and variant != baseline:
+                row["gain_pp"] = mean - base_mean
+                shared = [s for s in seeds if s in base_runs]
+                k = sum(by_seed[s]["top1"] > base_runs[s]["top1"] for s in shared)
+                row.update(wins=f"{k}/{len(shared)}", wins_k=k, wins_n=len(shared))
+            rows.append(row)
+    return rows
+
+
+def _fmt_extra(x: float | None) -> str:
+    if x is None:
+        return NO_VALUE
+    # Spectral metrics (p1 ~ 0.7, eff_rank ~ 2.5) read best with 2 decimals; condition numbers (~1e10) do not.
+    if x == 0 or 0.01 <= abs(x) < 1e5:
+        return f"{x:.2f}"
+    return f"{x:.3g}"
+
+
+def format_top1(mean: float, sd: float | None) -> str:
+    """``"93.88 ± 0.20"``; the mean alone when the SD is undefined (one seed)."""
+    return f"{mean:.2f}" if sd is None else f"{mean:.2f} ± {sd:.2f}"
+
+
+def format_gain(gain: float | None) -> str:
+    """Signed, 2 decimals (``"+0.38"``); an em dash for the baseline or a group without it."""
+    if gain is None:
+        return NO_VALUE
+    # A gain that rounds to zero prints "+0.00", never "-0.00".
+    return f"{gain if round(gain, 2) != 0 else 0.0:+.2f}"
+
+
+def format_markdown(rows: list[dict]) -> str:
+    """One Markdown table per (model, dataset): Variant | Top-1 (mean ± SD) | Gain (pp) | Wins | n | extras...
+
+    Gains are computed from unrounded means and then rounded, so they can differ by 0.01 from the difference of
+    the rounded means shown beside them (as in the paper).
+    """
+    out: list[str] = []
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["dataset"]), []).append(row)
+    for (model, dataset), group in groups.items():
+        extra_names = sorted({name for row in group for name in row.get("extras", {})})
+        header = ["Variant", "Top-1 (mean ± SD)", "Gain (pp)", "Wins", "n", *extra_names]
+        if out:
+            out.append("")
+        out.append(f"### {model} / {dataset}")
+        out.append("")
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
+        for row in group:
+            label = f"{row['variant']} (baseline)" if row.get("baseline") else row["variant"]
+            cells = [
+                label,
+                format_top1(row["mean"], row["sd"]),
+                format_gain(row["gain_pp"]),
+                row["wins"] or NO_VALUE,
+                str(row["n"]),
+                *(_fmt_extra(row.get("extras", {}).get(name)) for name in extra_names),
+            ]
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"

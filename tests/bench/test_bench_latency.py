@@ -1,0 +1,115 @@
+"""measure_latency with fake modules and a virtual clock: order, statistics, overhead, eval and inference mode."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from attnlab.bench import format_latency, measure_latency, round_orders
+from attnlab.errors import ConfigError
+
+
+class VirtualClock:
+    """Milliseconds advanced by the fake modules; read in seconds like time.perf_counter."""
+
+    def __init__(self):
+        self.ms = 0.0
+
+    def __call__(self):
+        return self.ms / 1000.0
+
+
+class Fake(nn.Module):
+    """Each forward logs (name, training, inference mode) and advances the clock by its cost in that round;
+    warm-up forwards cost 1000 ms so that timing them by mistake shows up in the means."""
+
+    def __init__(self, name, costs, log, clock, warmup, iters):
+        super().__init__()
+        self.name, self.costs, self.log, self.clock = name, costs, log, clock
+        self.warmup, self.iters, self.calls = warmup, iters, 0
+        self.child = nn.Linear(2, 2)
+
+    def forward(self, x):
+        self.log.append((self.name, self.training, self.child.training, torch.is_inference_mode_enabled()))
+        rnd, pos = divmod(self.calls, self.warmup + self.iters)
+        self.clock.ms += 1000.0 if pos < self.warmup else self.costs[rnd]
+        self.calls += 1
+        return x
+
+
+def make(costs, warmup=2, iters=4):
+    clock, log = VirtualClock(), []
+    models = {name: Fake(name, c, log, clock, warmup, iters) for name, c in costs.items()}
+    return models, clock, log
+
+
+def blocks_of(log, size):
+    """The model that made each consecutive block of `size` calls (asserting each block is one model)."""
+    names = [name for name, *_ in log]
+    blocks = [names[i:i + size] for i in range(0, len(names), size)]
+    assert all(len(set(b)) == 1 and len(b) == size for b in blocks)
+    return [b[0] for b in blocks]
+
+
+def test_order_alternates_between_rounds():
+    models, clock, log = make({"a": [1, 1, 1, 1], "b": [1, 1, 1, 1], "c": [1, 1, 1, 1]}, warmup=2, iters=4)
+    result = measure_latency(models, torch.zeros(8, 2), warmup=2, iters=4, rounds=4, progress=False, clock=clock)
+    # each model's 2 warm-up and 4 timed forwards run back to back
+    assert blocks_of(log, 6) == ["a", "b", "c", "c", "b", "a", "a", "b", "c", "c", "b", "a"]
+    assert result["order"] == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"], ["c", "b", "a"]]
+    assert round_orders(["a", "b"], 3) == [["a", "b"], ["b", "a"], ["a", "b"]]
+
+
+def test_statistics_and_overhead_by_hand():
+    # a: 10, 12, 14 ms per forward in rounds 0-2 -> mean 12, SD = sqrt((4 + 0 + 4) / 2) = 2.
+    # b: 15, 15, 18 -> mean 16, SD = sqrt((1 + 1 + 4) / 2) = sqrt(3); ratio 16/12 = 4/3, overhead +33.33%.
+    models, clock, _ = make({"a": [10, 12, 14], "b": [15, 15, 18]}, warmup=2, iters=4)
+    r = measure_latency(models, torch.zeros(8, 2), warmup=2, iters=4, rounds=3, progress=False, clock=clock)
+    a, b = r["models"]["a"], r["models"]["b"]
+    assert r["baseline"] == "a" and r["batch_size"] == 8 and r["rounds"] == 3
+    assert a["round_ms"] == pytest.approx([10, 12, 14])
+    assert b["round_ms"] == pytest.approx([15, 15, 18])  # indexed by round, though b runs first in round 1
+    assert a["mean_ms"] == pytest.approx(12.0) and a["sd_ms"] == pytest.approx(2.0)
+    assert b["mean_ms"] == pytest.approx(16.0) and b["sd_ms"] == pytest.approx(math.sqrt(3))
+    assert a["ratio"] == pytest.approx(1.0) and a["overhead_pct"] == pytest.approx(0.0)
+    assert b["ratio"] == pytest.approx(4 / 3) and b["overhead_pct"] == pytest.approx(100 / 3)
+
+    table = format_latency(r)
+    assert "| a (baseline) | 12.00 ± 2.00 | — | — |" in table
+    assert "| b | 16.00 ± 1.73 | +33.3% | 1.333x |" in table
+
+
+def test_faster_model_has_negative_overhead_and_one_round_has_no_sd():
+    models, clock, _ = make({"slow": [20], "fast": [15]}, warmup=0, iters=3)
+    r = measure_latency(models, torch.zeros(4, 2), warmup=0, iters=3, rounds=1, progress=False, clock=clock)
+    assert r["models"]["fast"]["overhead_pct"] == pytest.approx(-25.0)
+    assert r["models"]["slow"]["sd_ms"] is None
+    assert "| fast | 15.00 | -25.0% | 0.750x |" in format_latency(r)
+
+
+def test_eval_mode_inference_mode_and_restored_flags():
+    models, clock, log = make({"a": [1, 1], "b": [1, 1]})
+    models["b"].child.eval()  # mixed flags must come back exactly as they were
+    measure_latency(models, torch.zeros(2, 2), warmup=2, iters=4, rounds=2, progress=False, clock=clock)
+    assert log and all(not training and not child_training and inference for _, training, child_training, inference in log)
+    assert models["a"].training and models["a"].child.training
+    assert models["b"].training and not models["b"].child.training
+    assert not torch.is_inference_mode_enabled()
+
+
+def test_real_clock_smoke():
+    models = {"lin": nn.Linear(4, 4), "seq": nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))}
+    r = measure_latency(models, torch.randn(3, 4), warmup=1, iters=2, rounds=2, progress=False)
+    for s in r["models"].values():
+        assert len(s["round_ms"]) == 2 and all(t >= 0 for t in s["round_ms"])
+    assert r["device"] == "cpu"
+
+
+def test_errors():
+    with pytest.raises(ConfigError, match="no models"):
+        measure_latency({}, torch.zeros(1, 2), progress=False)
+    with pytest.raises(ConfigError, match="iters"):
+        measure_latency({"a": nn.Linear(2, 2)}, torch.zeros(1, 2), iters=0, progress=False)
+    with pytest.raises(ConfigError, match="same device"):
+        measure_latency({"a": nn.Linear(2, 2, device="meta")}, torch.zeros(1, 2), progress=False)

@@ -1,0 +1,65 @@
+"""write_report reads only the run files written here and reproduces report.md / report.json."""
+
+import json
+
+import pytest
+
+from attnlab.report import write_report
+
+
+def make_runs(root):
+    # swin_cifar / cifar100: standard 77.30 77.40 77.50 (mean 77.40, SD 0.10); ns 78.10 78.20 78.60
+    # (mean 78.30, deviations -.2 -.1 .3, SD = sqrt(0.14 / 2) = 0.2646); gain +0.90; wins 3/3.
+    values = {"standard": [77.30, 77.40, 77.50], "ns": [78.10, 78.20, 78.60]}
+    for attn, tops in values.items():
+        for seed, top1 in zip([0, 1, 3], tops):
+            d = root / f"swin_cifar-cifar100-{attn}-s{seed}"
+            d.mkdir(parents=True)
+            (d / "config.yaml").write_text(f"attn: {attn}\nseed: {seed}\n")
+            (d / "metrics.jsonl").write_text(json.dumps({"epoch": 0, "top1": top1}) + "\n")
+            (d / "result.json").write_text(json.dumps({
+                "name": d.name, "model": "swin_cifar", "dataset": "cifar100", "attn": attn, "seed": seed,
+                "epochs": 100, "top1": top1, "top5": 95.0, "test_loss": 1.0, "params": 7_000_000,
+                "seconds": 3600.0, "extra": {"p1": 0.6 if attn == "ns" else 0.8}}))
+    # A run still training: listed as unfinished, not summarised.
+    d = root / "swin_cifar-cifar100-ns-s7"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text(json.dumps({"epoch": 0, "top1": 10.0}) + "\n")
+
+
+def test_write_report_from_files(tmp_path):
+    runs = tmp_path / "runs"
+    make_runs(runs)
+    out = tmp_path / "out"
+    result = write_report(runs, out)
+
+    md = (out / "report.md").read_text()
+    assert md == result["markdown"]
+    assert "### swin_cifar / cifar100" in md
+    assert "| standard (baseline) | 77.40 ± 0.10 | — | — | 3 | 0.80 |" in md
+    assert "| ns | 78.30 ± 0.26 | +0.90 | 3/3 | 3 | 0.60 |" in md
+    assert "swin_cifar-cifar100-ns-s7" in md  # unfinished run is named
+
+    assert result["json"] == out / "report.json"
+    data = json.loads((out / "report.json").read_text())
+    assert data["baseline"] == "standard"
+    assert data["unfinished"] == ["swin_cifar-cifar100-ns-s7"]
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert rows["ns"]["mean"] == pytest.approx(78.30, abs=1e-9)
+    assert rows["ns"]["sd"] == pytest.approx((0.14 / 2) ** 0.5, abs=1e-9)
+    assert rows["ns"]["gain_pp"] == pytest.approx(0.90, abs=1e-9)
+    assert rows["ns"]["seeds"] == [0, 1, 3]
+    assert rows["ns"]["wins"] == "3/3"
+
+    assert [p.name for p in result["plots"]] == ["report_swin_cifar_cifar100.png"]
+    png = (out / "report_swin_cifar_cifar100.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Same files in, same report out (no dates or absolute paths), also when written next to the runs.
+    again = write_report(runs, tmp_path / "out2", plots=False)
+    assert (tmp_path / "out2" / "report.md").read_text() == md
+    assert (tmp_path / "out2" / "report.json").read_text() == (out / "report.json").read_text()
+    assert again["plots"] == []
+    in_place = write_report(runs, plots=False)
+    assert in_place["json"] == runs / "report.json"
+    assert (runs / "report.md").read_text() == md
