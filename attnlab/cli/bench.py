@@ -1,0 +1,49 @@
+"""Forward latency of attention variants with the NS-Attn paper's protocol (Section 3.5): all variants load
+identical parameters, inputs resident on the device, `--rounds` rounds of `--warmup` untimed and `--iters` timed
+forwards with the order alternating between rounds; CUDA events on GPU, a monotonic clock on CPU. Prints ms/batch as
+mean and sample SD across round means and the overhead against the first variant.
+
+Example: attnlab bench --model vit_cifar --attn standard,ns --batch-size 128"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="vit_cifar", help="preset or timm model name (default: vit_cifar)")
+    p.add_argument("--attn", default="standard,ns", help="comma-separated variant specs; the first is the baseline")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--num-classes", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=50, help="untimed forwards per model per round (default 50)")
+    p.add_argument("--iters", type=int, default=200, help="timed forwards per model per round (default 200)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, order alternating (default 3)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="fp32, or autocast to bf16/fp16")
+    p.add_argument("--compile", action="store_true", help="torch.compile every model first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
+
+
+def run(args) -> int:
+    import json
+
+    import torch
+
+    from ..bench import format_latency, matched_models, measure_latency, resolve_device
+    from ..models import build_model
+
+    device = resolve_device(args.device)
+    specs = [s for s in (t.strip() for t in args.attn.split(",")) if s]
+    models = matched_models(args.model, specs, num_classes=args.num_classes, seed=args.seed, device=device,
+                            dtype=args.dtype, compile=args.compile)
+    probe = build_model(args.model, num_classes=args.num_classes, attn=None)
+    size = probe.patch_embed.img_size if hasattr(probe, "patch_embed") else (224, 224)
+    chans = probe.patch_embed.proj.in_channels if hasattr(probe, "patch_embed") else 3
+    inputs = torch.randn(args.batch_size, chans, *size, generator=torch.Generator().manual_seed(args.seed)).to(device)
+    result = measure_latency(models, inputs, warmup=args.warmup, iters=args.iters, rounds=args.rounds)
+    print(format_latency(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
