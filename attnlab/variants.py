@@ -111,3 +111,80 @@ register(Variant(
     "standard", "kernel", "softmax attention, fused SDPA (timm's)", "Vaswani et al. 2017",
     "attnlab.attention.standard:StandardAttention",
 ))
+register(Variant(
+    "diff", "kernel", "Differential attention: (softmax(q1k1) - lambda softmax(q2k2)) v, per-head RMSNorm (timm's)",
+    "Ye et al. 2024", "attnlab.attention.diff:DiffAttention",
+    options={"dual_lambda": Option(False, bool, help="timm's 2-scalar lambda instead of the paper's 4 vectors")},
+))
+register(Variant(
+    "cog", "kernel", "Cog attention: sign(s) * softmax(|s|), first and last layers softmax", "Lv et al. 2024",
+    "attnlab.attention.cog:CogAttention",
+    options={"all_layers": Option(False, bool, help="signed weights in the first and last layers too")},
+))
+register(Variant(
+    "ns", "head", "Newton-Schulz step on each head's feature-by-token output before head merge", "NS-Attn (Sec. 2, Alg. 1)",
+    "attnlab.attention.ns:NSTransform",
+    options={
+        "steps": Option(1, int, minimum=1, help="polynomial iterations K (paper: 1; ablation: 2)"),
+        "eps": Option(1e-6, float, help="clamp of both Frobenius-norm divisions"),
+        "impl": Option("auto", str, choices=("auto", "fast", "reference"), help="D x D fast path or Algorithm 1 literally"),
+    },
+))
+register(Variant(
+    "qknorm", "qk", "LayerNorm over head_dim on q and k before the 1/sqrt(D) scale (timm's qk_norm=True)",
+    "Dehghani et al. 2023", "attnlab.reparam.qknorm:apply",
+))
+register(Variant(
+    "qkclip", "qk", "after each optimizer step, rescale W_q, W_k of heads whose max logit exceeded tau",
+    "Kimi Team 2025 (Kimi K2, MuonClip)", "attnlab.reparam.qkclip:apply",
+    options={
+        "tau": Option(100.0, float, minimum=0.0, help="largest allowed per-head logit q.k/sqrt(D)"),
+        "alpha": Option(0.5, float, minimum=0.0, help="share of the rescaling on W_q (W_k takes 1 - alpha)"),
+    },
+    conflicts={
+        "qknorm": "QK-norm normalises q and k after the projection, which divides out any rescaling of W_q and W_k, "
+                  "so the clip would have no effect",
+        "sigma": "sigma-Reparam recomputes qkv's weight as gamma W / sigma(W), so scaling rows of W would not scale "
+                 "the logits by the clip's factor",
+        "specnorm": "spectral normalisation recomputes qkv's weight as W / sigma(W), so scaling rows of W would not "
+                    "scale the logits by the clip's factor",
+        "speccond": "spectral conditioning adds lambda I_k to qkv's weight, so scaling rows of W would not scale the "
+                    "logits by the clip's factor",
+        "dna": "DnA's logits come from its own signed query and value projections, not q k^T / sqrt(D) of qkv",
+        "diff": "Diff attention's logits are two half-width q k^T maps, not the head's q k^T / sqrt(D)",
+        "cog": "Cog attention's weights follow |q k^T / sqrt(D)|, so large negative logits matter as much as the "
+               "largest positive one the clip caps",
+    },
+))
+register(Variant(
+    "sigma", "weight", "sigma-Reparam: W_hat = gamma * W / sigma(W) on every Linear and the patch embedding",
+    "Zhai et al. 2023", "attnlab.reparam.sigma:apply_sigma",
+    options={
+        "gamma_init": Option("sigma", (float, str), choices=("sigma",),
+                             help="'sigma': gamma = sigma(W0), so W_hat = W at step 0 (authors' vision code); "
+                                  "a number: gamma starts there (the note's literal gamma = 1)"),
+        "targets": Option("all", str, choices=("all", "attn"),
+                          help="all: every Linear and Conv2d; attn: the Linears inside the attention modules"),
+    },
+    conflicts={"specnorm": "specnorm is sigma-Reparam with gamma removed, so the two would normalise the same "
+                           "weights twice; pick one"},
+))
+register(Variant(
+    "specnorm", "weight", "plain spectral normalisation W / sigma(W), no gamma (sigma-Reparam's ablation)",
+    "Zhai et al. 2023", "attnlab.reparam.sigma:apply_specnorm",
+    options={"targets": Option("all", str, choices=("all", "attn"),
+                               help="all: every Linear and Conv2d; attn: the Linears inside the attention modules")},
+    conflicts={"sigma": "specnorm is sigma-Reparam with gamma removed, so the two would normalise the same "
+                        "weights twice; pick one"},
+))
+register(Variant(
+    "speccond", "weight", "spectral conditioning: W_Q, W_K, W_V -> W + lam * I_k, lam fixed",
+    "Spectral Conditioning of Attention (NeurIPS 2025)", "attnlab.reparam.speccond:apply_speccond",
+    options={
+        "lam": Option(10.0, (float, str), choices=("auto",), minimum=0.0,
+                      help="the multiple of I_k (10: the value reported best, unverified); 'auto': the corrected "
+                           "Theorem 3.8's bound max sigma_max + 1 on the initial weights"),
+        "targets": Option("qkv", str, choices=("qkv", "qkv+mlp"),
+                          help="qkv: the attention's query, key and value weights; qkv+mlp: also the MLP's"),
+    },
+))

@@ -1,0 +1,39 @@
+"""NS-Attn (``papers/ns_attention.txt``, Section 2, Algorithm 1): a Newton–Schulz polynomial step on each head's
+feature-by-token output, after value aggregation and before head merge.
+
+    M = X_{b,h}^T (D x N),  r = ||M||_F,  Z = M / max(r, eps)              (eq. 1-2)
+    Z <- a Z + (b A + c A^2) Z,  A = Z Z^T,  `steps` times                 (eq. 3)
+    X_hat_{b,h} = (r Z / max(||Z||_F, eps))^T                              (eq. 4-5)
+
+A ``head`` term: it composes after any kernel (``ns``, ``dna+ns``) and adds no parameters, so an ``ns`` model loads
+a ``standard`` model's state dict. The math lives in :func:`attnlab.ops.ns_transform`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.ns import NS_COEFFS, NS_EPS, ns_transform
+
+
+class NSTransform(nn.Module):
+    """Applies :func:`attnlab.ops.ns_transform` to head outputs of shape (B, H, N, D).
+
+    Args:
+        steps: polynomial iterations K (paper: 1; 2 in the ablation of Table 2).
+        eps: clamp of both Frobenius-norm divisions (paper: 1e-6).
+        impl: ``auto``/``fast`` (the D x D formulation) or ``reference`` (Algorithm 1 literally).
+    """
+
+    def __init__(self, steps: int = 1, eps: float = NS_EPS, impl: str = "auto",
+                 coeffs: tuple[float, float, float] = NS_COEFFS) -> None:
+        super().__init__()
+        self.steps, self.eps, self.impl, self.coeffs = steps, eps, impl, tuple(coeffs)
+        ns_transform(torch.zeros(1, 2, 2), steps, eps, self.coeffs, impl)  # reject bad options at conversion
+
+    def forward(self, o: torch.Tensor) -> torch.Tensor:
+        return ns_transform(o, self.steps, self.eps, self.coeffs, self.impl)
+
+    def extra_repr(self) -> str:
+        return f"steps={self.steps}, eps={self.eps:g}, impl={self.impl}"

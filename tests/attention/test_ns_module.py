@@ -1,0 +1,82 @@
+"""The `ns` term changes a model only at one place: each head's output right before head merge."""
+
+import pytest
+import torch
+from torch import nn
+
+import attnlab
+from attnlab.attention.base import AttnlabAttention
+from attnlab.ops import ns_transform
+
+
+class Recorder(nn.Module):
+    """Stands in for head_transform: records its input, then applies `fn`."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn, self.seen = fn, []
+
+    def forward(self, o):
+        self.seen.append(o.detach().clone())
+        return self.fn(o)
+
+
+def _literal_ns(o, steps=1, eps=1e-6):
+    """Algorithm 1 per sample and head, written out with explicit loops in float64."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    out = torch.empty_like(o, dtype=torch.float64)
+    for i in range(o.shape[0]):
+        for h in range(o.shape[1]):
+            m = o[i, h].double().T
+            r = m.norm()
+            z = m / max(r, eps)
+            for _ in range(steps):
+                A = z @ z.T
+                z = a * z + (b * A + c * A @ A) @ z
+            out[i, h] = (r * z / max(z.norm(), eps)).T
+    return out.to(o.dtype)
+
+
+@pytest.mark.parametrize("name,shape", [("vit_cifar", (2, 3, 32, 32)), ("swin_cifar", (2, 3, 32, 32))])
+@pytest.mark.parametrize("steps", [1, 2])
+def test_ns_differs_from_standard_only_before_head_merge(name, shape, steps):
+    torch.manual_seed(0)
+    ns_model = attnlab.build_model(name, attn=f"ns(steps={steps})").eval()
+    standard = attnlab.build_model(name, attn="standard").eval()
+    standard.load_state_dict(ns_model.state_dict(), strict=True)  # no new parameters
+    attn = [m for m in standard.modules() if isinstance(m, AttnlabAttention)]
+    recorders = []
+    for m in attn:
+        m.head_transform = Recorder(lambda o: _literal_ns(o, steps))
+        recorders.append(m.head_transform)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, patched = ns_model(x), standard(x)
+    torch.testing.assert_close(ours, patched, rtol=1e-4, atol=1e-5)
+    assert all(len(r.seen) == 1 for r in recorders)
+    # and the transform really acts: without it the output moves
+    for m in attn:
+        m.head_transform = nn.Identity()
+    with torch.no_grad():
+        assert not torch.allclose(standard(x), ours, atol=1e-3)
+
+
+def test_ns_head_transform_sees_the_premerge_tensor_with_window_layout():
+    model = attnlab.build_model("swin_cifar", attn="ns").eval()
+    attn = model.layers[0].blocks[1].attn
+    seen = {}
+    attn.head_transform.register_forward_hook(lambda mod, inp, out: seen.update(inp=inp[0], out=out))
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32))
+    B, H, N, D = seen["inp"].shape
+    assert (B, H, N, D) == (2 * 16, 3, 16, 32)  # 16 windows of 4x4 tokens per image, 3 heads of 32
+    torch.testing.assert_close(seen["out"], ns_transform(seen["inp"], impl="reference"), rtol=1e-5, atol=1e-6)
+
+
+def test_ns_spec_options():
+    assert str(attnlab.parse_spec("ns(steps=2)")) == "ns(steps=2)"
+    assert str(attnlab.parse_spec("ns(eps=1e-8)")) == "ns(eps=1e-8)"
+    with pytest.raises(attnlab.SpecError, match="at least 1"):
+        attnlab.parse_spec("ns(steps=0)")
+    with pytest.raises(attnlab.AttnlabError):
+        attnlab.build_model("vit_digits", attn="ns(eps=-1)")

@@ -1,0 +1,68 @@
+"""Names, options and errors of attnlab.data."""
+
+import dataclasses
+
+import pytest
+
+import attnlab.data as data
+from attnlab.errors import AttnlabError, ConfigError, DatasetError
+
+
+def test_dataset_names():
+    assert data.DATASETS == ("cifar10", "cifar100", "digits", "synthetic", "imagefolder")
+    assert data.DEFAULT_DATASET in data.DATASETS
+
+
+def test_unknown_dataset_lists_valid_names():
+    with pytest.raises(DatasetError) as err:
+        data.build_dataset("mnist", True)
+    assert "'mnist'" in str(err.value)
+    assert all(name in str(err.value) for name in data.DATASETS)
+    with pytest.raises(DatasetError):
+        data.dataset_info("imagenet")
+
+
+def test_names_ignore_case_and_spaces():
+    assert data.dataset_info(" Digits ").name == "digits"
+
+
+@pytest.mark.parametrize("name, bad, valid", [("digits", "auto_augment", "image_size"),
+                                               ("cifar10", "length", "random_erasing"),
+                                               ("synthetic", "random_erasing", "num_classes")])
+def test_unknown_option_names_valid_ones(name, bad, valid):
+    with pytest.raises(ConfigError) as err:
+        data.dataset_info(name, **{bad: 1})
+    assert bad in str(err.value) and valid in str(err.value)
+    assert isinstance(err.value, AttnlabError)
+
+
+@pytest.mark.parametrize("name, options", [("cifar10", {"random_erasing": 1.5}), ("cifar10", {"auto_augment": "maybe"}),
+                                           ("synthetic", {"seed": -1}), ("synthetic", {"num_classes": 0}),
+                                           ("synthetic", {"length": 2.5}), ("digits", {"image_size": "big"}),
+                                           ("synthetic", {"in_chans": True})])
+def test_bad_option_values(name, options):
+    with pytest.raises(ConfigError):
+        data.build_dataset(name, True, **options)
+
+
+def test_option_strings_from_the_command_line_are_converted():
+    opts = data.registry.resolve_options("cifar10", {"auto_augment": "false", "random_erasing": "0.5"})
+    assert opts["auto_augment"] is False and opts["random_erasing"] == 0.5
+    assert data.dataset_info("synthetic", num_classes="5").num_classes == 5
+
+
+def test_unknown_augment():
+    with pytest.raises(ConfigError, match="none, recipe"):
+        data.build_dataset("digits", True, augment="heavy")
+
+
+def test_dataset_info_is_frozen():
+    info = data.dataset_info("digits")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.num_classes = 3
+
+
+def test_build_transform_only_for_pil_datasets():
+    assert data.build_transform("cifar10", False) is not None
+    with pytest.raises(DatasetError):
+        data.build_transform("digits", True)
