@@ -64,3 +64,28 @@ def matched_models(model: str, specs: list[str], *, num_classes: int | None = No
             net = torch.compile(net)
         models[str(parse_spec(spec))] = net
     return models
+
+
+def input_shape(model: nn.Module) -> tuple[int, int, int]:
+    """(channels, height, width) a timm image model expects."""
+    embed = getattr(model, "patch_embed", None)
+    if embed is not None and getattr(embed, "img_size", None) is not None:
+        return embed.proj.in_channels, *embed.img_size
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    return tuple(cfg.get("input_size", (3, 224, 224)))
+
+
+def bench_variants(model: str, specs: list[str], *, batch_size: int = 128, warmup: int = 50, iters: int = 200,
+                   rounds: int = 3, device: str = "auto", dtype: str = "fp32", compile: bool = False, seed: int = 0,
+                   num_classes: int | None = None, progress: bool = True) -> dict:
+    """The NS-Attn paper's latency protocol for ``specs`` on ``model`` (first spec = baseline), identical parameters."""
+    from .latency import measure_latency
+
+    dev = resolve_device(device)
+    models = matched_models(model, specs, num_classes=num_classes, seed=seed, device=dev, dtype=dtype,
+                            compile=compile)
+    shape = input_shape(build_model(model, num_classes=num_classes, attn=None))
+    inputs = torch.randn(batch_size, *shape, generator=torch.Generator().manual_seed(seed)).to(dev)
+    result = measure_latency(models, inputs, warmup=warmup, iters=iters, rounds=rounds, progress=progress)
+    result.update(model=model, dtype=dtype, compiled=compile)
+    return result

@@ -28,20 +28,12 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import json
 
-    import torch
+    from ..bench import bench_variants, format_latency
 
-    from ..bench import format_latency, matched_models, measure_latency, resolve_device
-    from ..models import build_model
-
-    device = resolve_device(args.device)
     specs = [s for s in (t.strip() for t in args.attn.split(",")) if s]
-    models = matched_models(args.model, specs, num_classes=args.num_classes, seed=args.seed, device=device,
-                            dtype=args.dtype, compile=args.compile)
-    probe = build_model(args.model, num_classes=args.num_classes, attn=None)
-    size = probe.patch_embed.img_size if hasattr(probe, "patch_embed") else (224, 224)
-    chans = probe.patch_embed.proj.in_channels if hasattr(probe, "patch_embed") else 3
-    inputs = torch.randn(args.batch_size, chans, *size, generator=torch.Generator().manual_seed(args.seed)).to(device)
-    result = measure_latency(models, inputs, warmup=args.warmup, iters=args.iters, rounds=args.rounds)
+    result = bench_variants(args.model, specs, batch_size=args.batch_size, warmup=args.warmup, iters=args.iters,
+                            rounds=args.rounds, device=args.device, dtype=args.dtype, compile=args.compile,
+                            seed=args.seed, num_classes=args.num_classes)
     print(format_latency(result))
     if args.json:
         with open(args.json, "w") as f:

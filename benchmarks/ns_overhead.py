@@ -1,0 +1,59 @@
+"""NS-Attn forward overhead over standard attention, measured in one run (ratios hold; absolute times do not).
+
+Every configuration loads identical parameters; the protocol is the NS-Attn paper's (Section 3.5): rounds of
+warm-up and timed forwards with the order alternating between rounds. Rows:
+  ns                 the fast D x D formulation (attnlab's default)
+  ns(impl=reference) Algorithm 1 written literally, batched over samples and heads
+
+CPU (issue targets, 2 cores, batch 64, fp32 eager): ns/standard <= 1.10 for vit_cifar, <= 1.15 for swin_cifar.
+GPU (batch 128, fp32 and bf16, eager and compiled): <= 1.05 for both.
+
+    python benchmarks/ns_overhead.py                       # CPU defaults
+    python benchmarks/ns_overhead.py --device cuda --batch-size 128 --dtypes fp32,bf16 --compile both
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+
+import torch
+
+from attnlab.bench import bench_variants
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="vit_cifar,swin_cifar")
+    p.add_argument("--attn", default="standard,ns,ns(impl=reference)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtypes", default="fp32", help="comma-separated: fp32, bf16")
+    p.add_argument("--compile", default="no", choices=["no", "yes", "both"])
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+
+    print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"threads {torch.get_num_threads()}, device {args.device}, batch {args.batch_size}")
+    compiles = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
+    specs = args.attn.split(",")
+    print("| model | dtype | mode | " + " | ".join(f"{s} ms" for s in specs) + " | " +
+          " | ".join(f"{s} / {specs[0]}" for s in specs[1:]) + " |")
+    print("|---" * (3 + 2 * len(specs) - 1) + "|")
+    for model in args.models.split(","):
+        for dtype in args.dtypes.split(","):
+            for compiled in compiles:
+                r = bench_variants(model, specs, batch_size=args.batch_size, warmup=args.warmup, iters=args.iters,
+                                   rounds=args.rounds, device=args.device, dtype=dtype, compile=compiled,
+                                   progress=False)
+                ms = [r["models"][name]["mean_ms"] for name in r["models"]]
+                ratios = [m / ms[0] for m in ms[1:]]
+                print(f"| {model} | {dtype} | {'compiled' if compiled else 'eager'} | "
+                      + " | ".join(f"{m:.2f}" for m in ms) + " | " + " | ".join(f"{x:.3f}" for x in ratios) + " |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
