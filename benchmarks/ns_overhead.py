@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 
 import torch
 
@@ -33,7 +34,16 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--config", default=None, help="YAML with the same keys (e.g. configs/ns_attn_latency.yaml); "
+                   "flags given explicitly on the command line still win")
     args = p.parse_args()
+    if args.config:
+        import yaml
+
+        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in sys.argv[1:] if a.startswith("--")}
+        for key, value in (yaml.safe_load(open(args.config)) or {}).items():
+            if key not in given and hasattr(args, key):
+                setattr(args, key, ",".join(map(str, value)) if isinstance(value, list) else value)
 
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"threads {torch.get_num_threads()}, device {args.device}, batch {args.batch_size}")
