@@ -1,0 +1,150 @@
+"""Differential attention (Ye et al., 2024, "Differential Transformer"), as timm's ``DiffAttention`` computes it.
+
+Each head h (value width D) splits its query and key into two halves of width d = D / 2 (timm's split: features
+``[h*D, h*D + d)`` are q1, ``[h*D + d, (h+1)*D)`` are q2, likewise for k) and shares one value v_h of width D:
+
+    A1 = softmax(q1 k1^T / sqrt(d) + bias),   A2 = softmax(q2 k2^T / sqrt(d) + bias)
+    lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init
+    lambda_init = 0.8 - 0.6 * exp(-0.3 * depth)          (depth: 0-based index of the attention layer)
+    o_h = (1 - lambda_init) * RMSNorm_D((A1 - lambda * A2) v_h)
+
+``bias`` is Swin's relative-position bias plus the shifted-window mask (0 / -100) or a ViT ``attn_mask``; it enters
+both branches' logits before their softmax (timm's ``DiffAttention`` is ViT-only, so the Swin form is attnlab's).
+The module keeps the standard module's ``qkv`` and ``proj`` (same shapes: q, k, v each ``H * D`` wide) and adds
+timm's parameters under timm's names (``lambda_q1``, ``lambda_k1``, ``lambda_q2``, ``lambda_k2`` or, with
+``dual_lambda``, ``lambda_a``, ``lambda_b``; ``sub_norm.weight``), so a timm ``DiffAttention`` state dict loads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from timm.layers import RmsNorm
+
+from ..errors import UnsupportedModelError
+from .base import AttnlabAttention
+
+
+class DiffAttention(AttnlabAttention):
+    """Differential attention; arguments as :class:`AttnlabAttention` plus:
+
+    Args:
+        dual_lambda: timm's simplified lambda, ``exp(lambda_a) - exp(lambda_b) + lambda_init`` (2 scalars, zero
+            init), instead of the paper's four vectors of width d (normal init, std 0.1).
+
+    ``head_dim`` is the value width D per head; queries and keys use d = D / 2 (``qk_head_dim``), and the logit scale
+    is ``d ** -0.5`` as in timm. ``layer_index`` is timm's ``depth``.
+    """
+
+    def __init__(self, dim: int, num_heads: int = 8, *, dual_lambda: bool = False, qk_norm: bool = False,
+                 norm_layer: type[nn.Module] | None = None, **kwargs) -> None:
+        super().__init__(dim, num_heads, qk_norm=qk_norm, norm_layer=norm_layer, **kwargs)
+        if self.head_dim % 2:
+            raise UnsupportedModelError(
+                f"diff splits each head's query and key in two halves, so it needs an even head dimension; this "
+                f"module has head_dim={self.head_dim}.")
+        self.qk_head_dim = self.head_dim // 2
+        self.scale = self.qk_head_dim ** -0.5
+        if qk_norm:  # timm's DiffAttention normalises each half (default RmsNorm)
+            norm_layer = norm_layer or RmsNorm
+            self.q_norm = norm_layer(self.qk_head_dim)
+            self.k_norm = norm_layer(self.qk_head_dim)
+
+        self.dual_lambda = dual_lambda
+        if dual_lambda:
+            self.lambda_a = nn.Parameter(torch.zeros(()))
+            self.lambda_b = nn.Parameter(torch.zeros(()))
+            self.lambda_q1 = self.lambda_k1 = self.lambda_q2 = self.lambda_k2 = None
+        else:
+            self.lambda_a = self.lambda_b = None
+            self.lambda_q1 = nn.Parameter(torch.empty(self.qk_head_dim).normal_(0, 0.1))
+            self.lambda_k1 = nn.Parameter(torch.empty(self.qk_head_dim).normal_(0, 0.1))
+            self.lambda_q2 = nn.Parameter(torch.empty(self.qk_head_dim).normal_(0, 0.1))
+            self.lambda_k2 = nn.Parameter(torch.empty(self.qk_head_dim).normal_(0, 0.1))
+        self.sub_norm = RmsNorm(self.head_dim, eps=1e-5)
+        self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * self.layer_index)
+
+    # ---- construction ----------------------------------------------------------------------------------------------
+    _OWN = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "lambda_a", "lambda_b")
+
+    def adopt(self, module: nn.Module) -> None:
+        """Take the shared submodules; from a timm or attnlab ``DiffAttention`` also its lambdas and sub-norm."""
+        super().adopt(module)
+        is_diff = all(hasattr(module, n) for n in self._OWN) and hasattr(module, "sub_norm")
+        if is_diff and (getattr(module, "lambda_a", None) is not None) == self.dual_lambda:
+            for name in self._OWN:
+                setattr(self, name, getattr(module, name))
+            self.sub_norm = module.sub_norm
+        # parameters created here follow the adopted weights' device and dtype
+        ref = module.qkv.weight
+        for name in self._OWN:
+            p = getattr(self, name)
+            if p is not None and (p.device != ref.device or p.dtype != ref.dtype):
+                setattr(self, name, nn.Parameter(p.detach().to(ref.device, ref.dtype)))
+        self.sub_norm.to(ref.device, ref.dtype)
+
+    # ---- the mechanism ---------------------------------------------------------------------------------------------
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of shape (B, H, N, D); q and k normalised per half (width d) when qk_norm is on.
+
+        A norm sized to the full head width D (e.g. adopted from a standard module with qk_norm) normalises the
+        whole head before the split.
+        """
+        B, N, _ = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        return self._norm_halves(self.q_norm, q), self._norm_halves(self.k_norm, k), v
+
+    def _norm_halves(self, norm: nn.Module, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(norm, nn.Identity):
+            return t
+        if tuple(getattr(norm, "normalized_shape", (self.qk_head_dim,)))[-1] == self.head_dim:
+            return norm(t)
+        return norm(t.unflatten(-1, (2, self.qk_head_dim))).flatten(-2)
+
+    def lambda_full(self) -> torch.Tensor:
+        """lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init (a 0-d tensor)."""
+        if self.dual_lambda:
+            a, b = self.lambda_a, self.lambda_b
+        else:
+            a, b = (self.lambda_q1 * self.lambda_k1).sum(-1), (self.lambda_q2 * self.lambda_k2).sum(-1)
+        dtype = torch.promote_types(a.dtype, torch.float32)  # timm computes lambda in (at least) fp32
+        return torch.exp(a.to(dtype)) - torch.exp(b.to(dtype)) + self.lambda_init
+
+    def branches(self, q, k, v, mask=None, attn_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two softmax branches ``A1 v`` and ``A2 v``, each (B, H, N, D), sharing v (dropout as in forward)."""
+        d = self.qk_head_dim
+        q1, q2 = q[..., :d], q[..., d:]
+        k1, k2 = k[..., :d], k[..., d:]
+        if self.fused_attn:
+            bias = self.attn_bias(q.shape[0], q.shape[2], mask, attn_mask)
+            p = self.attn_drop.p if self.training else 0.0
+            return (F.scaled_dot_product_attention(q1, k1, v, attn_mask=bias, dropout_p=p),
+                    F.scaled_dot_product_attention(q2, k2, v, attn_mask=bias, dropout_p=p))
+        a1 = self.add_bias((q1 * self.scale) @ k1.transpose(-2, -1), mask, attn_mask).softmax(dim=-1)
+        a2 = self.add_bias((q2 * self.scale) @ k2.transpose(-2, -1), mask, attn_mask).softmax(dim=-1)
+        return self.attn_drop(a1) @ v, self.attn_drop(a2) @ v
+
+    def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:
+        o_pos, o_neg = self.branches(q, k, v, mask, attn_mask)
+        o = o_pos - self.lambda_full().to(o_pos.dtype) * o_neg
+        return self.sub_norm(o) * (1 - self.lambda_init)
+
+    def branch_outputs(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                       attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head outputs of the two branches, ``(A1 v, A2 v)``, each (B, H, N, D), for x: (B, N, dim).
+
+        These are the paper's "A1 V and A2 V" (before lambda, sub-norm and head merge): the module's head output
+        before sub-norm is ``o_pos - lambda * o_neg``. Used by the DnA intruder / similarity instruments.
+        """
+        q, k, v = self.project(x)
+        return self.branches(q, k, v, mask, attn_mask)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, lambda_init={self.lambda_init:.4f}, dual_lambda={self.dual_lambda}"
+
+
+__all__ = ["DiffAttention"]
