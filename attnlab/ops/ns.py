@@ -1,0 +1,154 @@
+"""Newton–Schulz transformation of attention head outputs (NS-Attn, ``papers/ns_attention.txt``, Sec. 2).
+
+For one head, the output X (N tokens x D features) is read as the feature-by-token matrix M = X^T (eq. 1) and
+
+    r = ||M||_F,  Z = M / max(r, eps)                      (eq. 2)
+    K times:  A = Z Z^T,  Z <- a Z + (b A + c A^2) Z         (eq. 3, Algorithm 1 lines 10-13)
+    T(M) = r Z / max(||Z||_F, eps)                           (eq. 4)
+
+and T(M)^T is returned in the input's layout (eq. 5). One step maps every singular value t of the normalised
+matrix to p(t) = a t + b t^3 + c t^5 and keeps the singular vectors.
+
+Two implementations sit side by side:
+
+- ``impl="reference"``: Algorithm 1 literally, batched over the leading dims, in M (D x N) layout.
+- ``impl="fast"`` (what ``"auto"`` picks): the same function with all K steps done in a small Gram space.
+  In X layout (N x D), with s = max(r, eps), G = X^T X and A = G / s^2 (= Z Z^T of Algorithm 1), a step is
+  Z <- Z P with P = a I + b A + c A^2. P is a polynomial in A, so it commutes with A and the next Gram is
+  P A P = A P^2; the K steps therefore accumulate into one D x D polynomial P_K in A, ||Z_K||_F^2 = tr(A P_K^2),
+  and the output is X @ (P_K * r / (s * max(||Z_K||_F, eps))): one Gram matmul, a few D x D products, one
+  N x D x D matmul, no branching on tensor values (``torch.compile(fullgraph=True)`` sees one graph). When
+  N < D (Swin: 16 tokens, 32 features) it runs in N x N token space instead, since X f(X^T X) = f(X X^T) X for
+  any polynomial f. Rounding: for K = 1 both paths are equally accurate; for K >= 3 on ill-conditioned float32
+  inputs the fast path is less accurate (P_K multiplies the unflattened X), up to ~1e-4 vs ~1e-6.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from attnlab.errors import ConfigError
+
+__all__ = ["NS_COEFFS", "NS_EPS", "ns_transform"]
+
+# Muon's quintic (a, b, c) and the paper's clamp (eq. 2-4).
+NS_COEFFS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+NS_EPS: float = 1e-6
+
+_IMPLS = ("auto", "fast", "reference")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def ns_transform(
+    x: torch.Tensor,
+    steps: int = 1,
+    eps: float = NS_EPS,
+    coeffs: tuple[float, float, float] = NS_COEFFS,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """NS-Attn's transformation T of every head output (Algorithm 1 with K = ``steps``).
+
+    Each trailing (N, D) matrix X of ``x`` is transformed as M = X^T (D x N):
+    r = ||M||_F, Z = M / max(r, eps); ``steps`` times A = Z Z^T, Z <- a Z + (b A + c A^2) Z;
+    result (r Z / max(||Z||_F, eps))^T. Matrices are independent (no mixing across heads or samples).
+
+    Args:
+        x: head outputs, shape (..., N, D), e.g. (B, H, N, D_h); any floating dtype.
+        steps: number of polynomial iterations K >= 1 (paper: 1 main, 2 in the ablation).
+        eps: clamp of both Frobenius-norm divisions (eq. 2 and 4); the paper's 1e-6.
+        coeffs: (a, b, c) of the polynomial step (eq. 3); Muon's quintic by default.
+        impl: ``"fast"`` (D x D formulation), ``"reference"`` (Algorithm 1 literally) or ``"auto"`` (= fast).
+
+    Returns:
+        Tensor of ``x``'s shape and dtype. bf16 / fp16 inputs are computed in float32 (autocast is
+        switched off inside so the polynomial never runs in half precision) and cast back; float64 stays
+        float64. When neither clamp triggers, each output matrix has its input's Frobenius norm; a zero
+        matrix maps to zeros (and zero gradient), never NaN.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"ns_transform steps must be an integer >= 1 (the paper uses 1 or 2), got {steps!r}.")
+    if not eps > 0:
+        raise ConfigError(f"ns_transform eps must be a positive number (the paper uses 1e-6), got {eps!r}.")
+    if len(coeffs) != 3:
+        raise ConfigError(f"ns_transform coeffs must be three numbers (a, b, c), got {coeffs!r}.")
+    if impl not in _IMPLS:
+        raise ConfigError(f"ns_transform impl must be one of {', '.join(_IMPLS)}, got {impl!r}.")
+    if x.ndim < 2 or not x.is_floating_point():
+        raise ConfigError(
+            f"ns_transform expects a floating tensor of shape (..., N, D), got {tuple(x.shape)} {x.dtype}."
+        )
+
+    fn = _ns_reference if impl == "reference" else _ns_fast
+    work = x.float() if x.dtype in _HALF else x
+    # Switch autocast off so matmuls stay in float32 (meta tensors have no autocast to switch off).
+    device = x.device.type
+    no_autocast = torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext()
+    with no_autocast:
+        y = fn(work, steps, float(eps), tuple(float(v) for v in coeffs))
+    return y.to(x.dtype)
+
+
+def _ns_reference(x: torch.Tensor, steps: int, eps: float, coeffs: tuple[float, float, float]) -> torch.Tensor:
+    """Algorithm 1, batched: every line acts on all (..., D, N) feature-view matrices at once."""
+    a, b, c = coeffs
+    m = x.mT  # line 7: M = X^T, (..., D, N)
+    r = torch.linalg.matrix_norm(m, keepdim=True)  # line 8
+    z = m / r.clamp_min(eps)  # line 9
+    for _ in range(steps):  # lines 10-13
+        gram = z @ z.mT
+        z = a * z + (b * gram + c * (gram @ gram)) @ z
+    m_hat = r * z / torch.linalg.matrix_norm(z, keepdim=True).clamp_min(eps)  # line 14
+    return m_hat.mT  # line 15
+
+
+class _Gram(torch.autograd.Function):
+    """G = X^T X (``features=True``) or X X^T, with the backward X (g + g^T) or (g + g^T) X as ONE matmul.
+
+    Autograd would differentiate the two operands separately (two matmuls over X and a full-size add);
+    G's symmetry halves that. The backward is written in differentiable ops, so double backward still works.
+    """
+
+    @staticmethod
+    def forward(x: torch.Tensor, features: bool) -> torch.Tensor:
+        return x.mT @ x if features else x @ x.mT
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(inputs[0])
+        ctx.features = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        sym = grad + grad.mT
+        return (x @ sym if ctx.features else sym @ x), None
+
+
+def _ns_fast(x: torch.Tensor, steps: int, eps: float, coeffs: tuple[float, float, float]) -> torch.Tensor:
+    """The same map in the smaller Gram space, see the module docstring."""
+    a, b, c = coeffs
+    # Work in the smaller of the two Gram spaces (a shape test, not a value test, so it compiles to one graph):
+    # Z f(Z^T Z) = f(Z Z^T) Z for any polynomial f, so tokens x tokens works as well as features x features.
+    features = x.shape[-1] <= x.shape[-2]
+    gram = _Gram.apply(x, features)  # (..., n, n), n = min(N, D)
+    # r^2 = tr(G): the same sum of squares as ||X||_F^2 (non-negative terms, no cancellation) without another
+    # pass over X. The double where keeps d sqrt(r^2) finite at a zero matrix (0 * inf would give NaN).
+    r_sq = gram.diagonal(dim1=-2, dim2=-1).sum(dim=-1)[..., None, None]
+    r = torch.where(r_sq > 0, r_sq.clamp_min(torch.finfo(x.dtype).tiny).sqrt(), 0.0)
+    s = r.clamp_min(eps)
+    gram0 = gram = gram / (s * s)  # A: the Gram of Z = X / s (eq. 2)
+    eye = torch.eye(gram.shape[-1], dtype=x.dtype, device=x.device)
+    p_total = p_sq = None
+    for k in range(steps):
+        p = a * eye + b * gram + c * (gram @ gram)  # eq. 3
+        p_total = p if p_total is None else p @ p_total
+        p_sq = p_total @ p_total
+        if k + 1 < steps:
+            gram = gram0 @ p_sq  # Gram after k + 1 steps: P A P = A P^2
+    # ||Z_K||_F^2 = tr(A P_K^2) = sum(A * P_K^2) (both symmetric); sqrt(clamp_min(., eps^2)) is
+    # max(||Z_K||_F, eps) (eq. 4) with a finite gradient at 0.
+    z_norm = (gram0 * p_sq).sum(dim=(-2, -1), keepdim=True).clamp_min(eps * eps).sqrt()
+    p_total = p_total * (r / (s * z_norm))  # fold eq. 4's scalar into the small matrix, not the output
+    return x @ p_total if features else p_total @ x

@@ -1,0 +1,67 @@
+"""Slow, independent float64 references for the tests, organised by method.
+
+Nothing here imports attnlab: each reference is written from the paper's definitions with numpy, by a route
+different from the library's (SVDs and eigendecompositions instead of matrix polynomials, loops instead of
+batching), so an agreement means something. Add new methods as new sections.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# ----------------------------------------------------------------------------------------------------------
+# NS-Attn (papers/ns_attention.txt, Sec. 2 and 3.4)
+# ----------------------------------------------------------------------------------------------------------
+
+NS_ABC = (3.4445, -4.7750, 2.0315)  # eq. 3, copied from the paper, not from attnlab
+
+
+def ns_poly(t: np.ndarray, abc=NS_ABC) -> np.ndarray:
+    """p(t) = a t + b t^3 + c t^5: what one step (eq. 3) does to each singular value t of Z."""
+    a, b, c = abc
+    return a * t + b * t**3 + c * t**5
+
+
+def ns_svd_reference(x, steps: int = 1, eps: float = 1e-6, abc=NS_ABC) -> np.ndarray:
+    """NS-Attn's T (eq. 2-5) through the SVD, one matrix at a time, in float64.
+
+    x: array-like (..., N, D) of head outputs. Each M = X^T = U diag(sigma) V^T; Z = M / max(r, eps) has
+    singular values t = sigma / max(r, eps); each step (Z <- (aI + bA + cA^2) Z with A = Z Z^T) maps t to p(t)
+    with the same U and V; T(M) = r U diag(t_K) V^T / max(||t_K||_2, eps). Returns T(M)^T with x's shape.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    out = np.empty_like(x)
+    for idx in np.ndindex(*x.shape[:-2]):
+        m = x[idx].T  # (D, N), eq. 1
+        u, sigma, vt = np.linalg.svd(m, full_matrices=False)
+        r = math.sqrt(float(np.sum(sigma**2)))  # ||M||_F
+        t = sigma / max(r, eps)
+        for _ in range(steps):
+            t = ns_poly(t, abc)
+        y_norm = math.sqrt(float(np.sum(t**2)))  # ||Z_K||_F
+        m_hat = r * (u * t) @ vt / max(y_norm, eps)
+        out[idx] = m_hat.T
+    return out
+
+
+def gram_spectrum_reference(m) -> np.ndarray:
+    """Eigenvalues of G = M M^T (eq. 6) for each matrix of m (..., rows, cols), by eigh of the explicit Gram,
+    sorted descending and divided by their sum (eq. 7), in float64. Negative rounding noise is set to 0."""
+    m = np.asarray(m, dtype=np.float64)
+    out = np.empty(m.shape[:-1], dtype=np.float64)
+    for idx in np.ndindex(*m.shape[:-2]):
+        g = m[idx] @ m[idx].T
+        lam = np.clip(np.linalg.eigh(g)[0][::-1], 0.0, None)
+        out[idx] = lam / lam.sum()
+    return out
+
+
+def effective_rank_reference(p) -> float:
+    """exp(-sum p_i ln p_i) over the non-zero p_i of one spectrum (eq. 8), as a plain Python loop."""
+    h = 0.0
+    for v in np.asarray(p, dtype=np.float64).ravel():
+        if v > 0:
+            h -= v * math.log(v)
+    return math.exp(h)
