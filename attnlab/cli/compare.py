@@ -1,0 +1,66 @@
+"""`attnlab compare`: train a grid of models x datasets x seeds x attention variants, then print the report."""
+
+from __future__ import annotations
+
+import argparse
+
+from attnlab.cli.train import add_config_flags
+
+_GRID_FLAGS = ("attn", "seeds", "datasets", "models")
+# TrainConfig keys also offered as flags here (the grid's own axes are model, dataset, attn, seed)
+_BASE_FLAGS = ("recipe", "epochs", "batch_size", "lr", "weight_decay", "warmup_epochs", "device", "amp", "compile",
+               "data_dir", "download", "num_workers", "progress")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from attnlab.train.config import GRID_PRESETS
+
+    parser.description = (
+        "Train every combination of models, datasets, seeds and attention variants one after another\n"
+        "(finished runs are skipped, interrupted ones resumed), then write and print the report of the\n"
+        "runs directory.")
+    parser.epilog = ("examples:\n"
+                     "  attnlab compare --preset demo              # digits, every demo variant, seeds 0,1,2\n"
+                     "  attnlab compare --config configs/grid.yaml\n"
+                     "  attnlab compare --models vit_cifar --datasets cifar10 --attn standard,ns --seeds 0,1,3")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--preset", choices=sorted(GRID_PRESETS),
+                        help="named grid: demo (seconds per run on a CPU) or ns_table1 (the NS-Attn paper's Table 1); "
+                             "the default when neither --config nor grid flags are given is demo")
+    parser.add_argument("--config", metavar="YAML",
+                        help="grid file: variants, seeds, datasets, models, runs_dir lists and 'base:' training keys")
+    parser.add_argument("--attn", metavar="SPECS",
+                        help="comma-separated attention specs, e.g. 'standard,ns,dna(variant=q)' (default: every "
+                             "registered variant marked for the demo)")
+    parser.add_argument("--seeds", metavar="LIST", help="comma-separated seeds, e.g. 0,1,3")
+    parser.add_argument("--datasets", metavar="LIST", help="comma-separated dataset names (default: the recipe's)")
+    parser.add_argument("--models", metavar="LIST", help="comma-separated model names (default: the recipe's)")
+    parser.add_argument("--runs-dir", dest="runs_dir", metavar="DIR",
+                        help="where the run directories and the report go (default: the preset's or grid file's, else runs)")
+    parser.add_argument("--no-report", dest="report", action="store_false",
+                        help="train only; do not write or print the report")
+    group = parser.add_argument_group("training config applied to every run (overrides the recipe and --config)")
+    add_config_flags(group, only=_BASE_FLAGS)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnlab.train import load_grid, run_grid
+
+    base = {k: getattr(args, k) for k in _BASE_FLAGS if hasattr(args, k)}
+    preset = args.preset
+    if preset is None and args.config is None and not any(getattr(args, k) for k in _GRID_FLAGS):
+        preset = "demo"
+    grid = load_grid(args.config, preset, variants=args.attn, seeds=args.seeds, datasets=args.datasets,
+                     models=args.models, runs_dir=args.runs_dir, **base)
+    progress = grid["base"].progress
+    results = run_grid(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
+                       grid["runs_dir"], progress=progress)
+    if not args.report:
+        for r in results:
+            print(f"{r['name']}: top-1 {r['top1']:.2f}%")
+        return 0
+    from attnlab.report import write_report
+
+    report = write_report(grid["runs_dir"])
+    print(report["markdown"])
+    return 0

@@ -1,0 +1,94 @@
+"""`attnlab train`: one training run from a recipe, a YAML config and flags (flags win)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+from attnlab.errors import ConfigError
+
+# TrainConfig keys that `attnlab train` does not expose as --flags (resume has its own flag below)
+_HIDDEN = {"resume"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, only: typing.Iterable[str] | None = None,
+                     ) -> None:
+    """One --flag per TrainConfig field (help from the field's metadata); unset flags leave the config alone."""
+    from attnlab.train.config import RECIPES, TrainConfig
+
+    hints = typing.get_type_hints(TrainConfig)
+    defaults = RECIPES["ns_cifar"]
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in _HIDDEN or (only is not None and f.name not in only):
+            continue
+        help_text = f.metadata.get("help", "")
+        default = getattr(defaults, f.name)
+        if hints[f.name] is bool:
+            parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=f"{help_text} (ns_cifar: {default})")
+            continue
+        typ = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
+        metavar = {dict: "YAML", str: "TEXT", int: "N", float: "X"}.get(typ, "X")
+        if f.name == "recipe":
+            help_text += f" ({', '.join(RECIPES)})"
+        if typ is dict:
+            help_text += " as a YAML mapping, e.g. '{depth: 2}'"
+        if default not in (None, {}):
+            help_text += f" (ns_cifar: {default})"
+        parser.add_argument(_flag(f.name), dest=f.name, metavar=metavar, default=argparse.SUPPRESS, help=help_text)
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainConfig keys given on the command line (values still as text; make_config converts them)."""
+    from attnlab.train.config import config_keys
+
+    return {k: getattr(args, k) for k in config_keys() if k not in _HIDDEN and hasattr(args, k)}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Train one model with the NS-Attn paper's CIFAR recipe (or another named recipe) into\n"
+        "<runs-dir>/<model>-<dataset>-<attn>-s<seed>/: config.yaml, metrics.jsonl, checkpoint.safetensors,\n"
+        "trainer_state.pt and, when finished, result.json. Precedence: recipe < --config file < flags.")
+    parser.epilog = ("examples:\n"
+                     "  attnlab train --model vit_cifar --dataset cifar100 --attn ns --seed 0 --download\n"
+                     "  attnlab train --recipe demo --attn ns\n"
+                     "  attnlab train --config configs/x.yaml --epochs 10\n"
+                     "  attnlab train --resume runs/vit_cifar-cifar100-ns-s0")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--config", metavar="YAML", help="YAML file of training config keys (see the flags below)")
+    parser.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
+                        help="continue from the last completed epoch: of RUN_DIR (its config.yaml is used) or of the "
+                             "run the other options name; starts afresh if there is no checkpoint yet")
+    group = parser.add_argument_group("training config (each overrides the recipe and --config)")
+    add_config_flags(group)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnlab.train import load_config, train
+
+    overrides = config_overrides(args)
+    config_path = args.config
+    if isinstance(args.resume, str):
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").exists():
+            raise ConfigError(f"--resume {run_dir}: no config.yaml there; give a run directory made by attnlab train.")
+        if config_path is not None:
+            raise ConfigError("--resume RUN_DIR reads the run's own config.yaml; drop --config or give --resume alone.")
+        config_path = run_dir / "config.yaml"
+        overrides.setdefault("runs_dir", str(run_dir.parent))
+        overrides.setdefault("name", run_dir.name)
+    cfg = load_config(config_path, **overrides)
+    cfg = dataclasses.replace(cfg, resume=bool(args.resume))
+    result = train(cfg)  # NonFiniteLossError -> attnlab.cli.main: one stderr line, exit code 3
+    print(f"{result['name']}: top-1 {result['top1']:.2f}%  top-5 {result['top5']:.2f}%  test loss "
+          f"{result['test_loss']:.4f}  ({result['params'] / 1e6:.2f}M params, {result['seconds']:.1f} s) -> "
+          f"{Path(cfg.runs_dir) / result['name']}")
+    return 0

@@ -1,0 +1,307 @@
+"""The training loop: one run of a TrainConfig into ``runs/<name>/``.
+
+Reads top to bottom in the order a run meets it: device and precision, run directory, model and data,
+optimizer and schedule, (resume), then per epoch: train, evaluate, log, checkpoint; finally ``result.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import yaml
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler
+from tqdm.auto import tqdm
+
+from attnlab.errors import ConfigError, NonFiniteLossError
+
+from .checkpoint import (
+    atomic_write_json,
+    atomic_write_text,
+    get_rng_state,
+    has_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    seed_everything,
+    set_rng_state,
+)
+from .config import RUNTIME_KEYS, TrainConfig, config_to_dict, run_name, uses_mixing, validate
+from .optim import build_optimizer, build_scheduler
+
+CONFIG, METRICS, RESULT = "config.yaml", "metrics.jsonl", "result.json"
+
+
+# ----------------------------------------------------------------------------------------------- small pieces
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"device {device!r} is not a torch device; use auto, cpu, cuda or cuda:N.") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} was asked for but CUDA is not available; use --device cpu or auto.")
+    return dev
+
+
+def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on CUDA by default (no loss scaling needed, unlike fp16); fp32 on CPU, where bf16 is slow."""
+    if amp == "none" or (amp == "auto" and device.type != "cuda"):
+        return None
+    return torch.bfloat16
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """Seed of epoch ``epoch``'s data order and worker RNGs: a hash of (seed, epoch), so epochs never share a stream.
+
+    Deriving it rather than carrying a generator forward makes an epoch's data a function of (seed, epoch) alone,
+    which is what resuming at an epoch boundary needs.
+    """
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
+
+
+def run_dir_of(cfg: TrainConfig) -> Path:
+    """``<runs_dir>/<run_name>``, with the attention spec in its canonical form."""
+    from attnlab import parse_spec
+
+    return Path(cfg.runs_dir) / run_name(cfg, str(parse_spec(cfg.attn)))
+
+
+def _resolved_config(cfg: TrainConfig, spec: str, name: str) -> dict[str, Any]:
+    """What config.yaml holds: every field, with the canonical spec and the run's name, ``resume`` off."""
+    return config_to_dict(dataclasses.replace(cfg, attn=spec, name=name, resume=False))
+
+
+def _check_same_run(run_dir: Path, ours: dict[str, Any]) -> None:
+    saved = yaml.safe_load((run_dir / CONFIG).read_text()) or {}
+    differ = sorted(k for k in ours if k not in RUNTIME_KEYS and saved.get(k) != ours[k])
+    if differ:
+        raise ConfigError(f"cannot resume {run_dir}: its config.yaml differs in {', '.join(differ)}; resume with the "
+                          f"same settings or pass another --name.")
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------------------------- one epoch
+def train_one_epoch(model, loader, optimizer, scheduler, criterion, mixup_fn, *, device, amp_dtype, epoch: int,
+                    epochs: int, num_updates: int, clip_grad: float | None, log_every: int, progress: bool):
+    """One pass over ``loader``. Returns (stats, num_updates). Raises NonFiniteLossError at a NaN/inf loss."""
+    model.train()
+    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
+    loss_sum, correct, seen = 0.0, 0, 0
+    start = time.perf_counter()
+    bar = tqdm(loader, desc=f"epoch {epoch}/{epochs}", disable=not progress, leave=False, dynamic_ncols=True)
+    for step, (images, labels) in enumerate(bar, start=1):
+        images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        targets = labels
+        if mixup_fn is not None:
+            images, targets = mixup_fn(images, labels)  # soft targets; label smoothing folded in
+        with autocast:
+            logits = model(images)
+        loss = criterion(logits.float(), targets)
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
+            raise NonFiniteLossError(
+                f"training loss became {loss_value} at epoch {epoch} step {step}; training stopped and the last "
+                f"good checkpoint (epoch {epoch - 1}) was kept, so lower the learning rate or enable clip_grad.")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip_grad:
+            nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+        optimizer.step()
+        num_updates += 1
+        scheduler.step_update(num_updates)
+
+        n = labels.shape[0]
+        loss_sum += loss_value * n
+        correct += int((logits.argmax(-1) == labels).sum())  # against the unmixed label
+        seen += n
+        if progress and (step % log_every == 0 or step == len(loader)):
+            bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{100 * correct / seen:.2f}",
+                            img_s=f"{seen / (time.perf_counter() - start):.0f}",
+                            lr=f"{optimizer.param_groups[0]['lr']:.2e}", refresh=False)
+    bar.close()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    stats = {"train_loss": loss_sum / max(seen, 1), "train_acc": 100.0 * correct / max(seen, 1),
+             "train_seconds": seconds, "img_per_s": seen / seconds if seconds > 0 else 0.0}
+    return stats, num_updates
+
+
+@torch.no_grad()
+def evaluate(model, loader, *, device, amp_dtype, num_classes: int) -> dict[str, float]:
+    """Test loss (plain cross-entropy, no smoothing) and top-1 / top-5 accuracy in percent."""
+    model.eval()
+    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
+    k = min(5, num_classes)
+    loss_sum, top1, topk, seen = 0.0, 0, 0, 0
+    for images, labels in loader:
+        images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        with autocast:
+            logits = model(images)
+        logits = logits.float()
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
+        hits = logits.topk(k, dim=-1).indices == labels[:, None]
+        top1 += int(hits[:, 0].sum())
+        topk += int(hits.any(dim=-1).sum())
+        seen += labels.shape[0]
+    seen = max(seen, 1)
+    return {"test_loss": loss_sum / seen, "top1": 100.0 * top1 / seen, "top5": 100.0 * topk / seen}
+
+
+# ----------------------------------------------------------------------------------------------- the run
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train ``cfg`` into ``<runs_dir>/<name>/`` and return the result dict (also written to result.json).
+
+    ``cfg.resume``: continue from the last completed epoch if the run directory holds a checkpoint (on CPU the
+    final weights equal an uninterrupted run's), return the stored result if it already finished, start afresh
+    otherwise. Without it an existing checkpoint is an error, so that no run is overwritten by accident.
+    Raises NonFiniteLossError (epoch and step in the message) at a NaN/inf loss, keeping the last checkpoint.
+    """
+    cfg = validate(cfg)
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _train(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg: TrainConfig) -> dict[str, Any]:
+    from attnlab import parse_spec
+    from attnlab.data import build_dataset, dataset_info
+    from attnlab.models import build_model
+    from attnlab.reparam import qkclip
+
+    spec = str(parse_spec(cfg.attn))
+    name = run_name(cfg, spec)
+    run_dir = Path(cfg.runs_dir) / name
+    device = resolve_device(cfg.device)
+    amp_dtype = resolve_amp(cfg.amp, device)
+    resolved = _resolved_config(cfg, spec, name)
+
+    resuming = has_checkpoint(run_dir)
+    if resuming and not cfg.resume:
+        raise ConfigError(f"run directory {run_dir} already holds a checkpoint; pass --resume to continue it or "
+                          f"--name to start another run.")
+    if cfg.resume and (run_dir / CONFIG).exists() and (resuming or (run_dir / RESULT).exists()):
+        _check_same_run(run_dir, resolved)
+        if (run_dir / RESULT).exists():
+            return json.loads((run_dir / RESULT).read_text())
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    # Model and data. Seeding first makes the initial weights a function of the seed.
+    seed_everything(cfg.seed)
+    info = dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options)
+    model_kwargs = dict(in_chans=info.in_chans, img_size=info.image_size)
+    if cfg.drop_path is not None:
+        model_kwargs["drop_path_rate"] = cfg.drop_path
+    model_kwargs.update(cfg.model_options)
+    model = build_model(cfg.model, num_classes=info.num_classes, attn=spec, **model_kwargs).to(device)
+    train_set = build_dataset(cfg.dataset, True, data_dir=cfg.data_dir, download=cfg.download, augment=cfg.augment,
+                              **cfg.data_options)
+    test_set = build_dataset(cfg.dataset, False, data_dir=cfg.data_dir, download=cfg.download, augment="none",
+                             **cfg.data_options)
+
+    # One generator drives the sampler and the workers' seeds (the DataLoader draws its base seed from it);
+    # it is re-seeded from (seed, epoch) at the start of every epoch. Workers are not persistent so that each
+    # epoch's workers are seeded anew from it; torch seeds random, numpy and torch in each worker.
+    data_gen = torch.Generator()
+    if cfg.repeated_aug > 1:
+        from timm.data.distributed_sampler import RepeatAugSampler
+
+        sampler = RepeatAugSampler(train_set, num_replicas=1, rank=0, shuffle=True, num_repeats=cfg.repeated_aug)
+    else:
+        sampler = RandomSampler(train_set, generator=data_gen)
+    pin = device.type == "cuda"
+    train_loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+                              num_workers=cfg.num_workers, pin_memory=pin, generator=data_gen)
+    test_loader = DataLoader(test_set, batch_size=2 * cfg.batch_size, shuffle=False, num_workers=cfg.num_workers,
+                             pin_memory=pin, generator=torch.Generator().manual_seed(0))
+    steps_per_epoch = len(train_loader)
+    if steps_per_epoch == 0:
+        raise ConfigError(f"batch_size {cfg.batch_size} is larger than the {len(sampler)} training images of an "
+                          f"epoch of {cfg.dataset}; use a smaller batch size.")
+
+    mixup_fn = None
+    if uses_mixing(cfg):
+        from timm.data import Mixup
+        from timm.loss import SoftTargetCrossEntropy
+
+        mixup_fn = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mixup_prob,
+                         switch_prob=cfg.mixup_switch_prob, mode="batch", label_smoothing=cfg.label_smoothing,
+                         num_classes=info.num_classes)
+        criterion = SoftTargetCrossEntropy()
+    else:
+        criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    qkclip.attach_optimizer_hooks(model, optimizer)  # QK-clip rescales W_q, W_k after each step (no-op otherwise)
+    scheduler = build_scheduler(optimizer, epochs=cfg.epochs, steps_per_epoch=steps_per_epoch,
+                                warmup_epochs=cfg.warmup_epochs, warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr)
+
+    start_epoch, num_updates, history = 0, 0, []
+    if resuming:
+        weights, state = load_checkpoint(run_dir, map_location="cpu")
+        model.load_state_dict(weights)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_epoch, num_updates, history = int(state["epoch"]), int(state["num_updates"]), list(state["history"])
+        set_rng_state(state["rng"])
+    # config.yaml, and metrics.jsonl rewritten from the checkpoint's history (dropping any epoch logged after it)
+    atomic_write_text(run_dir / CONFIG, yaml.safe_dump(resolved, sort_keys=False))
+    atomic_write_text(run_dir / METRICS, "".join(json.dumps(h) + "\n" for h in history))
+
+    forward = torch.compile(model) if cfg.compile else model
+    params = count_params(model)
+    if cfg.progress:
+        tqdm.write(f"{name}: {params / 1e6:.2f}M parameters, {device.type}"
+                   f"{' bf16' if amp_dtype else ' fp32'}, {steps_per_epoch} steps/epoch"
+                   + (f", resuming after epoch {start_epoch}" if start_epoch else ""))
+
+    for epoch in range(start_epoch + 1, cfg.epochs + 1):
+        epoch_start = time.perf_counter()
+        data_gen.manual_seed(epoch_seed(cfg.seed, epoch))
+        if cfg.repeated_aug > 1:
+            sampler.set_epoch(epoch_seed(cfg.seed, epoch))  # timm's sampler shuffles with seed = its "epoch"
+        stats, num_updates = train_one_epoch(
+            forward, train_loader, optimizer, scheduler, criterion, mixup_fn, device=device, amp_dtype=amp_dtype,
+            epoch=epoch, epochs=cfg.epochs, num_updates=num_updates, clip_grad=cfg.clip_grad,
+            log_every=cfg.log_every, progress=cfg.progress)
+        test = evaluate(forward, test_loader, device=device, amp_dtype=amp_dtype, num_classes=info.num_classes)
+        record = {"epoch": epoch, "train_loss": stats["train_loss"], "train_acc": stats["train_acc"], **test,
+                  "lr": optimizer.param_groups[0]["lr"], "epoch_seconds": time.perf_counter() - epoch_start,
+                  "img_per_s": stats["img_per_s"], **qkclip.clip_stats(model)}
+        history.append(record)
+        if cfg.progress:
+            tqdm.write(f"epoch {epoch}/{cfg.epochs}  train_loss {record['train_loss']:.4f}  test_loss "
+                       f"{record['test_loss']:.4f}  top1 {record['top1']:.2f}  top5 {record['top5']:.2f}  "
+                       f"{record['img_per_s']:.0f} img/s")
+        atomic_write_text(run_dir / METRICS, "".join(json.dumps(h) + "\n" for h in history))
+        save_checkpoint(run_dir, model, {
+            "epoch": epoch, "num_updates": num_updates, "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "sampler": {"seed": cfg.seed, "next_epoch": epoch + 1},
+            "rng": get_rng_state(), "history": history,
+        })
+
+    last = history[-1]
+    result = {"name": name, "model": cfg.model, "dataset": cfg.dataset, "attn": spec, "seed": cfg.seed,
+              "epochs": cfg.epochs, "top1": last["top1"], "top5": last["top5"], "test_loss": last["test_loss"],
+              "params": params, "seconds": sum(h["epoch_seconds"] for h in history), "extra": {}}
+    atomic_write_json(run_dir / RESULT, result)
+    return result

@@ -1,0 +1,67 @@
+"""AdamW with a decay / no-decay split, and timm's warm-up + cosine schedule stepped every iteration."""
+
+from __future__ import annotations
+
+import torch
+from timm.scheduler import CosineLRScheduler
+from torch import nn
+
+# Parameters whose names contain one of these never get weight decay (besides every parameter with ndim <= 1).
+NO_DECAY_NAMES = ("pos_embed", "cls_token", "dist_token", "reg_token", "relative_position_bias_table")
+
+
+def no_weight_decay(name: str, param: torch.Tensor, model_says: frozenset[str] = frozenset()) -> bool:
+    """True for parameters that AdamW should not decay.
+
+    Weight decay pulls a parameter towards 0, which only makes sense for a matrix whose scale the following
+    normalisation or softmax undoes. Biases and norm gains/shifts (all 1-D), learned scalars, position
+    embeddings, the class token and Swin's relative-position bias tables are not such matrices: decaying them
+    just drags offsets, scales and positional information towards 0.
+    """
+    return (
+        param.ndim <= 1                      # biases, LayerNorm weight/bias, per-head scalars
+        or name.endswith(".bias")
+        or any(key in name for key in NO_DECAY_NAMES)
+        or name in model_says                # timm models list their own in model.no_weight_decay()
+    )
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: ``{"params": decay, "weight_decay": wd}`` and ``{"params": no_decay, "weight_decay": 0}``."""
+    model_says = frozenset(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else frozenset()
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if no_weight_decay(name, param, model_says) else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, *, epochs: int, steps_per_epoch: int, warmup_epochs: float,
+                    warmup_lr: float, min_lr: float) -> CosineLRScheduler:
+    """timm's CosineLRScheduler counted in iterations (call ``step_update(num_updates)`` after each step).
+
+    For update t (0-based), W = warm-up steps, T = total steps:
+      t < W:  lr = warmup_lr + t * (lr_peak - warmup_lr) / W
+      t >= W: lr = min_lr + (lr_peak - min_lr) * (1 + cos(pi * (t - W) / (T - W))) / 2
+    Stepping per iteration rather than per epoch keeps a 10-epoch warm-up smooth and makes the schedule
+    independent of how many epochs have run, which resume relies on (the state is just ``num_updates``).
+    """
+    warmup_t = int(round(warmup_epochs * steps_per_epoch))
+    total = epochs * steps_per_epoch
+    warmup_t = min(warmup_t, max(total - 1, 0))
+    return CosineLRScheduler(
+        optimizer,
+        t_initial=max(total - warmup_t, 1),
+        lr_min=min_lr,
+        warmup_t=warmup_t,
+        warmup_lr_init=warmup_lr,
+        warmup_prefix=True,  # cosine starts at the peak once warm-up ends ("warm-up followed by cosine decay")
+        t_in_epochs=False,
+    )
+

@@ -1,0 +1,73 @@
+"""TrainConfig, recipes, YAML loading with overrides, run names."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from attnlab.errors import ConfigError
+from attnlab.train import RECIPES, TrainConfig, load_config, make_config, run_name
+from attnlab.train.grid import split_specs
+
+
+def test_ns_cifar_recipe_has_the_papers_numbers():
+    # NS-Attn Sec. 3.1 and the SPT/LSA README (REFERENCES.md), typed in from the text
+    r = RECIPES["ns_cifar"]
+    assert (r.epochs, r.batch_size, r.lr, r.weight_decay, r.warmup_epochs) == (100, 128, 1e-3, 0.05, 10)
+    assert (r.label_smoothing, r.mixup, r.cutmix, r.mixup_prob, r.repeated_aug) == (0.1, 0.8, 1.0, 0.5, 3)
+    assert r.augment == "recipe" and r.drop_path is None  # drop-path comes from the preset
+    assert r == TrainConfig()
+
+
+def test_unknown_key_names_the_valid_keys(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("model: vit_cifar\nlearning_rate: 0.1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    msg = str(info.value)
+    assert "'learning_rate'" in msg and "valid keys" in msg
+    for key in ("lr", "batch_size", "weight_decay", "warmup_epochs", "seed"):
+        assert key in msg
+    with pytest.raises(ConfigError, match="'bogus'"):
+        make_config("demo", bogus=1)
+
+
+def test_yaml_then_overrides_precedence(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("recipe: demo\nepochs: 5\nlr: 0.01\nmodel_options: {depth: 1}\n")
+    cfg = load_config(path, lr="0.5", seed="3", compile="true", drop_path="none")
+    demo = RECIPES["demo"]
+    assert cfg.dataset == demo.dataset and cfg.batch_size == demo.batch_size  # from the recipe
+    assert cfg.epochs == 5                                                    # from the file
+    assert cfg.lr == 0.5 and cfg.seed == 3 and cfg.compile is True           # flags, converted from text
+    assert cfg.drop_path is None and cfg.model_options == {"depth": 1}
+
+
+def test_bad_values_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="epochs"):
+        make_config("demo", epochs="ten")
+    with pytest.raises(ConfigError, match="amp"):
+        make_config("demo", amp="fp16")
+    with pytest.raises(ConfigError, match="recipe"):
+        make_config(None, recipe="imagenet")
+    with pytest.raises(ConfigError, match="even"):
+        make_config("ns_cifar", batch_size=127)
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(tmp_path / "list.yaml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_run_name_is_file_system_safe():
+    cfg = dataclasses.replace(RECIPES["demo"], model="vit_cifar", dataset="cifar100", seed=3)
+    assert run_name(cfg, "ns") == "vit_cifar-cifar100-ns-s3"
+    assert run_name(cfg, "dna(variant=q)+sigma") == "vit_cifar-cifar100-dna_variant=q+sigma-s3"
+    assert run_name(dataclasses.replace(cfg, model="hf-hub:org/model"), "ns") == "hf-hub_org_model-cifar100-ns-s3"
+    assert run_name(dataclasses.replace(cfg, name="my run/1"), "ns") == "myrun_1"
+
+
+def test_split_specs_keeps_commas_inside_parentheses():
+    assert split_specs("standard, ns,dna(variant=q,alpha_init=1)+ns") == [
+        "standard", "ns", "dna(variant=q,alpha_init=1)+ns"]
