@@ -37,6 +37,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", metavar="LIST", help="comma-separated model names (default: the recipe's)")
     parser.add_argument("--runs-dir", dest="runs_dir", metavar="DIR",
                         help="where the run directories and the report go (default: the preset's or grid file's, else runs)")
+    parser.add_argument("--analyze", default="spectra", metavar="LIST",
+                        help="instruments run on each finished run's first 160 test images, their summaries added to "
+                             "result.json and shown as report columns (default: spectra, i.e. p1 and effective rank; "
+                             "'none' to skip)")
     parser.add_argument("--no-report", dest="report", action="store_false",
                         help="train only; do not write or print the report")
     group = parser.add_argument_group("training config applied to every run (overrides the recipe and --config)")
@@ -44,6 +48,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
     from attnlab.train import load_grid, run_grid
 
     base = {k: getattr(args, k) for k in _BASE_FLAGS if hasattr(args, k)}
@@ -55,6 +62,14 @@ def run(args: argparse.Namespace) -> int:
     progress = grid["base"].progress
     results = run_grid(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
                        grid["runs_dir"], progress=progress)
+    what = [w for w in args.analyze.split(",") if w.strip() and w.strip() != "none"]
+    if what:
+        from attnlab.analysis.instruments import annotate_runs
+
+        if progress:
+            print(f"analysing finished runs: {', '.join(what)}", flush=True)
+        annotate_runs([Path(grid["runs_dir"]) / r["name"] for r in results], what, progress=progress)
+        results = [json.loads((Path(grid["runs_dir"]) / r["name"] / "result.json").read_text()) for r in results]
     if not args.report:
         for r in results:
             print(f"{r['name']}: top-1 {r['top1']:.2f}%")

@@ -13,7 +13,7 @@ import importlib
 from .config import GRID_PRESETS, RECIPES, TrainConfig, load_config, make_config, run_name
 
 _LAZY = {
-    "train": "loop", "evaluate": "loop", "run_dir_of": "loop",
+    "train": "loop", "evaluate": "loop", "run_dir_of": "loop", "build_run_model": "loop", "load_run": "loop",
     "run_grid": "grid", "load_grid": "grid", "split_specs": "grid", "demo_variants": "grid",
     "param_groups": "optim", "no_weight_decay": "optim", "build_optimizer": "optim", "build_scheduler": "optim",
     "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "atomic_write": "checkpoint",

@@ -182,10 +182,35 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         torch.set_num_threads(threads)
 
 
+def build_run_model(cfg: TrainConfig, info) -> nn.Module:
+    """The model a run trains: the preset sized for the dataset (``info``), drop-path and model options applied."""
+    from attnlab.models import build_model
+
+    model_kwargs = dict(in_chans=info.in_chans, img_size=info.image_size)
+    if cfg.drop_path is not None:
+        model_kwargs["drop_path_rate"] = cfg.drop_path
+    model_kwargs.update(cfg.model_options)
+    return build_model(cfg.model, num_classes=info.num_classes, attn=cfg.attn, **model_kwargs)
+
+
+def load_run(run_dir: str | Path, map_location: str | torch.device = "cpu") -> tuple[nn.Module, TrainConfig]:
+    """A run's model with its last checkpoint's weights, and its config (read from the run's files alone)."""
+    from attnlab.data import dataset_info
+    from attnlab.train.config import load_config
+
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG).exists() or not has_checkpoint(run_dir):
+        raise ConfigError(f"{run_dir} is not a run directory with a checkpoint (config.yaml, checkpoint.safetensors).")
+    cfg = load_config(run_dir / CONFIG)
+    model = build_run_model(cfg, dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options))
+    weights, _ = load_checkpoint(run_dir, map_location=map_location)
+    model.load_state_dict(weights)
+    return model.eval(), cfg
+
+
 def _train(cfg: TrainConfig) -> dict[str, Any]:
     from attnlab import parse_spec
     from attnlab.data import build_dataset, dataset_info
-    from attnlab.models import build_model
     from attnlab.reparam import qkclip
 
     spec = str(parse_spec(cfg.attn))
@@ -208,11 +233,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     # Model and data. Seeding first makes the initial weights a function of the seed.
     seed_everything(cfg.seed)
     info = dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options)
-    model_kwargs = dict(in_chans=info.in_chans, img_size=info.image_size)
-    if cfg.drop_path is not None:
-        model_kwargs["drop_path_rate"] = cfg.drop_path
-    model_kwargs.update(cfg.model_options)
-    model = build_model(cfg.model, num_classes=info.num_classes, attn=spec, **model_kwargs).to(device)
+    model = build_run_model(cfg, info).to(device)
     train_set = build_dataset(cfg.dataset, True, data_dir=cfg.data_dir, download=cfg.download, augment=cfg.augment,
                               **cfg.data_options)
     test_set = build_dataset(cfg.dataset, False, data_dir=cfg.data_dir, download=cfg.download, augment="none",

@@ -1,0 +1,82 @@
+"""The instruments `attnlab analyze` and the demo can run by name, each ``fn(model, images, batch_size) -> dict``
+with a flat ``summary`` of floats (what report tables show) and a ``detail`` (what analysis.json keeps)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .spectra import head_output_spectra, plot_spectra
+
+
+def _spectra(model: nn.Module, images: torch.Tensor, batch_size: int) -> dict:
+    s = head_output_spectra(model, images, batch_size=batch_size).summary()
+    return {"summary": {"p1": s["p1"], "eff_rank": s["eff_rank"]}, "detail": s}
+
+
+INSTRUMENTS: dict[str, Callable[[nn.Module, torch.Tensor, int], dict]] = {
+    "spectra": _spectra,
+}
+
+
+def analyze_model(model: nn.Module, images: torch.Tensor, what: list[str], batch_size: int = 32) -> dict:
+    """Run the instruments ``what`` on ``model``; returns ``{"summary": {...}, name: detail, ...}``."""
+    out: dict = {"summary": {}}
+    for name in what:
+        result = INSTRUMENTS[name](model, images, batch_size)
+        out["summary"].update(result["summary"])
+        out[name] = result["detail"]
+    return out
+
+
+def plot_results(results: dict[str, dict], out_dir: str | Path) -> list[Path]:
+    """PNG figures for what ``results`` (label -> analyze_model output + ``attn``) holds; returns their paths."""
+    out_dir = Path(out_dir)
+    paths = []
+    curves: dict[tuple[str, int], list[list[float]]] = defaultdict(list)
+    for result in results.values():
+        spectrum = result.get("spectra", {}).get("mean_spectrum")
+        if spectrum is not None:
+            curves[result["attn"], len(spectrum)].append(spectrum)
+    if curves:  # Figure 2: each variant's mean spectrum, averaged over its runs (seeds)
+        mixed = len({n for _, n in curves}) > 1
+        mean = {(f"{attn} (D={n})" if mixed else attn): torch.tensor(c).mean(0).tolist()
+                for (attn, n), c in curves.items()}
+        paths.append(Path(plot_spectra(mean, out_dir / "spectra.png")))
+    return paths
+
+
+def annotate_runs(run_dirs: list[str | Path], what: list[str], images: int = 160, batch_size: int = 32,
+                  progress: bool = True) -> None:
+    """Add the instruments' summaries to each finished run's ``result.json`` under ``extra`` (skipping runs that
+    already have them), measured on the first ``images`` test images of the run's dataset."""
+    import json
+
+    from ..data import build_dataset
+    from ..train import load_run
+    from ..train.checkpoint import atomic_write_json
+
+    cache: dict = {}
+    for run_dir in map(Path, run_dirs):
+        result_path = run_dir / "result.json"
+        if not result_path.exists():
+            continue
+        result = json.loads(result_path.read_text())
+        todo = [w for w in what if not result.get("analyzed", {}).get(w)]
+        if not todo:
+            continue
+        model, cfg = load_run(run_dir)
+        key = (cfg.dataset, cfg.data_dir)
+        if key not in cache:
+            test = build_dataset(cfg.dataset, False, data_dir=cfg.data_dir, **cfg.data_options)
+            cache[key] = torch.stack([test[i][0] for i in range(min(images, len(test)))])
+        summary = analyze_model(model, cache[key], todo, batch_size=batch_size)["summary"]
+        result.setdefault("extra", {}).update(summary)
+        result.setdefault("analyzed", {}).update({w: True for w in todo})
+        atomic_write_json(result_path, result)
+        if progress:
+            print(f"  {run_dir.name}: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()), flush=True)

@@ -1,0 +1,83 @@
+"""Run the papers' instruments on trained runs (or on a fresh model) and write analysis.json plus PNG plots.
+
+Inputs follow the NS-Attn paper's protocol: the first --images test images (default 160) of the run's dataset, in
+batches of --batch-size (default 32), eval mode, torch.inference_mode().
+
+Examples:
+  attnlab analyze runs/demo/vit_digits-digits-ns-s0 --what spectra
+  attnlab analyze runs/ns_attn_table1/vit_cifar-cifar100-* --what spectra --out figures/   # Figure 2, per variant
+  attnlab analyze --model vit_cifar --attn ns --dataset synthetic --what spectra,entropy"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    from ..analysis.instruments import INSTRUMENTS
+
+    p.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (each with config.yaml and a checkpoint)")
+    p.add_argument("--what", default="spectra",
+                   help=f"comma-separated instruments: {', '.join(INSTRUMENTS)} (default: spectra)")
+    p.add_argument("--model", default=None, help="analyse a freshly built model instead of runs (preset or timm name)")
+    p.add_argument("--attn", default="standard", help="variant spec for --model")
+    p.add_argument("--dataset", default="digits", help="dataset whose test images feed the model (with --model)")
+    p.add_argument("--data-dir", default=None, help="dataset directory (default: the run's, or data/)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fresh model (with --model)")
+    p.add_argument("--images", type=int, default=160, help="number of test images, taken in order (default 160)")
+    p.add_argument("--batch-size", type=int, default=32, help="images per forward (default 32)")
+    p.add_argument("--out", default=None, help="output directory (default: the run directory, or analysis/)")
+
+
+def run(args) -> int:
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from ..analysis.instruments import INSTRUMENTS, analyze_model, plot_results
+    from ..data import build_dataset, dataset_info
+    from ..errors import ConfigError
+    from ..spec import parse_spec
+
+    what = [w.strip() for w in args.what.split(",") if w.strip()]
+    unknown = [w for w in what if w not in INSTRUMENTS]
+    if unknown:
+        raise ConfigError(f"unknown instrument {unknown[0]!r}; choose from: {', '.join(INSTRUMENTS)}.")
+    if not args.runs and not args.model:
+        raise ConfigError("give run directories to analyse, or --model (with --attn and --dataset) for a fresh model.")
+
+    targets = []  # (label, attn, model, dataset, data_dir)
+    if args.model:
+        from ..models import build_model
+
+        info = dataset_info(args.dataset, data_dir=args.data_dir or "data")
+        torch.manual_seed(args.seed)
+        model = build_model(args.model, num_classes=info.num_classes, attn=args.attn, in_chans=info.in_chans,
+                            img_size=info.image_size)
+        targets.append((f"{args.model}-{parse_spec(args.attn)}", str(parse_spec(args.attn)), model, args.dataset,
+                        args.data_dir or "data"))
+    from ..train import load_run
+
+    for run_dir in args.runs:
+        model, cfg = load_run(run_dir)
+        targets.append((Path(run_dir).name, cfg.attn, model, cfg.dataset, args.data_dir or cfg.data_dir))
+
+    out = Path(args.out) if args.out else (Path(args.runs[0]) if len(args.runs) == 1 and not args.model
+                                           else Path("analysis"))
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    image_cache = {}
+    for label, attn, model, dataset, data_dir in targets:
+        key = (dataset, data_dir)
+        if key not in image_cache:
+            test = build_dataset(dataset, False, data_dir=data_dir)
+            n = min(args.images, len(test))
+            image_cache[key] = torch.stack([test[i][0] for i in range(n)])
+        results[label] = {"attn": attn, **analyze_model(model, image_cache[key], what, batch_size=args.batch_size)}
+        print(f"{label}: " + ", ".join(f"{k} {v:.4g}" for k, v in results[label]["summary"].items()))
+    (out / "analysis.json").write_text(json.dumps(results, indent=2))
+    for path in plot_results(results, out):
+        print(f"wrote {path}")
+    print(f"wrote {out / 'analysis.json'}")
+    return 0
