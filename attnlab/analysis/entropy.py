@@ -1,0 +1,213 @@
+"""Attention entropy, maximum attention logits and the spectral norm of W_Q W_K^T, per layer and head.
+
+These are the instruments of sigma-Reparam's account of instability (Zhai et al. 2023): its Theorem 3.1 bounds the
+lowest attainable attention entropy by a quantity that falls exponentially in ||W_Q W_K^T||_2, and a collapse of
+the entropy is what it watches in training. QK-norm and QK-clip act on the same quantity through the logits.
+
+For query i of head h, with weights A_ij = softmax_j(l_ij) over the N keys of its sequence (ViT) or window (Swin):
+
+    H_i = - sum_j A_ij log A_ij   (nats; 0 for one-hot, log N for uniform attention)
+
+- ``mean``: H_i averaged over every query of every image (sigma-Reparam's per-head attention entropy);
+- ``low``: the mean of the ``topk_percent`` % lowest H_i of the head (at least one query), the collapsed tail that
+  the mean hides: a head with a few one-hot queries has a low ``low`` before its ``mean`` moves.
+
+l_ij = q_h,i . k_h,j / sqrt(D) + bias_ij is recomputed in float32 from the module's own ``project`` (so QK-norm
+is included) and ``add_bias`` (Swin's relative-position bias and shifted-window mask), outside the fused kernel; a
+forward pre-hook sees the module's real input. Only softmax kernels are measured (``standard``, with or without
+``ns``, which acts after the weights): DnA, Diff and Cog do not form one row-stochastic softmax per head, and
+those layers raise UnsupportedModelError (or are skipped with ``skip_unsupported=True``).
+
+The maximum logit is max over images, i, j of q_h,i . k_h,j / sqrt(D): QK-clip's S_max (bias excluded unless
+``include_bias``). The spectral norm is that of the bilinear form of the logits, x_i^T (W_q,h^T W_k,h) x_j with
+PyTorch's (out, in) weight layout (the paper's W_Q W_K^T with W in (in, out) layout), without the 1/sqrt(D) and
+without the projection biases, computed exactly (QR + SVD, float64) for each head of every module with a fused qkv.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+from torch import nn
+
+from ..attention.standard import StandardAttention
+from ..errors import UnsupportedModelError
+from ..models.convert import attention_modules
+
+
+def _is_softmax(module: nn.Module) -> bool:
+    return isinstance(module, StandardAttention) and type(module).attend is StandardAttention.attend
+
+
+def _why_unsupported(name: str, module: nn.Module) -> str:
+    if not hasattr(module, "project"):
+        return (f"attention module {name!r} is timm's {type(module).__name__}; convert the model with "
+                f"attnlab.convert(model, 'standard') first (it changes no output).")
+    return (f"attention module {name!r} is {type(module).__name__}, which does not form one softmax per head; "
+            f"attention entropy and logits are measured for the standard kernel (with or without ns).")
+
+
+def _softmax_modules(model: nn.Module, skip_unsupported: bool) -> list[tuple[str, nn.Module]]:
+    found = attention_modules(model)
+    if not found:
+        raise UnsupportedModelError(f"{type(model).__name__} has no attention module attnlab can measure.")
+    keep = []
+    for name, module in found:
+        if _is_softmax(module):
+            keep.append((name, module))
+        elif not skip_unsupported:
+            raise UnsupportedModelError(_why_unsupported(name, module))
+    return keep
+
+
+def _logits(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q.k/sqrt(D), the same plus the module's bias), both float32 (B, H, N, N), from a forward's arguments."""
+    bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+    x = next(iter(bound.values()))
+    attn_mask, mask = bound.get("attn_mask"), bound.get("mask")
+    if bound.get("is_causal", False):
+        attn_mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
+    q, k, _ = module.project(x)
+    with torch.autocast(x.device.type, enabled=False):  # float32 logits even when called under autocast
+        qk = (q.float() @ k.float().transpose(-2, -1)) * module.scale
+        return qk, module.add_bias(qk, mask, attn_mask)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(iter(model.parameters())).device
+
+
+@torch.no_grad()
+def _collect(model: nn.Module, images: torch.Tensor, *, want_entropy: bool, include_bias: bool, batch_size: int,
+             skip_unsupported: bool) -> list[dict]:
+    """Run ``images`` through ``model`` (eval mode, every module's mode restored after) and gather per-head row
+    entropies and maxima."""
+    modules = _softmax_modules(model, skip_unsupported)
+    records = [{"layer": name, "entropies": [], "max_logit": None, "num_keys": 0} for name, _ in modules]
+
+    def make_hook(record):
+        def hook(module, args, kwargs):
+            qk, logits = _logits(module, args, kwargs)
+            m = (logits if include_bias else qk).amax(dim=(0, 2, 3)).double()
+            record["max_logit"] = m if record["max_logit"] is None else torch.maximum(record["max_logit"], m)
+            record["num_keys"] = logits.shape[-1]
+            if want_entropy:
+                ent = torch.special.entr(logits.softmax(dim=-1)).sum(dim=-1)  # (B, H, N); entr(0) = 0
+                record["entropies"].append(ent.transpose(0, 1).reshape(ent.shape[1], -1).double().cpu())
+        return hook
+
+    handles = [m.register_forward_pre_hook(make_hook(r), with_kwargs=True) for (_, m), r in zip(modules, records)]
+    modes = [(m, m.training) for m in model.modules()]  # restored one by one: a caller may mix modes
+    model.eval()
+    try:
+        device = _device(model)
+        for chunk in images.split(batch_size):
+            model(chunk.to(device))
+    finally:
+        for m, mode in modes:
+            m.training = mode
+        for h in handles:
+            h.remove()
+    return records
+
+
+def attention_entropy(model: nn.Module, images: torch.Tensor, topk_percent: float = 10.0, batch_size: int = 64,
+                      skip_unsupported: bool = False) -> list[dict]:
+    """Per layer and head attention entropy (nats) of ``model`` on ``images`` (B, C, H, W), in eval mode.
+
+    Returns one dict per softmax attention module in forward order: ``layer`` (module name), ``mean`` (H,) the
+    mean over images and queries of H_i = -sum_j A_ij log A_ij, ``low`` (H,) the mean of the ``topk_percent`` %
+    lowest H_i of each head, and ``log_n`` = log N, the entropy of uniform attention over that module's N keys.
+    Tensors are float64 on the CPU.
+    """
+    if not 0 < topk_percent <= 100:
+        raise ValueError(f"topk_percent must be in (0, 100], got {topk_percent}")
+    return [_summarise(r, topk_percent) for r in _collect(
+        model, images, want_entropy=True, include_bias=False, batch_size=batch_size, skip_unsupported=skip_unsupported)]
+
+
+def _summarise(record: dict, topk_percent: float) -> dict:
+    rows = torch.cat(record["entropies"], dim=1)  # (H, images * queries)
+    count = max(1, math.ceil(rows.shape[1] * topk_percent / 100))
+    low = rows.topk(count, dim=1, largest=False).values.mean(dim=1)
+    return {"layer": record["layer"], "mean": rows.mean(dim=1), "low": low, "log_n": math.log(record["num_keys"])}
+
+
+def max_logits(model: nn.Module, images: torch.Tensor, include_bias: bool = False, batch_size: int = 64,
+               skip_unsupported: bool = False) -> list[dict]:
+    """Per layer and head max over images, queries and keys of q.k/sqrt(D) (QK-clip's S_max), in eval mode.
+
+    ``include_bias`` adds Swin's position bias and window mask (or a ViT attn_mask) first. Returns one dict per
+    softmax attention module: ``layer`` and ``max`` (H,), float64 on the CPU.
+    """
+    return [{"layer": r["layer"], "max": r["max_logit"].cpu()}
+            for r in _collect(model, images, want_entropy=False, include_bias=include_bias, batch_size=batch_size,
+                              skip_unsupported=skip_unsupported)]
+
+
+@torch.no_grad()
+def qk_spectral_norms(model: nn.Module) -> list[dict]:
+    """||W_q,h^T W_k,h||_2 for every head h of every attention module (the logits' bilinear form, Theorem 3.1).
+
+    W_q,h, W_k,h: rows [h*D, (h+1)*D) of the q and k blocks of the fused ``qkv`` weight (the effective weight when
+    it is reparametrised), shape (D, C). With A^T = Q_a R_a and B^T = Q_b R_b (reduced QR), A^T B = Q_a R_a R_b^T
+    Q_b^T, so the norm is the largest singular value of the D x D matrix R_a R_b^T. Returns one dict per module:
+    ``layer`` and ``norm`` (H,), float64 on the CPU. Works for timm's modules too; Diff attention is refused (its
+    logits use half-heads).
+    """
+    out = []
+    for name, module in attention_modules(model):
+        if hasattr(module, "qk_head_dim"):
+            raise UnsupportedModelError(
+                f"attention module {name!r} is {type(module).__name__}, whose logits use half-heads; the per-head "
+                f"spectral norm of W_q W_k^T is defined for kernels whose logits are q_h k_h^T.")
+        H = module.num_heads
+        w = module.qkv.weight.detach().double().cpu()
+        D = w.shape[0] // 3 // H
+        a = w[: H * D].view(H, D, -1)  # (H, D, C)
+        b = w[H * D: 2 * H * D].view(H, D, -1)
+        if a.shape[-1] >= D:
+            ra = torch.linalg.qr(a.transpose(1, 2)).R  # (H, D, D)
+            rb = torch.linalg.qr(b.transpose(1, 2)).R
+            norm = torch.linalg.matrix_norm(ra @ rb.transpose(1, 2), ord=2)
+        else:
+            norm = torch.linalg.matrix_norm(a.transpose(1, 2) @ b, ord=2)
+        out.append({"layer": name, "norm": norm})
+    return out
+
+
+def training_probe(model: nn.Module, images: torch.Tensor, topk_percent: float = 10.0,
+                   batch_size: int = 64) -> dict[str, float]:
+    """Flat scalars for a training log, from one eval-mode pass over ``images`` (the model's mode is restored).
+
+    Keys: ``entropy/mean`` (mean over layers and heads of the per-head mean entropy), ``entropy/min_head`` (the
+    lowest per-head mean), ``entropy/low`` (mean over heads of the ``topk_percent`` % tail), ``entropy/layer_<i>``
+    (per-layer mean over heads, i counting measured layers), ``max_logit/max`` and ``max_logit/mean`` (over heads
+    of the per-head maximum), ``qk_spectral_norm/max`` and ``qk_spectral_norm/mean``. Layers that are not softmax attention are left out;
+    keys whose layers are all left out are absent. Records nothing into QK-clip (eval mode).
+    """
+    out: dict[str, float] = {}
+    found = attention_modules(model)
+    records = _collect(model, images, want_entropy=True, include_bias=False, batch_size=batch_size,
+                       skip_unsupported=True) if any(_is_softmax(m) for _, m in found) else []
+    if records:
+        layers = [_summarise(r, topk_percent) for r in records]
+        for i, layer in enumerate(layers):
+            out[f"entropy/layer_{i}"] = float(layer["mean"].mean())
+        means = torch.cat([layer["mean"] for layer in layers])
+        lows = torch.cat([layer["low"] for layer in layers])
+        maxima = torch.cat([r["max_logit"] for r in records])
+        out.update({
+            "entropy/mean": float(means.mean()), "entropy/min_head": float(means.min()),
+            "entropy/low": float(lows.mean()),
+            "max_logit/max": float(maxima.max()), "max_logit/mean": float(maxima.mean()),
+        })
+    if found and not any(hasattr(m, "qk_head_dim") for _, m in found):
+        norms = torch.cat([r["norm"] for r in qk_spectral_norms(model)])
+        out.update({"qk_spectral_norm/max": float(norms.max()), "qk_spectral_norm/mean": float(norms.mean())})
+    return out
+
+
+__all__ = ["attention_entropy", "max_logits", "qk_spectral_norms", "training_probe"]

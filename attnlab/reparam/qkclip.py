@@ -1,0 +1,243 @@
+"""QK-clip (Kimi K2's MuonClip, without Muon): cap each head's largest attention logit by rescaling W_q and W_k.
+
+During every training forward, each attention module records per head h
+
+    S_max,h = max over the batch, query i and key j of  (q_h,i . k_h,j) / sqrt(D)
+
+(running maximum since the last optimizer step, so gradient-accumulation micro-batches all count). It is exact for
+every head that could exceed tau; a head whose Cauchy-Schwarz bound max_i ||q_i|| max_j ||k_j|| / sqrt(D) is
+already <= tau records that bound instead (it cannot be clipped, and the exact q k^T costs about 5 % of a CPU
+training step of vit_cifar). The clip is therefore the same as with exact maxima everywhere. After each
+optimizer step, every head with S_max,h > tau is rescaled with gamma_h = tau / S_max,h:
+
+    W_q,h <- gamma_h^alpha W_q,h,        W_k,h <- gamma_h^(1 - alpha) W_k,h        (defaults tau = 100, alpha = 0.5)
+
+so that the logits the step recorded become exactly tau for that head's worst query-key pair. Heads at or below tau
+are untouched (multiplied by exactly 1.0: bit-identical), W_v is never touched, and the record is reset.
+
+Choices, where the Kimi K2 report leaves room:
+- The logit is q . k / sqrt(D), without Swin's relative-position bias or shifted-window mask: the rescaling of W_q,
+  W_k can only move that term, as in Kimi's decoder (which has no additive bias).
+- ``qkv`` is one fused Linear: head h's W_q rows are rows ``[h*D, (h+1)*D)`` of its q block (the first ``H*D`` rows),
+  W_k rows the same rows of the k block. Their bias entries are scaled with them (Kimi's projections have none):
+  then q_h and k_h scale exactly by gamma^alpha and gamma^(1-alpha), so the recorded maximum lands on tau.
+- The maximum is computed in float32 from the q, k the forward already produced (a forward hook on ``qkv``, under
+  ``torch.no_grad``), so the attention kernel and its fused SDPA path are unchanged; evaluation forwards record
+  nothing. :func:`attnlab.analysis.entropy.max_logits` gives the exact maximum of every head for analysis.
+- Under ``torch.distributed`` the per-rank maxima are all-reduced (MAX) before clipping, so that every rank applies
+  the same factors.
+- Only softmax kernels (``standard``, alone or with ``ns``) are supported: QK-norm after the projection divides out
+  the rescaling, and DnA, Diff and Cog form their logits differently. sigma-Reparam, spectral norm and spectral
+  conditioning re-derive the effective W from a parametrisation, which the row scaling would not pass through exactly.
+
+The trainer creates the optimizer after ``convert``; it calls :func:`attach_optimizer_hooks` (a no-op for models
+without ``qkclip``). A custom loop may call :func:`clip_` after each ``optimizer.step()`` instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import parametrize
+
+from ..attention.standard import StandardAttention
+from ..errors import SpecError
+from .qknorm import has_qk_norm
+
+#: at most this many logits are materialised at once while recording (float32: 128 MiB)
+CHUNK_ELEMENTS = 1 << 25
+
+
+def max_scaled_logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per-head max of (q_i . k_j) * scale over batch, i and j, in float32.
+
+    q, k: (B, N, H, D) (the layout of the fused projection's output). Returns (H,). The batch is processed in chunks
+    of at most :data:`CHUNK_ELEMENTS` logits so that large models do not materialise every logit at once.
+    """
+    B, N, H, _ = q.shape
+    q = q.transpose(1, 2).float()  # (B, H, N, D)
+    k = k.transpose(1, 2).float()
+    step = max(1, CHUNK_ELEMENTS // max(1, H * N * k.shape[2]))
+    out = None
+    with torch.autocast(q.device.type, enabled=False):  # under autocast the matmul would run in bf16 / fp16
+        for start in range(0, B, step):
+            logits = q[start:start + step] @ k[start:start + step].transpose(-2, -1)
+            m = logits.amax(dim=(0, 2, 3))
+            out = m if out is None else torch.maximum(out, m)
+    return out * scale
+
+
+#: relative margin on the Cauchy-Schwarz bound, so float32 rounding cannot certify a head that is in fact over tau
+BOUND_MARGIN = 1e-4
+
+
+def screened_max_logits(qk: torch.Tensor, scale: float, tau: float, select: bool | None = None) -> torch.Tensor:
+    """Per-head max logit where it matters for the clip: exact S_max,h for every head that could exceed ``tau``, and
+    for the others the Cauchy-Schwarz bound (<= tau) that shows it cannot.
+
+        bound_h = (1 + margin) * scale * max_b (max_i ||q_b,h,i|| * max_j ||k_b,h,j||)  >=  S_max,h
+
+    Heads with bound_h > tau get :func:`max_scaled_logits`. ``select`` (default: on the CPU) computes the exact
+    maximum for those heads only, which needs their indices on the host; otherwise (GPU: no host sync) every head's
+    exact maximum is computed and ``where(bound > tau, exact, bound)`` is returned. Both give the same values.
+    qk: (B, N, 2, H, D), queries then keys (a view of the fused projection's output). Returns (H,) float32.
+    """
+    if select is None:
+        select = qk.device.type == "cpu"
+    norms = torch.linalg.vector_norm(qk.float(), dim=-1).amax(dim=1)  # (B, 2, H): one pass over q and k
+    bound = (norms[:, 0] * norms[:, 1]).amax(dim=0) * (scale * (1 + BOUND_MARGIN))
+    over = bound > tau
+    q, k = qk[:, :, 0], qk[:, :, 1]
+    if not select:
+        return torch.where(over, max_scaled_logits(q, k, scale), bound)
+    heads = over.nonzero().flatten()
+    if heads.numel() == 0:
+        return bound
+    out = bound.clone()
+    out[heads] = max_scaled_logits(q[:, :, heads], k[:, :, heads], scale)
+    return out
+
+
+class QKClip(nn.Module):
+    """Per-module QK-clip state: ``tau``, ``alpha`` and the running per-head maximum logit ``max_logit`` (H,).
+
+    ``max_logit`` is a non-persistent buffer (it follows ``.to(device)`` but is not in the state dict, so a
+    ``qkclip`` checkpoint loads into a ``standard`` model); ``last_max_logit`` keeps the value the last clip used
+    and ``last_clipped`` how many heads it rescaled, for logging.
+    """
+
+    def __init__(self, num_heads: int, tau: float = 100.0, alpha: float = 0.5) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.tau = float(tau)
+        self.alpha = float(alpha)
+        self.register_buffer("max_logit", torch.full((num_heads,), float("-inf")), persistent=False)
+        self.register_buffer("last_max_logit", torch.full((num_heads,), float("-inf")), persistent=False)
+        self.register_buffer("last_clipped", torch.zeros((), dtype=torch.long), persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, tau={self.tau:g}, alpha={self.alpha:g}"
+
+
+def _record(attn: nn.Module, qkv: nn.Module, inputs, output: torch.Tensor) -> None:
+    """Forward hook on ``attn.qkv``: fold this forward's per-head max logit into ``attn.qk_clip.max_logit``."""
+    if not attn.training:
+        return
+    H, D = attn.num_heads, attn.head_dim
+    B, N = output.shape[0], output.shape[1]
+    with torch.no_grad():
+        qk = output.detach()[..., : 2 * H * D].reshape(B, N, 2, H, D)
+        state = attn.qk_clip
+        m = screened_max_logits(qk, attn.scale, state.tau)
+        torch.maximum(state.max_logit, m.to(state.max_logit.dtype), out=state.max_logit)
+
+
+def _check(module: nn.Module, index: int) -> None:
+    if has_qk_norm(module):
+        raise SpecError(
+            f"qkclip cannot act on attention module {index}: it normalises q and k after the projection (QK-norm), "
+            f"which divides out any rescaling of W_q and W_k, so the clip would have no effect; use qknorm or qkclip.")
+    if not isinstance(module, StandardAttention) or type(module).attend is not StandardAttention.attend:
+        raise SpecError(
+            f"qkclip needs softmax attention (the standard kernel, optionally with ns), but attention module {index} "
+            f"is {type(module).__name__}, whose logits are not q_h k_h^T / sqrt(D) of the fused projection.")
+
+
+def apply(model: nn.Module, modules: list[nn.Module], tau: float = 100.0, alpha: float = 0.5) -> None:
+    """Give every attention module a :class:`QKClip` state ``qk_clip`` and a recording hook on its ``qkv``.
+
+    The weights change only when the clip runs: after ``optimizer.step()`` through :func:`attach_optimizer_hooks`,
+    or by calling :func:`clip_`. Raises SpecError for modules with QK-norm or a non-softmax kernel.
+    """
+    for index, module in enumerate(modules):
+        _check(module, index)
+    for module in modules:
+        weight = module.qkv.weight
+        module.qk_clip = QKClip(module.num_heads, tau, alpha).to(weight.device)
+        # a callable object, not a closure: copy.deepcopy(model) then gives the copy's hook the copy's module
+        module.qkv.register_forward_hook(_RecordHook(module))
+
+
+class _RecordHook:
+    """Callable forward hook holding its attention module (deep-copies along with it)."""
+
+    def __init__(self, attn: nn.Module) -> None:
+        self.attn = attn
+
+    def __call__(self, qkv, inputs, output):
+        _record(self.attn, qkv, inputs, output)
+
+
+def clipped_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules of ``model`` that carry QK-clip state, in forward order."""
+    return [m for m in model.modules() if isinstance(getattr(m, "qk_clip", None), QKClip)]
+
+
+@torch.no_grad()
+def clip_(model: nn.Module) -> None:
+    """Apply QK-clip to every module of ``model`` that has it, from the maxima recorded since the last call.
+
+    For head h with S_max,h > tau: q rows and q bias of head h times gamma^alpha, k rows and k bias times
+    gamma^(1 - alpha), gamma = tau / S_max,h. Other heads are multiplied by exactly 1.0 (so no host sync is needed
+    on a GPU). Resets the record. Modules that recorded nothing (-inf) are left alone.
+    """
+    modules = clipped_modules(model)
+    if not modules:
+        return
+    if dist.is_available() and dist.is_initialized():
+        stacked = torch.cat([m.qk_clip.max_logit for m in modules])
+        dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+        for m, part in zip(modules, stacked.split([m.num_heads for m in modules])):
+            m.qk_clip.max_logit.copy_(part)
+    for module in modules:
+        state: QKClip = module.qk_clip
+        qkv = module.qkv
+        if parametrize.is_parametrized(qkv, "weight"):
+            raise SpecError("qkclip rescales the rows of qkv.weight, but this model reparametrises it "
+                            "(sigma-Reparam, spectral norm or conditioning); drop one of the two terms.")
+        H, D = module.num_heads, module.head_dim
+        s = state.max_logit
+        over = s > state.tau
+        # on the CPU a host check is free and spares the multiplications in the common case (no head over tau);
+        # on a GPU it would be a sync per module, so there every step multiplies (unclipped rows by exactly 1.0)
+        if s.device.type != "cpu" or bool(over.any()):
+            ones = torch.ones_like(s)
+            gamma = torch.where(over, state.tau / s, ones)
+            q_factor = torch.where(over, gamma.pow(state.alpha), ones)
+            k_factor = torch.where(over, gamma.pow(1.0 - state.alpha), ones)
+            # one factor per output row of qkv: q block, k block, then 1.0 for the v block
+            rows = torch.cat([q_factor.repeat_interleave(D), k_factor.repeat_interleave(D),
+                              torch.ones(qkv.out_features - 2 * H * D, device=s.device, dtype=s.dtype)])
+            qkv.weight.mul_(rows.to(qkv.weight.dtype).unsqueeze(1))
+            if qkv.bias is not None:
+                qkv.bias.mul_(rows.to(qkv.bias.dtype))
+        state.last_max_logit.copy_(s)
+        state.last_clipped.copy_(over.sum())
+        s.fill_(float("-inf"))
+
+
+def attach_optimizer_hooks(model: nn.Module, optimizer: torch.optim.Optimizer):
+    """Run :func:`clip_` on ``model`` after every ``optimizer.step()``; returns the hook handle, or None (and does
+    nothing) when ``model`` has no ``qkclip`` term. The trainer calls this for every model once it has built the
+    optimizer. A step the AMP GradScaler skips does not call the hook; its maxima stay recorded for the next one."""
+    if not clipped_modules(model):
+        return None
+    return optimizer.register_step_post_hook(lambda opt, args, kwargs: clip_(model))
+
+
+def clip_stats(model: nn.Module) -> dict[str, float]:
+    """What the last clip saw: ``qkclip/max_logit`` (largest recorded S_max over heads: exact when it exceeds tau,
+    otherwise a bound <= tau) and ``qkclip/clipped_heads``.
+    Empty for models without ``qkclip``. Reads device tensors (a host sync on a GPU): call it when logging."""
+    modules = clipped_modules(model)
+    if not modules:
+        return {}
+    return {
+        "qkclip/max_logit": max(float(m.qk_clip.last_max_logit.max()) for m in modules),
+        "qkclip/clipped_heads": float(sum(int(m.qk_clip.last_clipped) for m in modules)),
+    }
+
+
+__all__ = ["QKClip", "apply", "attach_optimizer_hooks", "clip_", "clip_stats", "clipped_modules", "max_scaled_logits",
+           "screened_max_logits"]

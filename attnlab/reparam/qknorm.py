@@ -1,0 +1,44 @@
+"""QK-norm: LayerNorm over each head's query and key vectors, before the 1/sqrt(D) scale (timm's ``qk_norm=True``).
+
+    q_h = LN_q(x W_q,h^T + b_q,h),   k_h = LN_k(x W_k,h^T + b_k,h),   logits_h = q_h k_h^T / sqrt(D)
+
+One ``LN_q`` and one ``LN_k`` per attention module, over the head dimension D and shared by its heads, as timm's
+``Attention(qk_norm=True)`` builds them: ``timm.layers.LayerNorm(head_dim)`` (eps 1e-6, the ViT's norm layer),
+weight 1 and bias 0 at the start, stored as ``q_norm`` / ``k_norm`` so that a timm checkpoint trained with
+``qk_norm=True`` loads strictly into ``build_model(..., attn="qknorm")`` and back. The norm bounds every logit by
+the norms' own parameters, |logit| <= (sqrt(D) max|g_q| + ||b_q||)(sqrt(D) max|g_k| + ||b_k||) / sqrt(D), whatever
+W_q and W_k are; it also divides out any rescaling of W_q, W_k, which is why ``qkclip+qknorm`` is refused.
+Swin's window attention has no qk_norm option in timm; attnlab gives it the same LayerNorm. With the ``diff``
+kernel the norms are LayerNorm(D / 2), one per half-head, as timm's DiffAttention builds them inside a ViT.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from timm.layers import LayerNorm
+
+#: LayerNorm epsilon of timm's ViT norm layer (``timm.layers.LayerNorm``), which its ``qk_norm`` norms use
+EPS = 1e-6
+
+
+def apply(model: nn.Module, modules: list[nn.Module]) -> None:
+    """Give every attention module in ``modules`` ``q_norm`` and ``k_norm`` = LayerNorm(head_dim, eps=1e-6).
+
+    A module that already normalises q and k (a timm model built with ``qk_norm=True``) keeps its norms and their
+    trained weights. The norms are created on the device and in the dtype of the module's ``qkv`` weight.
+    """
+    for module in modules:
+        weight = module.qkv.weight
+        # Diff attention normalises each half of a head (width qk_head_dim), as timm's DiffAttention in a ViT does
+        width = getattr(module, "qk_head_dim", module.head_dim)
+        for name in ("q_norm", "k_norm"):
+            if isinstance(getattr(module, name, nn.Identity()), nn.Identity):
+                setattr(module, name, LayerNorm(width, eps=EPS).to(device=weight.device, dtype=weight.dtype))
+
+
+def has_qk_norm(module: nn.Module) -> bool:
+    """Whether ``module`` normalises its queries or keys after the projection (any non-identity q_norm / k_norm)."""
+    return any(not isinstance(getattr(module, name, nn.Identity()), nn.Identity) for name in ("q_norm", "k_norm"))
+
+
+__all__ = ["EPS", "apply", "has_qk_norm"]
