@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .entropy import attention_entropy, max_logits, qk_spectral_norms
 from .spectra import head_output_spectra, plot_spectra
 
 
@@ -18,8 +19,28 @@ def _spectra(model: nn.Module, images: torch.Tensor, batch_size: int) -> dict:
     return {"summary": {"p1": s["p1"], "eff_rank": s["eff_rank"]}, "detail": s}
 
 
+def _entropy(model: nn.Module, images: torch.Tensor, batch_size: int) -> dict:
+    layers = attention_entropy(model, images, batch_size=batch_size)
+    logits = max_logits(model, images, batch_size=batch_size)
+    detail = [{"layer": e["layer"], "entropy_mean": e["mean"].tolist(), "entropy_low": e["low"].tolist(),
+               "log_n": e["log_n"], "max_logit": m["max"].tolist()} for e, m in zip(layers, logits)]
+    summary = {"entropy": torch.cat([e["mean"] for e in layers]).mean().item(),
+               "entropy_min_head": torch.cat([e["mean"] for e in layers]).min().item(),
+               "max_logit": torch.cat([m["max"] for m in logits]).max().item()}
+    return {"summary": summary, "detail": detail}
+
+
+def _qk_norms(model: nn.Module, images: torch.Tensor, batch_size: int) -> dict:
+    norms = qk_spectral_norms(model)
+    flat = torch.cat([n["norm"] for n in norms])
+    return {"summary": {"qk_norm_max": flat.max().item(), "qk_norm_mean": flat.mean().item()},
+            "detail": [{"layer": n["layer"], "norm": n["norm"].tolist()} for n in norms]}
+
+
 INSTRUMENTS: dict[str, Callable[[nn.Module, torch.Tensor, int], dict]] = {
-    "spectra": _spectra,
+    "spectra": _spectra,    # NS-Attn Sec. 3.4: p1 and effective rank of head outputs
+    "entropy": _entropy,    # sigma-Reparam: attention entropy per layer/head, max scaled logit per head
+    "qk": _qk_norms,        # sigma-Reparam note Thm 3.1: ||W_Q,h W_K,h^T||_2 per head
 }
 
 

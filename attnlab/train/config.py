@@ -66,6 +66,9 @@ class TrainConfig:
     num_workers: int = field(default=2, metadata={"help": "DataLoader worker processes"})
     threads: int | None = field(default=None, metadata={"help": "torch intra-op CPU threads during the run (default: torch's, one per core)"})
     log_every: int = field(default=10, metadata={"help": "update the progress bar every this many steps"})
+    probe_every: int = field(default=0, metadata={"help": "every this many steps log attention entropy, max logits and "
+                                                          "W_Q W_K^T spectral norms into metrics.jsonl (0: off)"})
+    probe_images: int = field(default=64, metadata={"help": "test images the probe runs on (the first ones, in order)"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar per epoch"})
     resume: bool = field(default=False, metadata={"help": "continue the run from its last completed epoch"})
 
@@ -73,7 +76,8 @@ class TrainConfig:
 # Keys that may differ between a run and its resumption without changing what is computed
 # (device and amp do change rounding; they are allowed so that a run can move machines).
 RUNTIME_KEYS = frozenset({"device", "amp", "compile", "data_dir", "download", "runs_dir", "name",
-                          "num_workers", "threads", "log_every", "progress", "resume"})
+                          "num_workers", "threads", "log_every", "probe_every", "probe_images", "progress",
+                          "resume"})
 
 RECIPES: dict[str, TrainConfig] = {
     # NS-Attn paper Sec. 3.1 (CIFAR-10/100, ViT and Swin).

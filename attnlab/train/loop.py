@@ -95,8 +95,10 @@ def count_params(model: nn.Module) -> int:
 
 # ----------------------------------------------------------------------------------------------- one epoch
 def train_one_epoch(model, loader, optimizer, scheduler, criterion, mixup_fn, *, device, amp_dtype, epoch: int,
-                    epochs: int, num_updates: int, clip_grad: float | None, log_every: int, progress: bool):
-    """One pass over ``loader``. Returns (stats, num_updates). Raises NonFiniteLossError at a NaN/inf loss."""
+                    epochs: int, num_updates: int, clip_grad: float | None, log_every: int, progress: bool,
+                    on_step=None):
+    """One pass over ``loader``. Returns (stats, num_updates). Raises NonFiniteLossError at a NaN/inf loss.
+    ``on_step(num_updates)`` runs after every optimizer step (the probe; it must leave the model in train mode)."""
     model.train()
     autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
     loss_sum, correct, seen = 0.0, 0, 0
@@ -123,6 +125,8 @@ def train_one_epoch(model, loader, optimizer, scheduler, criterion, mixup_fn, *,
         optimizer.step()
         num_updates += 1
         scheduler.step_update(num_updates)
+        if on_step is not None:
+            on_step(num_updates)
 
         n = labels.shape[0]
         loss_sum += loss_value * n
@@ -164,20 +168,31 @@ def evaluate(model, loader, *, device, amp_dtype, num_classes: int) -> dict[str,
 
 
 # ----------------------------------------------------------------------------------------------- the run
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def default_probe():
+    """The probe ``probe_every`` runs unless ``train`` is given another: attention entropy, maximum logits and
+    W_Q W_K^T spectral norms (looked up by name, so that this layer does not import the analysis layer)."""
+    import importlib
+
+    return importlib.import_module("attnlab.analysis.entropy").training_probe
+
+
+def train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     """Train ``cfg`` into ``<runs_dir>/<name>/`` and return the result dict (also written to result.json).
 
     ``cfg.resume``: continue from the last completed epoch if the run directory holds a checkpoint (on CPU the
     final weights equal an uninterrupted run's), return the stored result if it already finished, start afresh
     otherwise. Without it an existing checkpoint is an error, so that no run is overwritten by accident.
     Raises NonFiniteLossError (epoch and step in the message) at a NaN/inf loss, keeping the last checkpoint.
+    With ``cfg.probe_every > 0``, ``probe(model, images) -> dict`` (default :func:`default_probe`) runs every that
+    many steps on the first ``cfg.probe_images`` test images; each epoch's metrics line lists its results under
+    ``probes`` as ``{"step": n, ...}``.
     """
     cfg = validate(cfg)
     threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        return _train(cfg)
+        return _train(cfg, probe)
     finally:
         torch.set_num_threads(threads)
 
@@ -208,7 +223,7 @@ def load_run(run_dir: str | Path, map_location: str | torch.device = "cpu") -> t
     return model.eval(), cfg
 
 
-def _train(cfg: TrainConfig) -> dict[str, Any]:
+def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     from attnlab import parse_spec
     from attnlab.data import build_dataset, dataset_info
     from attnlab.reparam import qkclip
@@ -295,19 +310,33 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                    f"{' bf16' if amp_dtype else ' fp32'}, {steps_per_epoch} steps/epoch"
                    + (f", resuming after epoch {start_epoch}" if start_epoch else ""))
 
+    probes: list[dict[str, Any]] = []
+    on_step = None
+    if cfg.probe_every > 0:
+        probe = probe or default_probe()
+        probe_images = torch.stack([test_set[i][0] for i in range(min(cfg.probe_images, len(test_set)))]).to(device)
+
+        def on_step(step: int) -> None:
+            if step % cfg.probe_every == 0:
+                probes.append({"step": step, **probe(model, probe_images)})
+                model.train()
+
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
         epoch_start = time.perf_counter()
+        probes.clear()
         data_gen.manual_seed(epoch_seed(cfg.seed, epoch))
         if cfg.repeated_aug > 1:
             sampler.set_epoch(epoch_seed(cfg.seed, epoch))  # timm's sampler shuffles with seed = its "epoch"
         stats, num_updates = train_one_epoch(
             forward, train_loader, optimizer, scheduler, criterion, mixup_fn, device=device, amp_dtype=amp_dtype,
             epoch=epoch, epochs=cfg.epochs, num_updates=num_updates, clip_grad=cfg.clip_grad,
-            log_every=cfg.log_every, progress=cfg.progress)
+            log_every=cfg.log_every, progress=cfg.progress, on_step=on_step)
         test = evaluate(forward, test_loader, device=device, amp_dtype=amp_dtype, num_classes=info.num_classes)
         record = {"epoch": epoch, "train_loss": stats["train_loss"], "train_acc": stats["train_acc"], **test,
                   "lr": optimizer.param_groups[0]["lr"], "epoch_seconds": time.perf_counter() - epoch_start,
                   "img_per_s": stats["img_per_s"], **qkclip.clip_stats(model)}
+        if probes:
+            record["probes"] = list(probes)
         history.append(record)
         if cfg.progress:
             tqdm.write(f"epoch {epoch}/{cfg.epochs}  train_loss {record['train_loss']:.4f}  test_loss "
