@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
                      models=args.models, runs_dir=args.runs_dir, **base)
     progress = grid["base"].progress
     results = run_grid(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
-                       grid["runs_dir"], progress=progress)
+                       grid["runs_dir"], progress=progress, variations=grid["variations"])
     what = [w for w in args.analyze.split(",") if w.strip() and w.strip() != "none"]
     if what:
         from attnlab.analysis.instruments import annotate_runs

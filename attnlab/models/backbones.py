@@ -13,7 +13,8 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..attention.base import SUPPORTED_TYPES
-from ..errors import ModelNotFoundError
+from ..errors import ConfigError, ModelNotFoundError
+from .blocks import PostNormBlock
 from .convert import convert
 
 
@@ -63,14 +64,37 @@ def _fix_drop_path(model: nn.Module, rate: float) -> None:
                 setattr(block, name, DropPath(rate) if rate > 0 else nn.Identity())
 
 
-def build_model(name: str, num_classes: int | None = None, attn: str | None = "standard", **overrides) -> nn.Module:
+def build_model(name: str, num_classes: int | None = None, attn: str | None = "standard", norm: str = "pre",
+                **overrides) -> nn.Module:
     """Build a backbone with the attention variant ``attn`` (a spec string; ``None`` leaves timm's modules untouched).
 
     ``name`` is a preset (``vit_cifar``, ``swin_cifar``, ``vit_digits``) or any timm model name (random init).
     ``overrides`` go to the timm constructor (e.g. ``drop_path_rate=0.0``, ``img_size=64``, ``in_chans=1``).
+    ``norm="post"`` builds ViT-family models with post-LN blocks (:class:`~attnlab.models.blocks.PostNormBlock`).
     Attention modules run fused SDPA (timm's Swin leaves it off by default); the model's weights are drawn before the
     conversion, so the same seed gives the same shared weights whatever the variant.
     """
+    if norm not in ("pre", "post"):
+        raise ConfigError(f"norm must be 'pre' or 'post', not {norm!r}.")
+    if norm == "post":
+        overrides["block_fn"] = PostNormBlock
+    try:
+        model = _build(name, num_classes, overrides)
+    except TypeError as err:
+        if norm == "post" and "block_fn" in str(err):
+            raise ConfigError(f"norm='post' is available for ViT-family models (timm's VisionTransformer), "
+                              f"not {name!r}.") from None
+        raise
+    for module in model.modules():
+        if type(module) in SUPPORTED_TYPES:
+            module.fused_attn = True
+    model.attnlab_model = name
+    if attn is not None:
+        convert(model, attn)
+    return model
+
+
+def _build(name: str, num_classes: int | None, overrides: dict) -> nn.Module:
     if name in PRESETS:
         preset = PRESETS[name]
         kwargs = {**preset.kwargs, **overrides}
@@ -87,10 +111,4 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
         raise ModelNotFoundError(
             f"unknown model {name!r}: use a preset ({', '.join(PRESETS)}) or a timm model name "
             f"(see timm.list_models()).")
-    for module in model.modules():
-        if type(module) in SUPPORTED_TYPES:
-            module.fused_attn = True
-    model.attnlab_model = name
-    if attn is not None:
-        convert(model, attn)
     return model

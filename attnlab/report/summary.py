@@ -108,23 +108,23 @@ def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
         AttnlabError: two runs share model, dataset, variant and seed (matched-seed pairing would be ambiguous).
     """
     baseline = _variant_label(baseline)
-    groups: dict[tuple[str, str], dict[str, dict[Any, dict]]] = {}
+    groups: dict[tuple[str, str, str], dict[str, dict[Any, dict]]] = {}
     for run in runs:
-        key = (str(run["model"]), str(run["dataset"]))
+        key = (str(run["model"]), str(run["dataset"]), str(run.get("tag") or ""))
         variant = _variant_label(run["attn"])
         by_seed = groups.setdefault(key, {}).setdefault(variant, {})
         seed = run["seed"]
         if seed in by_seed:
             where = [r.get("run_dir", r.get("name")) for r in (by_seed[seed], run)]
             raise AttnlabError(
-                f"two runs of {key[0]} / {key[1]} / {variant} have seed {seed} ({where[0]} and {where[1]}); "
+                f"two runs of {' / '.join(filter(None, key))} / {variant} have seed {seed} ({where[0]} and {where[1]}); "
                 "keep one per seed so matched-seed comparisons are unambiguous."
             )
         by_seed[seed] = run
 
     rows = []
-    for (model, dataset) in sorted(groups):
-        variants = groups[(model, dataset)]
+    for (model, dataset, tag) in sorted(groups):
+        variants = groups[(model, dataset, tag)]
         base_runs = variants.get(baseline)
         base_mean = _mean([r["top1"] for r in base_runs.values()]) if base_runs else None
         order = ([baseline] if base_runs else []) + sorted(v for v in variants if v != baseline)
@@ -142,6 +142,7 @@ def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
             row = {
                 "model": model,
                 "dataset": dataset,
+                "tag": tag,
                 "variant": variant,
                 "baseline": variant == baseline,
                 "n": len(seeds),
@@ -194,15 +195,15 @@ def format_markdown(rows: list[dict]) -> str:
     the rounded means shown beside them (as in the paper).
     """
     out: list[str] = []
-    groups: dict[tuple[str, str], list[dict]] = {}
+    groups: dict[tuple[str, str, str], list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["model"], row["dataset"]), []).append(row)
-    for (model, dataset), group in groups.items():
+        groups.setdefault((row["model"], row["dataset"], row.get("tag", "")), []).append(row)
+    for (model, dataset, tag), group in groups.items():
         extra_names = sorted({name for row in group for name in row.get("extras", {})})
         header = ["Variant", "Top-1 (mean ± SD)", "Gain (pp)", "Wins", "n", *extra_names]
         if out:
             out.append("")
-        out.append(f"### {model} / {dataset}")
+        out.append(f"### {model} / {dataset}" + (f" / {tag}" if tag else ""))
         out.append("")
         out.append("| " + " | ".join(header) + " |")
         out.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")

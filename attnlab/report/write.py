@@ -84,8 +84,8 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     if plots:
         groups: dict[tuple[str, str], list[dict]] = {}
         for row in rows:
-            groups.setdefault((row["model"], row["dataset"]), []).append(row)
-        for (model, dataset), group in groups.items():
-            name = f"report_{_slug(model)}_{_slug(dataset)}.png"
-            plot_paths.append(plot_group(group, out / name, f"{model} / {dataset}"))
+            groups.setdefault((row["model"], row["dataset"], row.get("tag", "")), []).append(row)
+        for (model, dataset, tag), group in groups.items():
+            name = "_".join(_slug(x) for x in ("report", model, dataset, tag) if x) + ".png"
+            plot_paths.append(plot_group(group, out / name, " / ".join(x for x in (model, dataset, tag) if x)))
     return {"markdown": markdown, "rows": rows, "markdown_path": md_path, "json": json_path, "plots": plot_paths}

@@ -36,6 +36,8 @@ class TrainConfig:
     dataset: str = field(default="cifar100", metadata={"help": "dataset name (cifar10, cifar100, digits, ...)"})
     attn: str = field(default="standard", metadata={"help": "attention variant spec, e.g. 'ns' or 'dna(variant=q)+sigma'"})
     seed: int = field(default=0, metadata={"help": "seed for weights, data order, augmentation and mixing"})
+    tag: str = field(default="", metadata={"help": "label of a recipe variation in a grid (e.g. no_warmup): part of the "
+                                                    "run name, and reports compare variants within each tag"})
     # --- recipe (NS-Attn Sec. 3.1; unstated values from the DeiT/timm defaults the SPT/LSA code uses)
     epochs: int = field(default=100, metadata={"help": "training epochs"})
     batch_size: int = field(default=128, metadata={"help": "training batch size"})
@@ -51,6 +53,9 @@ class TrainConfig:
     mixup_prob: float = field(default=0.5, metadata={"help": "probability that a batch is mixed (Mixup or CutMix)"})
     mixup_switch_prob: float = field(default=0.5, metadata={"help": "probability of CutMix rather than Mixup when a batch is mixed"})
     repeated_aug: int = field(default=3, metadata={"help": "repeated augmentation count (1 disables it)"})
+    norm: str = field(default="pre", metadata={"help": "'pre' (timm's pre-LN blocks) or 'post' (post-LN, ViT only)"})
+    optimizer: str = field(default="adamw", metadata={"help": "'adamw' or 'lars' (timm's LARS, SGD momentum with layer-wise trust ratio)"})
+    momentum: float = field(default=0.9, metadata={"help": "momentum of the LARS optimizer"})
     drop_path: float | None = field(default=None, metadata={"help": "stochastic-depth rate (default: the model preset's)"})
     clip_grad: float | None = field(default=None, metadata={"help": "clip the gradient norm to this value (default: no clipping)"})
     model_options: dict = field(default_factory=dict, metadata={"help": "extra keyword arguments for build_model"})
@@ -104,7 +109,8 @@ GRID_PRESETS: dict[str, dict[str, Any]] = {
                   "runs_dir": "runs/ns_attn_table1"},
 }
 
-_CHOICES = {"amp": ("auto", "bf16", "none"), "augment": ("recipe", "none")}
+_CHOICES = {"amp": ("auto", "bf16", "none"), "augment": ("recipe", "none"), "norm": ("pre", "post"),
+            "optimizer": ("adamw", "lars")}
 
 
 def config_keys() -> list[str]:
@@ -241,7 +247,7 @@ def run_name(cfg: TrainConfig, spec: str | None = None) -> str:
         name = cfg.name
     else:
         spec = cfg.attn if spec is None else spec
-        name = f"{cfg.model}-{cfg.dataset}-{spec}-s{cfg.seed}"
+        name = "-".join(x for x in (cfg.model, cfg.dataset, cfg.tag, spec) if x) + f"-s{cfg.seed}"
     safe = re.sub(r"[^A-Za-z0-9._=,+-]+", "_", name.replace(" ", "").replace(")", "")).strip("_.")
     if not safe:
         raise ConfigError(f"run name {name!r} has no file-system safe characters; give a name such as 'my_run'.")

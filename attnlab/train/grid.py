@@ -41,26 +41,32 @@ def split_specs(text: str) -> list[str]:
 
 
 def grid_runs(base_cfg: TrainConfig, variants: Sequence[str], seeds: Sequence[int], datasets: Sequence[str] | None,
-              models: Sequence[str] | None, runs_dir: str | Path) -> list[TrainConfig]:
-    """The configs of a grid, ordered model, dataset, seed, variant: a partial grid holds matched-seed pairs."""
+              models: Sequence[str] | None, runs_dir: str | Path,
+              variations: dict[str, dict[str, Any]] | None = None) -> list[TrainConfig]:
+    """The configs of a grid, ordered variation, model, dataset, seed, variant: a partial grid holds matched-seed
+    pairs. ``variations`` maps a tag (e.g. ``no_warmup``) to TrainConfig overrides (e.g. ``{warmup_epochs: 0}``);
+    each becomes its own comparison in the report."""
     datasets = list(datasets) if datasets else [base_cfg.dataset]
     models = list(models) if models else [base_cfg.model]
-    return [dataclasses.replace(base_cfg, model=m, dataset=d, seed=int(s), attn=a, runs_dir=str(runs_dir),
+    bases = [base_cfg]
+    if variations:
+        bases = [make_config(base_cfg, tag=tag, **(overrides or {})) for tag, overrides in variations.items()]
+    return [dataclasses.replace(base, model=m, dataset=d, seed=int(s), attn=a, runs_dir=str(runs_dir),
                                 name=None, resume=True)
-            for m in models for d in datasets for s in seeds for a in variants]
+            for base in bases for m in models for d in datasets for s in seeds for a in variants]
 
 
 def run_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Sequence[int],
              datasets: Sequence[str] | None, models: Sequence[str] | None, runs_dir: str | Path,
-             progress: bool = True) -> list[dict[str, Any]]:
+             progress: bool = True, variations: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Train every (model, dataset, seed, variant) of the grid in turn; return their result dicts.
 
     A run whose ``result.json`` exists is skipped (its stored result returned); a run interrupted earlier
     resumes from its last checkpoint. ``variants=None`` means :func:`demo_variants`; ``datasets`` / ``models``
-    ``None`` mean the base config's.
+    ``None`` mean the base config's; ``variations`` as in :func:`grid_runs`.
     """
     variants = demo_variants() if variants is None else list(variants)
-    configs = grid_runs(base_cfg, variants, seeds, datasets, models, runs_dir)
+    configs = grid_runs(base_cfg, variants, seeds, datasets, models, runs_dir, variations)
     results = []
     for i, cfg in enumerate(configs, start=1):
         cfg = dataclasses.replace(cfg, progress=progress)
@@ -77,10 +83,12 @@ def load_grid(path: str | Path | None = None, preset: str | None = None, **overr
 
     YAML layout: ``variants: [standard, ns]``, ``seeds: [0, 1, 3]``, ``datasets: [...]``, ``models: [...]``,
     ``runs_dir: runs`` and ``base:`` a mapping of TrainConfig keys (``recipe: ns_cifar``, ``epochs: 100``, ...);
-    TrainConfig keys may also sit at the top level. Returns ``{"base": TrainConfig, "variants", "seeds",
-    "datasets", "models", "runs_dir"}`` ready for :func:`run_grid`.
+    TrainConfig keys may also sit at the top level; optional ``variations:`` maps a tag to TrainConfig overrides
+    (recipe variations compared separately). Returns ``{"base": TrainConfig, "variants", "seeds", "datasets",
+    "models", "runs_dir", "variations"}`` ready for :func:`run_grid`.
     """
-    grid: dict[str, Any] = {"variants": None, "seeds": [0], "datasets": None, "models": None, "runs_dir": "runs"}
+    grid: dict[str, Any] = {"variants": None, "seeds": [0], "datasets": None, "models": None, "runs_dir": "runs",
+                            "variations": None}
     base: dict[str, Any] = {}
     if preset is not None:
         if preset not in GRID_PRESETS:
@@ -101,9 +109,12 @@ def load_grid(path: str | Path | None = None, preset: str | None = None, **overr
         if not isinstance(base_part, dict):
             raise ConfigError(f"'base' in grid file {path} must be a mapping of training config keys.")
         base.update(base_part)
-        for key in ("variants", "seeds", "datasets", "models", "runs_dir"):
+        for key in ("variants", "seeds", "datasets", "models", "runs_dir", "variations"):
             if key in data:
                 grid[key] = data.pop(key)
+        if grid["variations"] is not None and not isinstance(grid["variations"], dict):
+            raise ConfigError(f"'variations' in grid file {path} must map a tag to training config keys, "
+                              "e.g. no_warmup: {warmup_epochs: 0}.")
         base.update(data)  # remaining top-level keys are TrainConfig keys (unknown ones raise below)
     for key in ("variants", "seeds", "datasets", "models", "runs_dir"):
         if overrides.get(key) is not None:

@@ -205,7 +205,7 @@ def build_run_model(cfg: TrainConfig, info) -> nn.Module:
     if cfg.drop_path is not None:
         model_kwargs["drop_path_rate"] = cfg.drop_path
     model_kwargs.update(cfg.model_options)
-    return build_model(cfg.model, num_classes=info.num_classes, attn=cfg.attn, **model_kwargs)
+    return build_model(cfg.model, num_classes=info.num_classes, attn=cfg.attn, norm=cfg.norm, **model_kwargs)
 
 
 def load_run(run_dir: str | Path, map_location: str | torch.device = "cpu") -> tuple[nn.Module, TrainConfig]:
@@ -286,7 +286,7 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     else:
         criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.optimizer, cfg.momentum)
     qkclip.attach_optimizer_hooks(model, optimizer)  # QK-clip rescales W_q, W_k after each step (no-op otherwise)
     scheduler = build_scheduler(optimizer, epochs=cfg.epochs, steps_per_epoch=steps_per_epoch,
                                 warmup_epochs=cfg.warmup_epochs, warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr)
@@ -350,7 +350,7 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
         })
 
     last = history[-1]
-    result = {"name": name, "model": cfg.model, "dataset": cfg.dataset, "attn": spec, "seed": cfg.seed,
+    result = {"name": name, "model": cfg.model, "dataset": cfg.dataset, "tag": cfg.tag, "attn": spec, "seed": cfg.seed,
               "epochs": cfg.epochs, "top1": last["top1"], "top5": last["top5"], "test_loss": last["test_loss"],
               "params": params, "seconds": sum(h["epoch_seconds"] for h in history), "extra": {}}
     atomic_write_json(run_dir / RESULT, result)

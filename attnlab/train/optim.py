@@ -38,10 +38,20 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW over :func:`param_groups`. The fused kernel updates every tensor in one call; PyTorch picks it only on
-    request, and on CPU the default per-tensor loop costs a small model more time than its backward pass."""
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, name: str = "adamw",
+                    momentum: float = 0.9) -> torch.optim.Optimizer:
+    """AdamW (default) or timm's LARS over :func:`param_groups`.
+
+    AdamW runs its fused kernel, which updates every tensor in one call; PyTorch picks it only on request, and on CPU
+    the default per-tensor loop costs a small model more time than its backward pass. LARS scales each tensor's step
+    by its trust ratio ||w|| / ||g|| only in the decay group, so biases and norms take plain momentum SGD steps.
+    """
     groups = param_groups(model, weight_decay)
+    if name == "lars":
+        from timm.optim import Lars
+
+        groups[0]["always_adapt"] = True  # trust ratio on weight matrices even when weight_decay is 0
+        return Lars(groups, lr=lr, momentum=momentum)
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for g in groups for p in g["params"])
     return torch.optim.AdamW(groups, lr=lr, fused=fused or None)
 

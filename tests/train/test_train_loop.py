@@ -22,7 +22,7 @@ def test_demo_recipe_learns_digits(tmp_path):
     run = tmp_path / result["name"]
     assert result["name"] == "vit_digits-digits-standard-s0"
     assert json.loads((run / "result.json").read_text()) == result
-    assert set(result) == {"name", "model", "dataset", "attn", "seed", "epochs", "top1", "top5", "test_loss",
+    assert set(result) == {"name", "model", "dataset", "tag", "attn", "seed", "epochs", "top1", "top5", "test_loss",
                            "params", "seconds", "extra"}
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in lines] == list(range(1, cfg.epochs + 1))
