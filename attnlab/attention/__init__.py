@@ -1,2 +1,3 @@
 from .diff import DiffAttention  # noqa: F401
 from .cog import CogAttention  # noqa: F401
+from .dna import DnAAttention, DnACrossAttention  # noqa: F401

@@ -1,0 +1,243 @@
+"""DnA's instruments (DnA paper Sec. 4.4, Appendix C.5), for any two-branch attention: DnA and Differential.
+
+For every attention layer, sample (ViT) or window (Swin) and head, with the two branch outputs O+, O- (N x D; DnA:
+softmax(s+) V+ and softmin(s-) V-, diff: A1 V and A2 V, both before alpha / lambda) and values V+, V- (N x D; diff
+shares V, so V+ = V-):
+
+- intruder dimensions (Sec. 4.4 (a)): U+ and U- the top-k left singular vectors of O+ and O- (k = 10; at most
+  min(N, D)). A vector u of U+ is an intruder when |cos(u, w)| < eps for every w in U- (eps = cos(pi/3)); the count
+  is 0..k, higher means the branches span more separate subspaces.
+- value similarity C(V+, V-) = <V+, V->_F / (||V+||_F ||V-||_F) in [-1, 1] (Sec. 4.4 (b); the paper's display
+  divides by ||V+||_F twice, its trace form and stated range use both norms, as here).
+- branch cosine: the cosine of the two branch outputs as matrices, <O+, O->_F / (||O+||_F ||O-||_F) (Sec. 4.4:
+  0.96 for diff, 0.32 for DnA on ImageNet).
+- alpha statistics per layer (Appendix C.5 (D), Figure 11): mean, max, min and sample SD of alpha_h over heads
+  (diff: its one lambda per layer, SD 0).
+
+The two-branch convention every such module follows: ``branch_outputs(x, mask=None, attn_mask=None) -> (o_pos,
+o_neg)``, each (B, H, N, D) before alpha / lambda; ``branch_values(x) -> (v_pos, v_neg)`` (optional: without it the
+module's ``project(x)`` value is used for both, as diff shares V); ``alpha_values() -> (H,)`` or ``lambda_full()``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModelError
+
+DEFAULT_K = 10
+DEFAULT_EPS = math.cos(math.pi / 3)
+
+
+# ---- the measures, on tensors ------------------------------------------------------------------------------------
+def intruder_dimensions(a: torch.Tensor, b: torch.Tensor, k: int = DEFAULT_K, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """Number of a's top-k left singular vectors whose |cosine| with every one of b's top-k stays below eps.
+
+    a, b: (..., N, D). Returns (...) int64 counts in [0, k'] with k' = min(k, N, D). Computed in float64.
+    """
+    kk = min(k, a.shape[-2], a.shape[-1])
+    ua = torch.linalg.svd(a.double(), full_matrices=False).U[..., :kk]
+    ub = torch.linalg.svd(b.double(), full_matrices=False).U[..., :kk]
+    cos = (ua.transpose(-2, -1) @ ub).abs()  # (..., k', k'): singular vectors are unit, their sign arbitrary
+    return (cos.amax(dim=-1) < eps).sum(dim=-1)
+
+
+def frobenius_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """<a, b>_F / (||a||_F ||b||_F) over the last two dimensions, (...); float64."""
+    a, b = a.double(), b.double()
+    num = (a * b).sum(dim=(-2, -1))
+    return num / (a.flatten(-2).norm(dim=-1) * b.flatten(-2).norm(dim=-1))
+
+
+def value_similarity(v_pos: torch.Tensor, v_neg: torch.Tensor) -> torch.Tensor:
+    """C(V+, V-) = Trace(V+^T V-) / (||V+||_F ||V-||_F) per (...) for V±: (..., N, D)."""
+    return frobenius_cosine(v_pos, v_neg)
+
+
+def branch_cosine(o_pos: torch.Tensor, o_neg: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of the two branch outputs as matrices, per (...), for O±: (..., N, D)."""
+    return frobenius_cosine(o_pos, o_neg)
+
+
+# ---- the measures, on a model ------------------------------------------------------------------------------------
+def two_branch_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module with ``branch_outputs`` (DnA, diff), in forward order."""
+    found = [(n, m) for n, m in model.named_modules() if callable(getattr(m, "branch_outputs", None))]
+    if not found:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no two-branch attention; build or convert it with attn='dna' or 'diff'.")
+    return found
+
+
+def _branch_values(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if callable(getattr(module, "branch_values", None)):
+        return module.branch_values(x)
+    v = module.project(x)[2]  # diff: both branches share the one V
+    return v, v
+
+
+def _coefficients(module: nn.Module) -> tuple[str, torch.Tensor]:
+    if callable(getattr(module, "alpha_values", None)):
+        return "alpha", module.alpha_values().detach().double().cpu().reshape(-1)
+    if callable(getattr(module, "lambda_full", None)):
+        return "lambda", module.lambda_full().detach().double().cpu().reshape(-1)
+    raise UnsupportedModelError(f"{type(module).__name__} exposes neither alpha_values() nor lambda_full().")
+
+
+def alpha_stats(model: nn.Module) -> list[dict]:
+    """Per two-branch layer: ``{"layer", "name", "kind" ("alpha" or "lambda"), "values", "mean", "max", "min",
+    "sd"}``; sd is the sample SD over heads (0 for one value)."""
+    out = []
+    for index, (name, module) in enumerate(two_branch_modules(model)):
+        kind, values = _coefficients(module)
+        out.append({"layer": index, "name": name, "kind": kind, "values": values.tolist(),
+                    "mean": float(values.mean()), "max": float(values.max()), "min": float(values.min()),
+                    "sd": float(values.std()) if values.numel() > 1 else 0.0})
+    return out
+
+
+@dataclass
+class BranchInstruments:
+    """Per two-branch layer: (samples or windows, H) tensors of intruder counts, C(V+, V-) and branch cosine."""
+
+    layers: list[str]
+    k: int = DEFAULT_K
+    eps: float = DEFAULT_EPS
+    intruders: list[torch.Tensor] = field(default_factory=list)
+    value_similarity: list[torch.Tensor] = field(default_factory=list)
+    branch_cosine: list[torch.Tensor] = field(default_factory=list)
+    alpha: list[dict] = field(default_factory=list)
+
+    def pooled(self, name: str) -> torch.Tensor:
+        """All values of one measure over layers, samples and heads, flattened."""
+        return torch.cat([t.reshape(-1).double() for t in getattr(self, name)])
+
+    def summary(self) -> dict:
+        """Means and medians of each measure over every (sample, head, layer), and the intruder histogram 0..k."""
+        intr = self.pooled("intruders")
+        out = {"k": self.k, "eps": self.eps, "values": int(intr.numel()),
+               "intruders_mean": float(intr.mean()), "intruders_median": float(intr.median()),
+               "intruders_hist": torch.bincount(intr.long(), minlength=self.k + 1).tolist()}
+        for key in ("value_similarity", "branch_cosine"):
+            v = self.pooled(key)
+            out[f"{key}_mean"], out[f"{key}_median"] = float(v.mean()), float(v.median())
+        out["alpha_mean_per_layer"] = [a["mean"] for a in self.alpha]
+        return out
+
+
+@torch.no_grad()
+def branch_instruments(model: nn.Module, images: torch.Tensor, k: int = DEFAULT_K, eps: float = DEFAULT_EPS,
+                       batch_size: int = 32) -> BranchInstruments:
+    """Run ``model`` (eval mode, no grad) on ``images`` and measure, at every two-branch layer and for every sample
+    (Swin: window) and head, the intruder count, C(V+, V-) and the branch cosine; plus alpha statistics.
+
+    Each layer's input (and Swin's window mask) is taken from the real forward by a pre-hook; the layer's
+    ``branch_outputs`` / ``branch_values`` are then evaluated on it.
+    """
+    modules = two_branch_modules(model)
+    result = BranchInstruments(layers=[n for n, _ in modules], k=k, eps=eps, alpha=alpha_stats(model))
+    parts: list[dict[str, list[torch.Tensor]]] = [{"i": [], "c": [], "o": []} for _ in modules]
+
+    def hook(index):
+        def record(module, args, kwargs):
+            bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+            x = next(iter(bound.values()))
+            o_pos, o_neg = module.branch_outputs(x, mask=bound.get("mask"), attn_mask=bound.get("attn_mask"))
+            v_pos, v_neg = _branch_values(module, x)
+            parts[index]["i"].append(intruder_dimensions(o_pos, o_neg, k, eps).cpu())
+            parts[index]["c"].append(value_similarity(v_pos, v_neg).cpu())
+            parts[index]["o"].append(branch_cosine(o_pos, o_neg).cpu())
+        return record
+
+    flags = [m.training for m in model.modules()]
+    handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, (_, m) in enumerate(modules)]
+    device = next(model.parameters()).device
+    try:
+        model.eval()
+        for start in range(0, images.shape[0], batch_size):
+            model(images[start:start + batch_size].to(device))
+    finally:
+        for h in handles:
+            h.remove()
+        for m, flag in zip(model.modules(), flags):
+            m.training = flag
+    for p in parts:
+        result.intruders.append(torch.cat(p["i"]))
+        result.value_similarity.append(torch.cat(p["c"]))
+        result.branch_cosine.append(torch.cat(p["o"]))
+    return result
+
+
+def plot_branch_instruments(results: dict[str, BranchInstruments], out_dir: str | Path) -> list[Path]:
+    """Histograms (intruder counts, C(V+, V-), branch cosine) with one series per model, and alpha statistics per
+    layer; one PNG each in ``out_dir``. Returns the paths."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    def save(fig, name):
+        path = out_dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        paths.append(path)
+
+    fig = Figure(figsize=(6, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    k = max(r.k for r in results.values())
+    width = 0.8 / max(len(results), 1)
+    for i, (name, r) in enumerate(results.items()):
+        counts = torch.bincount(r.pooled("intruders").long(), minlength=k + 1).double()
+        ax.bar((torch.arange(k + 1).double() + (i - (len(results) - 1) / 2) * width).numpy(),
+               (counts / counts.sum()).numpy(), width=width, label=name)
+    first = next(iter(results.values()))
+    ax.set(xlabel=f"intruder dimensions (k={first.k}, eps={first.eps:.3g})", ylabel="fraction of (sample, head, layer)",
+           title="Intruder dimensions between the two branches")
+    ax.legend()
+    save(fig, "intruders.png")
+
+    for key, label in (("value_similarity", "C(V+, V-)"), ("branch_cosine", "cosine(O+, O-)")):
+        fig = Figure(figsize=(6, 4))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        for name, r in results.items():
+            ax.hist(r.pooled(key).numpy(), bins=50, range=(-1, 1), alpha=0.6, density=True,
+                    label=f"{name} (mean {float(r.pooled(key).mean()):.2f})")
+        ax.set(xlabel=label, ylabel="density", title=f"{label} per sample, head and layer")
+        ax.legend()
+        save(fig, f"{key}.png")
+
+    fig = Figure(figsize=(10, 3))
+    FigureCanvasAgg(fig)
+    for j, stat in enumerate(("mean", "max", "min", "sd")):
+        ax = fig.add_subplot(1, 4, j + 1)
+        for name, r in results.items():
+            ax.plot([a["layer"] for a in r.alpha], [a[stat] for a in r.alpha], marker="o", label=name)
+        ax.set(xlabel="layer", title=f"alpha {stat}")
+    ax.legend()
+    save(fig, "alpha.png")
+    return paths
+
+
+def compare_branches(models: dict[str, nn.Module], images: torch.Tensor, out_dir: str | Path | None = None,
+                     k: int = DEFAULT_K, eps: float = DEFAULT_EPS, batch_size: int = 32) -> dict[str, dict]:
+    """The paper's DnA-versus-Differential comparison in one call: :func:`branch_instruments` on each model (same
+    images), histograms written to ``out_dir`` when given; returns ``{name: summary}``."""
+    results = {name: branch_instruments(m, images, k=k, eps=eps, batch_size=batch_size) for name, m in models.items()}
+    if out_dir is not None:
+        plot_branch_instruments(results, out_dir)
+    return {name: r.summary() for name, r in results.items()}
+
+
+__all__ = ["BranchInstruments", "alpha_stats", "branch_cosine", "branch_instruments", "compare_branches",
+           "frobenius_cosine", "intruder_dimensions", "plot_branch_instruments", "two_branch_modules",
+           "value_similarity"]

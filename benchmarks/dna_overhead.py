@@ -1,0 +1,139 @@
+"""DnA forward throughput over standard attention, every variant measured in one run (ratios hold, times do not).
+
+Throughput ratio = standard latency / variant latency (1.0 = as fast as standard). Every model starts from the same
+seed, so the shared weights are identical. Protocol: attnlab.bench.measure_latency (the NS-Attn paper's: rounds
+of warm-up and timed forwards, model order alternating between rounds), eval mode, inference mode.
+
+Rows besides the registered variants, to compare implementation layouts of Q±V±:
+  dna[straightforward]  separate Q-/V- Linears next to the 3*dim qkv, -Q- fed to a second SDPA, alpha mul + add
+  dna[one-sdpa]         both branches as ONE SDPA call, stacked along the head axis (K copied, -Q- as query)
+
+Targets for dna (qv), 2 CPU cores, fp32 eval: vit_cifar batch 64 >= 0.70; vit_base_patch16_224 batch 4 >= 0.85.
+
+    python benchmarks/dna_overhead.py                                  # both CPU targets
+    python benchmarks/dna_overhead.py --models vit_cifar --batch-sizes 64 --iters 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import subprocess
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import attnlab
+from attnlab.analysis.cost import _input_shape
+from attnlab.attention.dna import DnAAttention
+from attnlab.bench import measure_latency
+from attnlab.models.convert import attention_modules
+
+
+class Straightforward(DnAAttention):
+    """Q±V± written the obvious way: qkv (Q+, K, V+) plus separate q_neg / v_neg Linears, two SDPA calls."""
+
+    def setup(self):
+        A = self.attn_dim
+        w, b = self.qkv.weight.detach(), self.qkv.bias.detach() if self.qkv.bias is not None else None
+        rows = lambda i: slice(i * A, (i + 1) * A)  # noqa: E731  (layout Q+, Q-, K, V+, V-)
+        self.qkv_std = nn.Linear(self.dim, 3 * A, bias=b is not None)
+        self.q_neg = nn.Linear(self.dim, A, bias=b is not None)
+        self.v_neg = nn.Linear(self.dim, A, bias=b is not None)
+        with torch.no_grad():
+            self.qkv_std.weight.copy_(torch.cat([w[rows(0)], w[rows(2)], w[rows(3)]]))
+            self.q_neg.weight.copy_(w[rows(1)])
+            self.v_neg.weight.copy_(w[rows(4)])
+            if b is not None:
+                self.qkv_std.bias.copy_(torch.cat([b[rows(0)], b[rows(2)], b[rows(3)]]))
+                self.q_neg.bias.copy_(b[rows(1)])
+                self.v_neg.bias.copy_(b[rows(4)])
+
+    def forward(self, x, attn_mask=None, is_causal=False, mask=None):
+        B, N, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        q, k, v = self.qkv_std(x).reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+        qn = self.q_neg(x).reshape(B, N, H, D).transpose(1, 2)
+        vn = self.v_neg(x).reshape(B, N, H, D).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v) + self.alpha.view(-1, 1, 1) * \
+            F.scaled_dot_product_attention(-qn, k, vn)
+        return self.merge(o, x)
+
+
+class OneSDPA(DnAAttention):
+    """Q±V± as one SDPA call over 2H heads: queries [Q+, -Q-], keys [K, K] (a copy), values [V+, V-]."""
+
+    def forward(self, x, attn_mask=None, is_causal=False, mask=None):
+        B, N, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        y = self.qkv(x).view(B, N, 5, H, D)
+        sign = torch.tensor([1.0, -1.0], dtype=y.dtype, device=y.device).view(1, 1, 2, 1, 1)
+        q = (y[:, :, 0:2] * sign).reshape(B, N, 2 * H, D).transpose(1, 2)
+        k = y[:, :, 2:3].expand(B, N, 2, H, D).reshape(B, N, 2 * H, D).transpose(1, 2)
+        v = y[:, :, 3:5].reshape(B, N, 2 * H, D).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v)
+        return self.merge(torch.addcmul(o[:, :H], self.alpha.view(-1, 1, 1), o[:, H:]), x)
+
+
+def build(model_name: str, specs: list[str], seed: int = 0) -> dict[str, nn.Module]:
+    torch.manual_seed(seed)
+    base = attnlab.build_model(model_name, attn=None)
+    models = {}
+    for spec in specs:
+        kind, _, impl = spec.partition("[")
+        torch.manual_seed(seed + 1)  # new parameters (Q-, V-, alpha) drawn identically for every layout
+        m = attnlab.convert(copy.deepcopy(base), kind)
+        if impl:
+            cls = {"straightforward]": Straightforward, "one-sdpa]": OneSDPA}[impl]
+            for _, attn in attention_modules(m):
+                attn.__class__ = cls
+                if cls is Straightforward:
+                    attn.setup()
+        models[spec] = m.eval()
+    return models
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except Exception:  # noqa: BLE001 - best effort
+        return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="vit_cifar,vit_base_patch16_224")
+    p.add_argument("--batch-sizes", default="64,4", help="one per model")
+    p.add_argument("--attn", default="standard,dna,dna[straightforward],dna[one-sdpa],dna(variant=q),"
+                   "dna(variant=v),dna(variant=shared),dna(variant=sum)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=4)
+    args = p.parse_args()
+    import timm
+
+    print(f"# {cpu_name()}, torch {torch.__version__}, timm {timm.__version__}, threads {torch.get_num_threads()}, "
+          "fp32 eval, forward throughput ratio = standard ms / variant ms")
+    specs = args.attn.split(",")
+    for model_name, bs in zip(args.models.split(","), map(int, args.batch_sizes.split(","))):
+        models = build(model_name, specs)
+        shape = _input_shape(models[specs[0]], None)
+        x = torch.randn(bs, *shape, generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():  # the layouts compute the same function
+            ref = models["dna"](x) if "dna" in models else None
+            for name, m in models.items():
+                if ref is not None and name.startswith("dna["):
+                    torch.testing.assert_close(m(x), ref, rtol=1e-4, atol=1e-4)
+        r = measure_latency(models, x, warmup=args.warmup, iters=args.iters, rounds=args.rounds, progress=False)
+        print(f"\n## {model_name}, batch {bs}: {r['rounds']} rounds x ({r['warmup']} warm-up + {r['iters']} timed)\n")
+        print("| attention | ms/batch (mean ± SD over rounds) | throughput vs standard |")
+        print("|---|---:|---:|")
+        for name, s in r["models"].items():
+            print(f"| {name} | {s['mean_ms']:.1f} ± {s['sd_ms']:.1f} | {1 / s['ratio']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
