@@ -22,6 +22,8 @@ from timm.layers import Attention as TimmAttention
 from timm.models.swin_transformer import WindowAttention as TimmWindowAttention
 from timm.models.swin_transformer import get_relative_position_index
 
+from ..errors import UnsupportedModelError
+
 
 class AttnlabAttention(nn.Module):
     """Multi-head self-attention for ViT global attention (``window_size=None``) and Swin window attention.
@@ -45,6 +47,7 @@ class AttnlabAttention(nn.Module):
     """
 
     fused_attn: Final[bool]
+    adopts_wide_qkv = False  # True for mechanisms that know how to read a wider fused projection (DnA)
 
     def __init__(
         self,
@@ -100,7 +103,8 @@ class AttnlabAttention(nn.Module):
         """Constructor arguments that rebuild ``module`` (timm Attention, WindowAttention, or an attnlab one)."""
         qkv = module.qkv
         num_heads = module.num_heads
-        head_dim = qkv.out_features // 3 // num_heads
+        # timm's WindowAttention keeps no head_dim; attnlab's fused projections may be wider than 3 blocks (DnA)
+        head_dim = getattr(module, "head_dim", None) or qkv.out_features // 3 // num_heads
         geo = dict(
             dim=qkv.in_features,
             num_heads=num_heads,
@@ -126,6 +130,11 @@ class AttnlabAttention(nn.Module):
 
     def adopt(self, module: nn.Module) -> None:
         """Take ``module``'s shared submodules: q, k, v and output projections, norms, Swin position bias."""
+        width = module.qkv.out_features
+        if width != 3 * self.attn_dim and not self.adopts_wide_qkv:
+            raise UnsupportedModelError(
+                f"cannot turn a {type(module).__name__} (a {width}-wide q/k/v projection) into {type(self).__name__}, "
+                f"which needs {3 * self.attn_dim}; build the model afresh with the new spec.")
         self.qkv = module.qkv
         self.proj = module.proj
         self.attn_drop = module.attn_drop

@@ -114,3 +114,17 @@ def test_same_seed_same_shared_weights_across_variants():
     b = attnlab.build_model("vit_digits", attn=None)
     for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert ka == kb and torch.equal(va, vb)
+
+
+def test_reconverting_keeps_weights_or_refuses():
+    torch.manual_seed(0)
+    model = attnlab.build_model("vit_digits", attn="ns").eval()
+    x = torch.randn(2, 1, 8, 8)
+    reference = attnlab.convert(copy.deepcopy(model), "standard")
+    with torch.no_grad():  # ns -> standard keeps every weight: same as a standard model with those weights
+        fresh = attnlab.build_model("vit_digits").eval()
+        fresh.load_state_dict(model.state_dict())
+        assert torch.equal(reference(x), fresh(x))
+    wide = attnlab.build_model("vit_digits", attn="dna")
+    with pytest.raises(UnsupportedModelError, match="build the model afresh"):
+        attnlab.convert(wide, "standard")
