@@ -103,8 +103,8 @@ class AttnlabAttention(nn.Module):
         """Constructor arguments that rebuild ``module`` (timm Attention, WindowAttention, or an attnlab one)."""
         qkv = module.qkv
         num_heads = module.num_heads
-        # timm's WindowAttention keeps no head_dim; attnlab's fused projections may be wider than 3 blocks (DnA)
-        head_dim = getattr(module, "head_dim", None) or qkv.out_features // 3 // num_heads
+        # attnlab's fused projections may be wider than 3 blocks (DnA); timm's modules hold exactly q, k, v
+        head_dim = module.head_dim if isinstance(module, AttnlabAttention) else qkv.out_features // 3 // num_heads
         geo = dict(
             dim=qkv.in_features,
             num_heads=num_heads,
