@@ -34,7 +34,7 @@ def test_demo_recipe_learns_digits(tmp_path):
     again = load_config(run / "config.yaml")
     assert again == dataclasses.replace(cfg, name=result["name"])
     state = torch.load(run / "trainer_state.pt", weights_only=True)
-    assert state["epoch"] == 10
+    assert state["epoch"] == cfg.epochs
 
 
 def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
