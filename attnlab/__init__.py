@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "build_model": ("attnlab.models", "build_model"),
     "convert": ("attnlab.models", "convert"),
+    "fold": ("attnlab.reparam", "fold"),
 }
 _SUBMODULES = ("ops", "attention", "reparam", "models", "data", "train", "analysis", "bench", "report")
 

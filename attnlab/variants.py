@@ -188,3 +188,19 @@ register(Variant(
                           help="qkv: the attention's query, key and value weights; qkv+mlp: also the MLP's"),
     },
 ))
+register(Variant(
+    "dna", "kernel", "denoising attention: softmax(Q+K^T/sqrt(d))V+ + alpha_h * softmin(Q-K^T/sqrt(d))V-",
+    "DnA: Denoising Attention for Visual Tasks (Sec. 3.2, Table 12)", "attnlab.attention.dna:DnAAttention",
+    options={
+        "variant": Option("qv", str, choices=("qv", "q", "v", "shared", "sum"),
+                          help="qv: separate Q and V per branch; q: separate Q, shared V; v: shared Q, separate V; "
+                               "shared: one Q and V, learnable alpha; sum: one Q and V, alpha fixed at 1"),
+        "alpha_init": Option(0.5, float, help="initial alpha_h of every head (learnable; not used by variant=sum)"),
+        "scale": Option("both", str, choices=("both", "neg_only"),
+                        help="both: 1/sqrt(d) on both branches (main text, authors' code); neg_only: Algorithm 1"),
+        "init": Option("random", str, choices=("random", "copy"),
+                       help="negative branch on conversion: random (timm's init) or copy (warm start "
+                            "Q- = |neg_init| Q, V- = neg_init V)"),
+        "neg_init": Option(1e-4, float, help="warm-start factor; negative flips V- as the authors' video code"),
+    },
+))

@@ -1,0 +1,196 @@
+"""Jacobian conditioning of self-attention (the spectral-conditioning paper's Figures 2-4, rightmost plots).
+
+For block l, head h and one input sequence X (N, C) (a ViT image's tokens or one Swin window), the head's output is
+
+    O_h(W_Q, W_K, W_V) = softmax(q k^T / sqrt(D) + bias) v,   q = X W_Q^T + b_Q,  k = X W_K^T + b_K,  v = X W_V^T + b_V
+
+with W_Q, W_K, W_V (D, C) the head's rows of the (effective) fused qkv weight, q and k passed through the module's
+QK-norm when it has one, and the head's output transform (``ns``) applied when one is set. The Jacobian
+
+    J = d vec(O_h) / d [vec(W_Q), vec(W_K), vec(W_V)]        (N * D rows, 3 * D * C columns; row-major vec)
+
+is computed with ``torch.func.jacrev`` (reverse mode: N * D outputs are fewer than 3 * D * C inputs), and its
+condition number is kappa(J) = sigma_max / sigma_min over its min(N * D, 3 * D * C) singular values
+(``torch.linalg.svdvals``), in float64 by default: the paper reports kappa up to 1e10, beyond float32's reach.
+The weights are the ones the forward uses: under ``sigma`` gamma W / sigma(W), under ``speccond`` W + lam I_k.
+
+Cost: one (N D) x (3 D C) SVD per head, block and sequence; for ``vit_cifar`` (N 65, D 16, C 192) a 1040 x 9216
+matrix, about a second on two CPU cores, so pass a few images and, if need be, a subset of blocks and heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.func import jacrev
+
+from ..attention.base import AttnlabAttention
+from ..attention.standard import StandardAttention
+from ..errors import ConfigError, UnsupportedModelError
+from ..models import attention_modules
+
+
+def head_attention(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
+                   b_q: torch.Tensor | None = None, b_k: torch.Tensor | None = None, b_v: torch.Tensor | None = None,
+                   *, scale: float, bias: torch.Tensor | None = None,
+                   q_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   k_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   head_transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """One head's output softmax(q k^T * scale + bias) v, (N, D). x: (N, C); w_*: (D, C); b_*: (D,); bias: (N, N)."""
+    q = x @ w_q.T + (b_q if b_q is not None else 0)
+    k = x @ w_k.T + (b_k if b_k is not None else 0)
+    v = x @ w_v.T + (b_v if b_v is not None else 0)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    logits = (q * scale) @ k.T
+    if bias is not None:
+        logits = logits + bias
+    o = logits.softmax(dim=-1) @ v
+    if head_transform is not None:
+        o = head_transform(o[None, None])[0, 0]
+    return o
+
+
+def attention_jacobian(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
+                       **kwargs) -> torch.Tensor:
+    """J = d vec(O) / d [vec(W_Q), vec(W_K), vec(W_V)] of :func:`head_attention`, shape (N * D, 3 * D * C)."""
+    def f(wq, wk, wv):
+        return head_attention(x, wq, wk, wv, **kwargs)
+
+    parts = jacrev(f, argnums=(0, 1, 2))(w_q, w_k, w_v)  # each (N, D, D, C)
+    rows = parts[0].shape[0] * parts[0].shape[1]
+    return torch.cat([p.reshape(rows, -1) for p in parts], dim=1)
+
+
+def condition_number(j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kappa, sigma_max, sigma_min) of a matrix over its min(m, n) singular values; kappa = inf when singular."""
+    # same singular values; LAPACK's path for a wide matrix ran ~50x slower than for its tall transpose
+    s = torch.linalg.svdvals(j if j.shape[0] >= j.shape[1] else j.mT.contiguous())
+    return s[0] / s[-1], s[0], s[-1]
+
+
+@dataclass
+class JacobianConditioning:
+    """Condition numbers of the attention Jacobian, indexed [block, head, sequence] (NaN where a block lacks a head).
+
+    ``blocks`` are the attention modules' names, ``heads`` and ``sequences`` the indices measured (a sequence is an
+    image for ViT, a window of the batch for Swin).
+    """
+
+    kappa: torch.Tensor
+    sigma_max: torch.Tensor
+    sigma_min: torch.Tensor
+    blocks: list[str]
+    heads: list[int]
+    sequences: list[int] = field(default_factory=list)
+
+    def log10_mean(self) -> torch.Tensor:
+        """Per block: the mean over heads and sequences of log10 kappa (the paper averages over heads and layers)."""
+        return self.kappa.log10().nanmean(dim=(1, 2))
+
+    def to_dict(self) -> dict:
+        return {"blocks": self.blocks, "heads": self.heads, "sequences": self.sequences,
+                "kappa": self.kappa.tolist(), "sigma_max": self.sigma_max.tolist(),
+                "sigma_min": self.sigma_min.tolist()}
+
+
+def _check(module: nn.Module, name: str) -> None:
+    if not isinstance(module, AttnlabAttention) or type(module).attend is not StandardAttention.attend:
+        raise UnsupportedModelError(
+            f"the attention Jacobian is defined for softmax attention, but {name} is {type(module).__name__}; "
+            f"measure a model built with a softmax kernel (standard, optionally with ns, sigma, speccond, qknorm).")
+
+
+def _capture_inputs(model: nn.Module, modules: list[tuple[str, nn.Module]], images: torch.Tensor) -> dict:
+    """Each attention module's input x and keyword arguments (Swin's window mask) in one forward pass."""
+    seen: dict[str, tuple[torch.Tensor, dict]] = {}
+    handles = []
+    for name, module in modules:
+        def hook(mod, args, kwargs, name=name):
+            x = args[0] if args else kwargs["x"]
+            seen[name] = (x.detach(), {k: v for k, v in kwargs.items() if k in ("mask", "attn_mask")})
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(images)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Sequence[int] | None = None,
+                          heads: Sequence[int] | None = None, sequences: Sequence[int] | None = None,
+                          dtype: torch.dtype = torch.float64) -> JacobianConditioning:
+    """Condition number of each attention head's Jacobian w.r.t. its W_Q, W_K, W_V at the inputs ``images`` produce.
+
+    Args:
+        model: an attnlab model with softmax attention (``build_model(..., attn="standard" / "sigma" / ...)``).
+        images: (B, C, H, W) batch; one forward pass in eval mode captures every block's input.
+        blocks: indices of the attention modules (forward order) to measure; default all.
+        heads: head indices; default all (of each block).
+        sequences: which rows of a block's input to measure (images for ViT, windows for Swin); default ``[0]``.
+        dtype: precision of the Jacobian and its SVD (float64 by default).
+    """
+    found = attention_modules(model)
+    chosen = [found[i] for i in (range(len(found)) if blocks is None else blocks)]
+    for name, module in chosen:
+        _check(module, name)
+    was_training = model.training
+    model.eval()
+    try:
+        inputs = _capture_inputs(model, chosen, images)
+        sequences = [0] if sequences is None else list(sequences)
+        results = []
+        for name, module in chosen:
+            x_all, kwargs = inputs[name]
+            B, N, _ = x_all.shape
+            if any(not 0 <= s < B for s in sequences):
+                raise ConfigError(f"sequences={sequences} is out of range for {name}, whose input holds {B} "
+                                  f"sequences (images for ViT, windows of the batch for Swin); use 0 to {B - 1}.")
+            head_list = [h for h in (range(module.num_heads) if heads is None else heads) if h < module.num_heads]
+            D, A = module.head_dim, module.attn_dim
+            with torch.no_grad():
+                weight = module.qkv.weight.to(dtype)  # effective weight (parametrisations applied)
+                qkv_bias = module.qkv.bias.to(dtype) if module.qkv.bias is not None else None
+                bias_all = module.attn_bias(B, N, kwargs.get("mask"), kwargs.get("attn_mask"))
+            norms = {}
+            if not isinstance(module.q_norm, nn.Identity):
+                norms = dict(q_norm=_in_dtype(module.q_norm, dtype), k_norm=_in_dtype(module.k_norm, dtype))
+            transform = None if isinstance(module.head_transform, nn.Identity) else module.head_transform
+            per_head = []
+            for h in head_list:
+                rows = [slice(part * A + h * D, part * A + (h + 1) * D) for part in range(3)]
+                w_q, w_k, w_v = (weight[r] for r in rows)
+                b_q, b_k, b_v = (qkv_bias[r] for r in rows) if qkv_bias is not None else (None, None, None)
+                per_seq = []
+                for s in sequences:
+                    bias = None
+                    if bias_all is not None:
+                        bias = bias_all.expand(B, module.num_heads, N, N)[s, h].to(dtype)
+                    j = attention_jacobian(x_all[s].to(dtype), w_q, w_k, w_v, b_q=b_q, b_k=b_k, b_v=b_v,
+                                           scale=module.scale, bias=bias, head_transform=transform, **norms)
+                    per_seq.append(torch.stack(condition_number(j)))
+                per_head.append(torch.stack(per_seq))
+            results.append((head_list, torch.stack(per_head)))  # (heads, sequences, 3)
+    finally:
+        model.train(was_training)
+    # Swin's stages differ in head count: heads a block does not have are NaN
+    all_heads = sorted({h for hs, _ in results for h in hs})
+    out = torch.full((len(results), len(all_heads), len(sequences), 3), float("nan"), dtype=dtype)
+    for b, (hs, values) in enumerate(results):
+        out[b, [all_heads.index(h) for h in hs]] = values
+    return JacobianConditioning(out[..., 0], out[..., 1], out[..., 2], [n for n, _ in chosen], all_heads, sequences)
+
+
+def _in_dtype(norm: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The module's QK-norm as a function evaluated in ``dtype`` (its parameters cast, the module untouched)."""
+    params = {k: v.detach().to(dtype) for k, v in norm.named_parameters()}
+    return lambda t: torch.func.functional_call(norm, params, (t,))
+
+
+__all__ = ["JacobianConditioning", "attention_jacobian", "condition_number", "head_attention",
+           "jacobian_conditioning"]

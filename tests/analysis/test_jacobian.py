@@ -1,0 +1,106 @@
+"""Jacobian conditioning: jacrev's Jacobian and its condition number against central finite differences of a float64
+loop implementation of one head, on a tiny block and on a real (tiny) model's block; Swin windows; rejections."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import attnlab
+from attnlab.analysis.jacobian import attention_jacobian, condition_number, jacobian_conditioning
+from attnlab.errors import ConfigError, UnsupportedModelError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import reference_reparam as ref  # noqa: E402
+
+
+def _np(t):
+    return t.detach().double().numpy()
+
+
+def _reference(x, w_q, w_k, w_v, b_q, b_k, b_v, scale, bias=None):
+    """Finite-difference Jacobian and its condition number (numpy SVD)."""
+    def f(wq, wk, wv):
+        return ref.head_attention(x, wq, wk, wv, b_q, b_k, b_v, scale, bias)
+
+    j = ref.finite_difference_jacobian(f, [w_q, w_k, w_v])
+    return j, ref.kappa(j)
+
+
+def test_tiny_block_against_finite_differences():
+    g = torch.Generator().manual_seed(0)
+    n_tok, c, d = 4, 6, 3
+    x = torch.randn(n_tok, c, generator=g, dtype=torch.float64)
+    w = [torch.randn(d, c, generator=g, dtype=torch.float64) * 0.7 for _ in range(3)]
+    b = [torch.randn(d, generator=g, dtype=torch.float64) * 0.1 for _ in range(3)]
+    bias = torch.randn(n_tok, n_tok, generator=g, dtype=torch.float64)
+    j = attention_jacobian(x, *w, b_q=b[0], b_k=b[1], b_v=b[2], scale=d ** -0.5, bias=bias)
+    assert j.shape == (n_tok * d, 3 * d * c)
+    j_ref, kappa_ref = _reference(_np(x), *map(_np, w), *map(_np, b), d ** -0.5, _np(bias))
+    np.testing.assert_allclose(j.numpy(), j_ref, rtol=1e-6, atol=1e-8)
+    kappa, s_max, s_min = condition_number(j)
+    assert float(kappa) == pytest.approx(kappa_ref, rel=1e-6)
+    assert float(s_max / s_min) == pytest.approx(float(kappa))
+
+
+def test_model_block_against_finite_differences():
+    torch.manual_seed(0)
+    model = attnlab.build_model("vit_digits", attn="standard")
+    images = torch.randn(2, 1, 8, 8)
+    captured = {}
+    attn = model.blocks[1].attn
+    handle = attn.register_forward_pre_hook(lambda m, args: captured.setdefault("x", args[0].detach()))
+    with torch.no_grad():
+        model.eval()(images)
+    handle.remove()
+    model.train()
+    result = jacobian_conditioning(model, images, blocks=[1], heads=[2], sequences=[1])
+    assert result.kappa.shape == (1, 1, 1) and result.blocks == ["blocks.1.attn"]
+    assert model.training  # the mode is restored
+    d, a = attn.head_dim, attn.attn_dim
+    w, bias = _np(attn.qkv.weight), _np(attn.qkv.bias)
+    rows = [slice(p * a + 2 * d, p * a + 3 * d) for p in range(3)]  # head 2's rows of q, k and v
+    x = _np(captured["x"][1])
+    j_ref, kappa_ref = _reference(x, *(w[r] for r in rows), *(bias[r] for r in rows), d ** -0.5)
+    assert float(result.sigma_max[0, 0, 0]) == pytest.approx(np.linalg.norm(j_ref, 2), rel=1e-6)
+    # kappa is ~1e8 here: sigma_min ~1e-8 sigma_max carries the finite differences' error (~1e-10 per entry)
+    assert float(result.kappa[0, 0, 0]) == pytest.approx(kappa_ref, rel=1e-3)
+
+
+def test_uses_the_effective_weights():
+    """Under speccond the Jacobian is taken at W + lam I_k: the measured kappa differs from the plain model's."""
+    torch.manual_seed(0)
+    plain = attnlab.build_model("vit_digits", attn="standard")
+    torch.manual_seed(0)
+    conditioned = attnlab.build_model("vit_digits", attn="speccond(lam=2)")
+    images = torch.randn(1, 1, 8, 8)
+    k0 = jacobian_conditioning(plain, images, blocks=[0], heads=[0]).kappa
+    k1 = jacobian_conditioning(conditioned, images, blocks=[0], heads=[0]).kappa
+    assert torch.isfinite(k0).all() and torch.isfinite(k1).all()
+    assert not torch.allclose(k0, k1, rtol=1e-3)
+
+
+def test_swin_windows_and_missing_heads():
+    torch.manual_seed(0)
+    model = attnlab.build_model("swin_cifar", attn="standard", img_size=16, depths=(2, 2), num_heads=(2, 4),
+                                embed_dim=32, head_dim=8)
+    images = torch.randn(1, 3, 16, 16)
+    # stage 1: 8x8 tokens in four 4x4 windows, block 1 shifted (masked); stage 2: one window
+    result = jacobian_conditioning(model, images, blocks=[1, 2], heads=[1, 3])
+    assert result.kappa.shape == (2, 2, 1) and result.heads == [1, 3]
+    assert torch.isnan(result.kappa[0, 1]).all()  # the first stage has 2 heads: head 3 does not exist there
+    assert torch.isfinite(result.kappa[0, 0]).all() and torch.isfinite(result.kappa[1]).all()
+    assert (result.kappa[torch.isfinite(result.kappa)] >= 1).all()
+    assert torch.isfinite(result.log10_mean()).all()
+    masked = jacobian_conditioning(model, images, blocks=[1], heads=[0], sequences=[3])
+    assert torch.isfinite(masked.kappa).all()
+    with pytest.raises(ConfigError, match="out of range"):
+        jacobian_conditioning(model, images, blocks=[2], sequences=[3])
+
+
+def test_non_softmax_kernel_is_rejected():
+    model = attnlab.build_model("vit_digits", attn=None)  # timm's own modules: convert first
+    with pytest.raises(UnsupportedModelError, match="softmax"):
+        jacobian_conditioning(model, torch.randn(1, 1, 8, 8))
