@@ -35,5 +35,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "__version__", "AttnlabError", "ConfigError", "DatasetError", "ModelNotFoundError", "SpecError",
-    "UnsupportedModelError", "Spec", "Term", "parse_spec", "list_variants", "build_model", "convert",
+    "UnsupportedModelError", "Spec", "Term", "parse_spec", "list_variants", "build_model", "convert", "fold",
 ]

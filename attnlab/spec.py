@@ -125,7 +125,7 @@ def parse_spec(spec: str | Spec | None) -> Spec:
     text = re.sub(r"\s+", "", spec)
     if not text:
         raise SpecError("the variant spec is empty; use 'standard' for plain softmax attention.")
-    terms = [_parse_term(part) for part in text.split("+")]
+    terms = [_parse_term(part) for part in re.split(r"\+(?![^()]*\))", text)]  # '+' inside (...) is a value
     names = [t.name for t in terms]
     for name in set(names):
         if names.count(name) > 1:

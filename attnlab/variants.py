@@ -112,6 +112,31 @@ register(Variant(
     "attnlab.attention.standard:StandardAttention",
 ))
 register(Variant(
+    "ns", "head", "Newton-Schulz step on each head's feature-by-token output before head merge", "NS-Attn (Sec. 2, Alg. 1)",
+    "attnlab.attention.ns:NSTransform",
+    options={
+        "steps": Option(1, int, minimum=1, help="polynomial iterations K (paper: 1; ablation: 2)"),
+        "eps": Option(1e-6, float, help="clamp of both Frobenius-norm divisions"),
+        "impl": Option("auto", str, choices=("auto", "fast", "reference"), help="D x D fast path or Algorithm 1 literally"),
+    },
+))
+register(Variant(
+    "dna", "kernel", "denoising attention: softmax(Q+K^T/sqrt(d))V+ + alpha_h * softmin(Q-K^T/sqrt(d))V-",
+    "DnA: Denoising Attention for Visual Tasks (Sec. 3.2, Table 12)", "attnlab.attention.dna:DnAAttention",
+    options={
+        "variant": Option("qv", str, choices=("qv", "q", "v", "shared", "sum"),
+                          help="qv: separate Q and V per branch; q: separate Q, shared V; v: shared Q, separate V; "
+                               "shared: one Q and V, learnable alpha; sum: one Q and V, alpha fixed at 1"),
+        "alpha_init": Option(0.5, float, help="initial alpha_h of every head (learnable; not used by variant=sum)"),
+        "scale": Option("both", str, choices=("both", "neg_only"),
+                        help="both: 1/sqrt(d) on both branches (main text, authors' code); neg_only: Algorithm 1"),
+        "init": Option("random", str, choices=("random", "copy"),
+                       help="negative branch on conversion: random (timm's init) or copy (warm start "
+                            "Q- = |neg_init| Q, V- = neg_init V)"),
+        "neg_init": Option(1e-4, float, help="warm-start factor; negative flips V- as the authors' video code"),
+    },
+))
+register(Variant(
     "diff", "kernel", "Differential attention: (softmax(q1k1) - lambda softmax(q2k2)) v, per-head RMSNorm (timm's)",
     "Ye et al. 2024", "attnlab.attention.diff:DiffAttention",
     options={"dual_lambda": Option(False, bool, help="timm's 2-scalar lambda instead of the paper's 4 vectors")},
@@ -122,12 +147,37 @@ register(Variant(
     options={"all_layers": Option(False, bool, help="signed weights in the first and last layers too")},
 ))
 register(Variant(
-    "ns", "head", "Newton-Schulz step on each head's feature-by-token output before head merge", "NS-Attn (Sec. 2, Alg. 1)",
-    "attnlab.attention.ns:NSTransform",
+    "sigma", "weight", "sigma-Reparam: W_hat = gamma * W / sigma(W) on every Linear and the patch embedding",
+    "Zhai et al. 2023", "attnlab.reparam.sigma:apply_sigma",
     options={
-        "steps": Option(1, int, minimum=1, help="polynomial iterations K (paper: 1; ablation: 2)"),
-        "eps": Option(1e-6, float, help="clamp of both Frobenius-norm divisions"),
-        "impl": Option("auto", str, choices=("auto", "fast", "reference"), help="D x D fast path or Algorithm 1 literally"),
+        "gamma_init": Option("sigma", (float, str), choices=("sigma",),
+                             help="'sigma': gamma = sigma(W0), so W_hat = W at step 0 (authors' vision code); "
+                                  "a number: gamma starts there (the note's literal gamma = 1)"),
+        "targets": Option("all", str, choices=("all", "attn"),
+                          help="all: every Linear and Conv2d; attn: the Linears inside the attention modules"),
+    },
+    conflicts={"specnorm": "specnorm is sigma-Reparam with gamma removed, so the two would normalise the same "
+                           "weights twice; pick one"},
+    demo=False,  # an ablation (the note: ViT-B drops from 82.2% to 69.8%); `attnlab compare --attn specnorm`
+))
+register(Variant(
+    "specnorm", "weight", "plain spectral normalisation W / sigma(W), no gamma (sigma-Reparam's ablation)",
+    "Zhai et al. 2023", "attnlab.reparam.sigma:apply_specnorm",
+    options={"targets": Option("all", str, choices=("all", "attn"),
+                               help="all: every Linear and Conv2d; attn: the Linears inside the attention modules")},
+    conflicts={"sigma": "specnorm is sigma-Reparam with gamma removed, so the two would normalise the same "
+                        "weights twice; pick one"},
+    demo=False,  # an ablation (the note: ViT-B drops from 82.2% to 69.8%); `attnlab compare --attn specnorm`
+))
+register(Variant(
+    "speccond", "weight", "spectral conditioning: W_Q, W_K, W_V -> W + lam * I_k, lam fixed",
+    "Spectral Conditioning of Attention (NeurIPS 2025)", "attnlab.reparam.speccond:apply_speccond",
+    options={
+        "lam": Option("auto", (float, str), choices=("auto",), minimum=0.0,
+                      help="the multiple of I_k; 'auto' (default): the corrected Theorem 3.8's bound "
+                           "max sigma_max + 1 on the initial weights; 10 is the value a summary reports (unverified)"),
+        "targets": Option("qkv", str, choices=("qkv", "qkv+mlp"),
+                          help="qkv: the attention's query, key and value weights; qkv+mlp: also the MLP's"),
     },
 ))
 register(Variant(
@@ -154,53 +204,5 @@ register(Variant(
         "diff": "Diff attention's logits are two half-width q k^T maps, not the head's q k^T / sqrt(D)",
         "cog": "Cog attention's weights follow |q k^T / sqrt(D)|, so large negative logits matter as much as the "
                "largest positive one the clip caps",
-    },
-))
-register(Variant(
-    "sigma", "weight", "sigma-Reparam: W_hat = gamma * W / sigma(W) on every Linear and the patch embedding",
-    "Zhai et al. 2023", "attnlab.reparam.sigma:apply_sigma",
-    options={
-        "gamma_init": Option("sigma", (float, str), choices=("sigma",),
-                             help="'sigma': gamma = sigma(W0), so W_hat = W at step 0 (authors' vision code); "
-                                  "a number: gamma starts there (the note's literal gamma = 1)"),
-        "targets": Option("all", str, choices=("all", "attn"),
-                          help="all: every Linear and Conv2d; attn: the Linears inside the attention modules"),
-    },
-    conflicts={"specnorm": "specnorm is sigma-Reparam with gamma removed, so the two would normalise the same "
-                           "weights twice; pick one"},
-))
-register(Variant(
-    "specnorm", "weight", "plain spectral normalisation W / sigma(W), no gamma (sigma-Reparam's ablation)",
-    "Zhai et al. 2023", "attnlab.reparam.sigma:apply_specnorm",
-    options={"targets": Option("all", str, choices=("all", "attn"),
-                               help="all: every Linear and Conv2d; attn: the Linears inside the attention modules")},
-    conflicts={"sigma": "specnorm is sigma-Reparam with gamma removed, so the two would normalise the same "
-                        "weights twice; pick one"},
-))
-register(Variant(
-    "speccond", "weight", "spectral conditioning: W_Q, W_K, W_V -> W + lam * I_k, lam fixed",
-    "Spectral Conditioning of Attention (NeurIPS 2025)", "attnlab.reparam.speccond:apply_speccond",
-    options={
-        "lam": Option(10.0, (float, str), choices=("auto",), minimum=0.0,
-                      help="the multiple of I_k (10: the value reported best, unverified); 'auto': the corrected "
-                           "Theorem 3.8's bound max sigma_max + 1 on the initial weights"),
-        "targets": Option("qkv", str, choices=("qkv", "qkv+mlp"),
-                          help="qkv: the attention's query, key and value weights; qkv+mlp: also the MLP's"),
-    },
-))
-register(Variant(
-    "dna", "kernel", "denoising attention: softmax(Q+K^T/sqrt(d))V+ + alpha_h * softmin(Q-K^T/sqrt(d))V-",
-    "DnA: Denoising Attention for Visual Tasks (Sec. 3.2, Table 12)", "attnlab.attention.dna:DnAAttention",
-    options={
-        "variant": Option("qv", str, choices=("qv", "q", "v", "shared", "sum"),
-                          help="qv: separate Q and V per branch; q: separate Q, shared V; v: shared Q, separate V; "
-                               "shared: one Q and V, learnable alpha; sum: one Q and V, alpha fixed at 1"),
-        "alpha_init": Option(0.5, float, help="initial alpha_h of every head (learnable; not used by variant=sum)"),
-        "scale": Option("both", str, choices=("both", "neg_only"),
-                        help="both: 1/sqrt(d) on both branches (main text, authors' code); neg_only: Algorithm 1"),
-        "init": Option("random", str, choices=("random", "copy"),
-                       help="negative branch on conversion: random (timm's init) or copy (warm start "
-                            "Q- = |neg_init| Q, V- = neg_init V)"),
-        "neg_init": Option(1e-4, float, help="warm-start factor; negative flips V- as the authors' video code"),
     },
 ))

@@ -11,8 +11,8 @@ Corrected Theorem 3.8: for A in R^{m x n} with sigma_min(A) < 0.4 and sigma_max(
 (condition (1); or the rebuttal's condition (2)) then kappa(A + lam I_k) < kappa(A). Proof sketch (Weyl):
 kappa(A + lam I_k) <= (sigma_max + lam) / (lam - sigma_max) < 1 + 2 sigma_max < sigma_max / sigma_min = kappa(A).
 
-Defaults: ``lam=10``, the only value reported (a third-party summary of the paper calls it best; not verified
-against the paper); it meets condition (1) while every conditioned block keeps sigma_max < 9. ``lam=auto`` takes
+Default ``lam=auto`` (see docs/methods.md for why not 10, the only value reported, by a third-party summary and
+unverified: at 10 the softmax saturates at initialisation in small models). ``lam=auto`` takes
 the smallest value condition (1) allows on the initial weights: lam = max over conditioned blocks of
 sigma_max(A) + 1, plus a margin of 1e-3 (so the inequality is strict). The chosen value is stored in each
 parametrisation's state (``lam``), so a saved model reloads with the same lam whatever the new model's weights.
@@ -71,7 +71,8 @@ def _layers(model: nn.Module, modules: list[nn.Module], targets: str) -> list[tu
     Linear layers of the MLP that sits next to it in the same transformer block."""
     if targets not in ("qkv", "qkv+mlp"):
         raise SpecError(f"speccond(targets={targets}) is not valid; targets is one of: qkv, qkv+mlp.")
-    layers = [(attn.qkv, 3) for attn in modules]
+    # one I_k per row block of the fused projection: q, k, v (DnA: q+, q-, k, v+, v-)
+    layers = [(attn.qkv, len(getattr(attn, "qkv_blocks", "qkv"))) for attn in modules]
     if targets == "qkv+mlp":
         parents = {id(child): parent for parent in model.modules() for child in parent.children()}
         for attn in modules:
@@ -96,7 +97,7 @@ def auto_lam(layers: list[tuple[nn.Module, int]]) -> float:
     return top + 1.0 + AUTO_MARGIN
 
 
-def apply_speccond(model: nn.Module, modules: list[nn.Module], lam: float | str = 10.0,
+def apply_speccond(model: nn.Module, modules: list[nn.Module], lam: float | str = "auto",
                    targets: str = "qkv") -> nn.Module:
     """Add lam * I_k to W_Q, W_K, W_V of every attention module (and the MLP weights for ``qkv+mlp``)."""
     layers = _layers(model, modules, targets)

@@ -81,3 +81,14 @@ def test_list_variants_has_standard():
     names = [v["name"] for v in attnlab.list_variants()]
     assert names[0] == "standard"
     assert all(set(v) >= {"name", "kind", "summary", "paper", "options"} for v in attnlab.list_variants())
+
+
+def test_plus_inside_parentheses_is_a_value(toy_variants):
+    register(Variant("toyt", "weight", "t", "p", "x:y", {"targets": Option("qkv", str, choices=("qkv", "qkv+mlp"))}))
+    try:
+        spec = attnlab.parse_spec("toyhead+toyt(targets=qkv+mlp)")
+        assert [t.name for t in spec.terms] == ["toyhead", "toyt"]
+        assert spec.get("toyt").resolved()["targets"] == "qkv+mlp"
+        assert attnlab.parse_spec(str(spec)) == spec
+    finally:
+        del VARIANTS["toyt"]
