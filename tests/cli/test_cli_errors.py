@@ -1,0 +1,36 @@
+"""A user's mistake gives one line on stderr and exit code 2, never a traceback (run as a real process)."""
+
+import subprocess
+import sys
+
+import pytest
+
+CASES = [
+    (["train", "--model", "no_such_model", "--dataset", "digits"], "unknown model 'no_such_model'"),
+    (["train", "--model", "vit_digits", "--dataset", "mnist"], "cifar10"),
+    (["train", "--model", "vit_digits", "--dataset", "digits", "--attn", "ns(step=2)"], "its options are: steps"),
+    (["bench", "--model", "vit_digits", "--attn", "standard,bogus"], "valid names are"),
+    (["train", "--dataset", "cifar10", "--data-dir", "/nonexistent/cifar"], "--download"),
+    (["analyze", "--what", "spectra"], "run directories"),
+]
+
+
+@pytest.mark.parametrize("argv,expected", CASES, ids=["model", "dataset", "spec", "bench-spec", "missing-cifar",
+                                                      "analyze-no-target"])
+def test_bad_input_is_one_line_exit_2(argv, expected, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "attnlab", *argv, *(["--runs-dir", str(tmp_path)]
+                           if argv[0] == "train" else [])], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert expected in lines[0]
+
+
+def test_every_command_has_help():
+    from attnlab.cli import COMMANDS, build_parser
+
+    parser = build_parser()
+    for name in COMMANDS:
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args([name, "--help"])
+        assert exit_info.value.code == 0
