@@ -73,7 +73,7 @@ class Variant:
     target: str
     options: dict[str, Option] = field(default_factory=dict)
     conflicts: dict[str, str] = field(default_factory=dict)
-    demo: bool = True  # trained in `make demo`
+    demo: bool | str = True  # trained in `make demo` (a string: the spec the demo trains, e.g. with options)
 
     def load(self) -> Callable[..., Any]:
         module, _, attr = self.target.partition(":")
@@ -145,6 +145,7 @@ register(Variant(
     "cog", "kernel", "Cog attention: sign(s) * softmax(|s|), first and last layers softmax", "Lv et al. 2024",
     "attnlab.attention.cog:CogAttention",
     options={"all_layers": Option(False, bool, help="signed weights in the first and last layers too")},
+    demo="cog(all_layers=true)",  # the demo's 2-block model has only a first and a last layer
 ))
 register(Variant(
     "sigma", "weight", "sigma-Reparam: W_hat = gamma * W / sigma(W) on every Linear and the patch embedding",
@@ -158,7 +159,6 @@ register(Variant(
     },
     conflicts={"specnorm": "specnorm is sigma-Reparam with gamma removed, so the two would normalise the same "
                            "weights twice; pick one"},
-    demo=False,  # an ablation (the note: ViT-B drops from 82.2% to 69.8%); `attnlab compare --attn specnorm`
 ))
 register(Variant(
     "specnorm", "weight", "plain spectral normalisation W / sigma(W), no gamma (sigma-Reparam's ablation)",

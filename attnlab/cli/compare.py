@@ -41,6 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="instruments run on each finished run's first 160 test images, their summaries added to "
                              "result.json and shown as report columns (default: spectra, i.e. p1 and effective rank; "
                              "'none' to skip)")
+    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+                        help="train N runs at a time in worker processes (default 1: one after another; the demo "
+                             "preset uses 2, one thread each); results do not depend on N")
     parser.add_argument("--no-report", dest="report", action="store_false",
                         help="train only; do not write or print the report")
     group = parser.add_argument_group("training config applied to every run (overrides the recipe and --config)")
@@ -58,10 +61,10 @@ def run(args: argparse.Namespace) -> int:
     if preset is None and args.config is None and not any(getattr(args, k) for k in _GRID_FLAGS):
         preset = "demo"
     grid = load_grid(args.config, preset, variants=args.attn, seeds=args.seeds, datasets=args.datasets,
-                     models=args.models, runs_dir=args.runs_dir, **base)
+                     models=args.models, runs_dir=args.runs_dir, jobs=args.jobs, **base)
     progress = grid["base"].progress
     results = run_grid(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
-                       grid["runs_dir"], progress=progress, variations=grid["variations"])
+                       grid["runs_dir"], progress=progress, variations=grid["variations"], jobs=int(grid["jobs"]))
     what = [w for w in args.analyze.split(",") if w.strip() and w.strip() != "none"]
     if what:
         from attnlab.analysis.instruments import annotate_runs

@@ -47,11 +47,11 @@ PRESETS: dict[str, Preset] = {
     ),
     "vit_digits": Preset(
         VisionTransformer,
-        dict(img_size=8, patch_size=2, in_chans=1, embed_dim=64, depth=3, num_heads=4, mlp_ratio=2.0, qkv_bias=True,
+        dict(img_size=8, patch_size=2, in_chans=1, embed_dim=48, depth=2, num_heads=3, mlp_ratio=2.0, qkv_bias=True,
              class_token=False, global_pool="avg", drop_path_rate=0.0),
         num_classes=10,
-        doc="tiny ViT for scikit-learn's 8x8 digits (the embedded demo): patch 2 (16 tokens), dim 64, depth 3, "
-            "4 heads (D=16), mean-pooled (learns in fewer steps than a class token here)",
+        doc="tiny ViT for scikit-learn's 8x8 digits (the embedded demo): patch 2 (16 tokens), dim 48, depth 2, "
+            "3 heads (D=16), mean-pooled (learns in fewer steps than a class token here)",
     ),
 }
 

@@ -102,6 +102,7 @@ RECIPES: dict[str, TrainConfig] = {
 GRID_PRESETS: dict[str, dict[str, Any]] = {
     # seconds per run on 2 CPU cores: the tiny ViT on scikit-learn's digits, three seeds
     "demo": {"recipe": "demo", "variants": None, "seeds": [0, 1, 2], "datasets": ["digits"], "models": ["vit_digits"],
+             "jobs": 2,  # two single-threaded runs at a time: twice the work of one two-threaded run on 2 cores
              "runs_dir": "runs/demo"},
     # NS-Attn Table 1: both backbones and datasets, seeds 0, 1, 3 (hours per run on a GPU)
     "ns_table1": {"recipe": "ns_cifar", "variants": ["standard", "ns"], "seeds": [0, 1, 3],

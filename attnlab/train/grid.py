@@ -18,11 +18,12 @@ from .loop import RESULT, run_dir_of, train
 
 
 def demo_variants() -> list[str]:
-    """Registered variants flagged for the demo (``Variant.demo``), in registry order, 'standard' first."""
+    """Specs of the registered variants flagged for the demo (``Variant.demo``: True for the bare name, or the spec
+    to train), in registry order, 'standard' first."""
     from attnlab.variants import VARIANTS
 
-    names = [v.name for v in VARIANTS.values() if getattr(v, "demo", True)]
-    return sorted(names, key=lambda n: n != "standard")
+    specs = [v.demo if isinstance(v.demo, str) else v.name for v in VARIANTS.values() if v.demo]
+    return sorted(specs, key=lambda n: n != "standard")
 
 
 def split_specs(text: str) -> list[str]:
@@ -58,24 +59,43 @@ def grid_runs(base_cfg: TrainConfig, variants: Sequence[str], seeds: Sequence[in
 
 def run_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Sequence[int],
              datasets: Sequence[str] | None, models: Sequence[str] | None, runs_dir: str | Path,
-             progress: bool = True, variations: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """Train every (model, dataset, seed, variant) of the grid in turn; return their result dicts.
+             progress: bool = True, variations: dict[str, dict[str, Any]] | None = None,
+             jobs: int = 1) -> list[dict[str, Any]]:
+    """Train every (model, dataset, seed, variant) of the grid; return their result dicts in grid order.
 
     A run whose ``result.json`` exists is skipped (its stored result returned); a run interrupted earlier
     resumes from its last checkpoint. ``variants=None`` means :func:`demo_variants`; ``datasets`` / ``models``
-    ``None`` mean the base config's; ``variations`` as in :func:`grid_runs`.
+    ``None`` mean the base config's; ``variations`` as in :func:`grid_runs`. ``jobs=1`` trains one run after
+    another; ``jobs=N`` trains N at a time in worker processes (each seeded as alone, so results do not depend on
+    N; give each ``threads`` so that N x threads fits the cores, e.g. the demo's 2 x 1 on 2 cores).
     """
+    if jobs < 1:
+        raise ConfigError(f"jobs must be at least 1, not {jobs}.")
     variants = demo_variants() if variants is None else list(variants)
-    configs = grid_runs(base_cfg, variants, seeds, datasets, models, runs_dir, variations)
-    results = []
-    for i, cfg in enumerate(configs, start=1):
-        cfg = dataclasses.replace(cfg, progress=progress)
-        run_dir = run_dir_of(cfg)
-        done = (run_dir / RESULT).exists()
-        if progress:
-            print(f"[{i}/{len(configs)}] {run_dir.name}" + ("  (done, skipped)" if done else ""), flush=True)
-        results.append(json.loads((run_dir / RESULT).read_text()) if done else train(cfg))
-    return results
+    configs = [dataclasses.replace(c, progress=progress and jobs == 1)
+               for c in grid_runs(base_cfg, variants, seeds, datasets, models, runs_dir, variations)]
+    todo = [c for c in configs if not (run_dir_of(c) / RESULT).exists()]
+    if progress:
+        print(f"{len(configs)} runs, {len(configs) - len(todo)} already finished"
+              + (f", {jobs} at a time" if jobs > 1 and todo else ""), flush=True)
+    if jobs == 1:
+        for i, cfg in enumerate(todo, start=1):
+            if progress:
+                print(f"[{i}/{len(todo)}] {run_dir_of(cfg).name}", flush=True)
+            train(cfg)
+    elif todo:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        # spawn, not fork: a forked child of a process that already ran torch's thread pools can deadlock
+        with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(train, cfg): cfg for cfg in todo}
+            for i, future in enumerate(as_completed(futures), start=1):
+                result = future.result()
+                if progress:
+                    print(f"[{i}/{len(todo)}] {result['name']}: top-1 {result['top1']:.2f}% "
+                          f"({result['seconds']:.1f} s)", flush=True)
+    return [json.loads((run_dir_of(c) / RESULT).read_text()) for c in configs]
 
 
 def load_grid(path: str | Path | None = None, preset: str | None = None, **overrides: Any) -> dict[str, Any]:
@@ -88,7 +108,7 @@ def load_grid(path: str | Path | None = None, preset: str | None = None, **overr
     "models", "runs_dir", "variations"}`` ready for :func:`run_grid`.
     """
     grid: dict[str, Any] = {"variants": None, "seeds": [0], "datasets": None, "models": None, "runs_dir": "runs",
-                            "variations": None}
+                            "variations": None, "jobs": 1}
     base: dict[str, Any] = {}
     if preset is not None:
         if preset not in GRID_PRESETS:
@@ -109,14 +129,14 @@ def load_grid(path: str | Path | None = None, preset: str | None = None, **overr
         if not isinstance(base_part, dict):
             raise ConfigError(f"'base' in grid file {path} must be a mapping of training config keys.")
         base.update(base_part)
-        for key in ("variants", "seeds", "datasets", "models", "runs_dir", "variations"):
+        for key in ("variants", "seeds", "datasets", "models", "runs_dir", "variations", "jobs"):
             if key in data:
                 grid[key] = data.pop(key)
         if grid["variations"] is not None and not isinstance(grid["variations"], dict):
             raise ConfigError(f"'variations' in grid file {path} must map a tag to training config keys, "
                               "e.g. no_warmup: {warmup_epochs: 0}.")
         base.update(data)  # remaining top-level keys are TrainConfig keys (unknown ones raise below)
-    for key in ("variants", "seeds", "datasets", "models", "runs_dir"):
+    for key in ("variants", "seeds", "datasets", "models", "runs_dir", "jobs"):
         if overrides.get(key) is not None:
             grid[key] = overrides.pop(key)
         else:

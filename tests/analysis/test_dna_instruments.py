@@ -11,6 +11,9 @@ from attnlab.analysis.dna import (alpha_stats, branch_cosine, branch_instruments
                                   intruder_dimensions, value_similarity)
 from attnlab.errors import UnsupportedModelError
 
+# a fixed 3-block, 4-head geometry, independent of the demo preset's size
+TINY_VIT = dict(embed_dim=64, depth=3, num_heads=4)
+
 
 def _orthonormal(n, generator):
     q, _ = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=generator))
@@ -60,7 +63,7 @@ def test_value_similarity_and_branch_cosine_by_hand():
 
 
 def test_alpha_stats_by_hand():
-    model = attnlab.build_model("vit_digits", attn="dna")
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn="dna")
     with torch.no_grad():
         model.blocks[1].attn.alpha.copy_(torch.tensor([1.0, 2.0, 3.0, 6.0]))
     stats = alpha_stats(model)
@@ -69,15 +72,15 @@ def test_alpha_stats_by_hand():
     assert (s["mean"], s["max"], s["min"]) == (3.0, 6.0, 1.0)
     assert s["sd"] == pytest.approx(math.sqrt(((2) ** 2 + 1 + 0 + 9) / 3))
     assert stats[0]["mean"] == pytest.approx(0.5) and stats[0]["sd"] == 0.0
-    sums = alpha_stats(attnlab.build_model("vit_digits", attn="dna(variant=sum)"))
+    sums = alpha_stats(attnlab.build_model("vit_digits", **TINY_VIT, attn="dna(variant=sum)"))
     assert sums[0]["values"] == [1.0] * 4
 
 
 def test_end_to_end_dna_versus_diff_vit(tmp_path):
     torch.manual_seed(0)
     images = torch.randn(6, 1, 8, 8)
-    models = {"dna": attnlab.build_model("vit_digits", attn="dna"),
-              "diff": attnlab.build_model("vit_digits", attn="diff")}
+    models = {"dna": attnlab.build_model("vit_digits", **TINY_VIT, attn="dna"),
+              "diff": attnlab.build_model("vit_digits", **TINY_VIT, attn="diff")}
     result = branch_instruments(models["dna"], images, batch_size=4)
     assert len(result.layers) == 3
     for t in result.intruders:
@@ -120,4 +123,4 @@ def test_hooks_reproduce_the_module_inputs_on_swin():
 
 def test_no_two_branch_model_is_an_error():
     with pytest.raises(UnsupportedModelError, match="dna"):
-        branch_instruments(attnlab.build_model("vit_digits"), torch.randn(1, 1, 8, 8))
+        branch_instruments(attnlab.build_model("vit_digits", **TINY_VIT), torch.randn(1, 1, 8, 8))

@@ -18,6 +18,9 @@ from attnlab.models import attention_modules
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference_qk as ref  # noqa: E402
 
+# a fixed 3-block, 4-head geometry, independent of the demo preset's size
+TINY_VIT = dict(embed_dim=64, depth=3, num_heads=4)
+
 
 def _module(dim, num_heads, q_weight, k_weight):
     """A bare attention module (it is its own model: input tokens (B, N, dim)) with given per-block q, k weights."""
@@ -87,7 +90,7 @@ def _inputs(model, images):
 @pytest.mark.parametrize("spec", ["standard", "qknorm+ns"])
 def test_vit_entropy_and_max_logits_match_reference(spec):
     torch.manual_seed(0)
-    model = attnlab.build_model("vit_digits", attn=spec)
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn=spec)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():  # attention far from uniform, QK-norm weights not the identity
         for _, m in attention_modules(model):
@@ -142,7 +145,7 @@ def test_swin_entropy_includes_position_bias_and_mask():
 def test_qk_spectral_norms_match_svd():
     torch.manual_seed(0)
     for spec in ("standard", None):  # attnlab modules and timm's own
-        model = attnlab.build_model("vit_digits", attn=spec)
+        model = attnlab.build_model("vit_digits", **TINY_VIT, attn=spec)
         norms = E.qk_spectral_norms(model)
         for (name, m), got in zip(attention_modules(model), norms):
             assert got["layer"] == name
@@ -152,7 +155,7 @@ def test_qk_spectral_norms_match_svd():
 
 def test_training_probe_keys_and_side_effects():
     torch.manual_seed(0)
-    model = attnlab.build_model("vit_digits", attn="qkclip").train()
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn="qkclip").train()
     model.blocks[1].eval()  # mixed modes are restored as they were
     images = torch.randn(4, 1, 8, 8)
     probe = E.training_probe(model, images)
@@ -172,7 +175,7 @@ def test_training_probe_keys_and_side_effects():
 
 
 def test_unsupported_kernels():
-    model = attnlab.build_model("vit_digits", attn="cog")
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn="cog")
     images = torch.randn(2, 1, 8, 8)
     with pytest.raises(UnsupportedModelError, match="standard kernel"):
         E.attention_entropy(model, images)
@@ -181,4 +184,4 @@ def test_unsupported_kernels():
     probe = E.training_probe(model, images)
     assert "entropy/mean" not in probe and "qk_spectral_norm/max" in probe
     with pytest.raises(UnsupportedModelError, match="attnlab.convert"):
-        E.max_logits(attnlab.build_model("vit_digits", attn=None), images)
+        E.max_logits(attnlab.build_model("vit_digits", **TINY_VIT, attn=None), images)

@@ -17,7 +17,7 @@ def test_post_ln_block_is_post_norm():
     model = attnlab.build_model("vit_digits", norm="post", attn="ns").eval()
     block = model.blocks[0]
     assert isinstance(block, PostNormBlock)
-    x = torch.randn(2, 16, 64)
+    x = torch.randn(2, 16, block.attn.dim)
     with torch.no_grad():
         h = block.norm1(x + block.attn(x))  # written out: LN after each residual addition
         expected = block.norm2(h + block.mlp(h))

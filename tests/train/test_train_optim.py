@@ -43,8 +43,9 @@ def test_decay_split_on_vit_digits():
     model = attnlab.build_model("vit_digits", num_classes=10)
     opt = build_optimizer(model, 1e-3, 0.05)
     decayed = {n for n, p in model.named_parameters() if any(p is q for q in opt.param_groups[0]["params"])}
-    # depth 3: per block qkv, proj, fc1, fc2 weights; plus the patch-embedding conv and the head
-    expected = {f"blocks.{i}.{w}.weight" for i in range(3) for w in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")}
+    # per block qkv, proj, fc1, fc2 weights; plus the patch-embedding conv and the head
+    expected = {f"blocks.{i}.{w}.weight" for i in range(len(model.blocks))
+                for w in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")}
     expected |= {"patch_embed.proj.weight", "head.weight"}
     assert decayed == expected
     n_all = sum(1 for _ in model.parameters())
