@@ -15,6 +15,9 @@ from attnlab.errors import ConfigError, UnsupportedModelError
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference_reparam as ref  # noqa: E402
 
+# a fixed 3-block, 4-head geometry, independent of the demo preset's size
+TINY_VIT = dict(embed_dim=64, depth=3, num_heads=4)
+
 
 def _np(t):
     return t.detach().double().numpy()
@@ -47,7 +50,7 @@ def test_tiny_block_against_finite_differences():
 
 def test_model_block_against_finite_differences():
     torch.manual_seed(0)
-    model = attnlab.build_model("vit_digits", attn="standard")
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn="standard")
     images = torch.randn(2, 1, 8, 8)
     captured = {}
     attn = model.blocks[1].attn
@@ -72,9 +75,9 @@ def test_model_block_against_finite_differences():
 def test_uses_the_effective_weights():
     """Under speccond the Jacobian is taken at W + lam I_k: the measured kappa differs from the plain model's."""
     torch.manual_seed(0)
-    plain = attnlab.build_model("vit_digits", attn="standard")
+    plain = attnlab.build_model("vit_digits", **TINY_VIT, attn="standard")
     torch.manual_seed(0)
-    conditioned = attnlab.build_model("vit_digits", attn="speccond(lam=2)")
+    conditioned = attnlab.build_model("vit_digits", **TINY_VIT, attn="speccond(lam=2)")
     images = torch.randn(1, 1, 8, 8)
     k0 = jacobian_conditioning(plain, images, blocks=[0], heads=[0]).kappa
     k1 = jacobian_conditioning(conditioned, images, blocks=[0], heads=[0]).kappa
@@ -101,6 +104,6 @@ def test_swin_windows_and_missing_heads():
 
 
 def test_non_softmax_kernel_is_rejected():
-    model = attnlab.build_model("vit_digits", attn=None)  # timm's own modules: convert first
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn=None)  # timm's own modules: convert first
     with pytest.raises(UnsupportedModelError, match="softmax"):
         jacobian_conditioning(model, torch.randn(1, 1, 8, 8))

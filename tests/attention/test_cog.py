@@ -18,6 +18,9 @@ from attnlab.models import attention_modules
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference_baselines as ref  # noqa: E402
 
+# a fixed 3-block, 4-head geometry, independent of the demo preset's size
+TINY_VIT = dict(embed_dim=64, depth=3, num_heads=4)
+
 
 def _weights(m):
     return (m.qkv.weight.detach(), m.qkv.bias.detach(), m.proj.weight.detach(), m.proj.bias.detach(), m.num_heads)
@@ -25,7 +28,7 @@ def _weights(m):
 
 def _vit_middle(all_layers=False):
     torch.manual_seed(0)
-    model = attnlab.build_model("vit_digits", attn="cog(all_layers=true)" if all_layers else "cog").double().eval()
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn="cog(all_layers=true)" if all_layers else "cog").double().eval()
     return model
 
 
@@ -93,7 +96,7 @@ def test_masked_positions_get_exactly_zero_weight():
 
 def test_first_and_last_layers_stay_softmax():
     torch.manual_seed(3)
-    original = attnlab.build_model("vit_digits", attn=None).double().eval()
+    original = attnlab.build_model("vit_digits", **TINY_VIT, attn=None).double().eval()
     cog = attnlab.convert(copy.deepcopy(original), "cog").eval()
     everywhere = attnlab.convert(copy.deepcopy(original), "cog(all_layers=true)").eval()
     assert [b.attn.signed for b in cog.blocks] == [False, True, False]
@@ -119,8 +122,8 @@ def test_softmax_layers_equal_standard_for_swin_block():
 
 def test_standard_state_dict_loads_strictly():
     torch.manual_seed(4)
-    standard = attnlab.build_model("vit_digits")
-    cog = attnlab.build_model("vit_digits", attn="cog")
+    standard = attnlab.build_model("vit_digits", **TINY_VIT)
+    cog = attnlab.build_model("vit_digits", **TINY_VIT, attn="cog")
     assert list(cog.state_dict()) == list(standard.state_dict())
     cog.load_state_dict(standard.state_dict(), strict=True)
     assert isinstance(cog.blocks[1].attn, StandardAttention) and isinstance(cog.blocks[1].attn, CogAttention)

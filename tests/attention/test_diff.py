@@ -19,6 +19,9 @@ from attnlab.models.backbones import PRESETS
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference_baselines as ref  # noqa: E402
 
+# a fixed 3-block, 4-head geometry, independent of the demo preset's size
+TINY_VIT = dict(embed_dim=64, depth=3, num_heads=4)
+
 
 def _set_fused(model, fused):
     for m in model.modules():
@@ -31,14 +34,14 @@ def test_vit_matches_timm_diff_model(fused):
     """A timm ViT built with attn_layer='diff' and attnlab's vit_digits converted to `diff` are the same function
     once the timm state dict is loaded (strictly: names and shapes all map)."""
     torch.manual_seed(0)
-    kwargs = dict(PRESETS["vit_digits"].kwargs, num_classes=10)
+    kwargs = dict(PRESETS["vit_digits"].kwargs, num_classes=10, **TINY_VIT)
     theirs = VisionTransformer(**kwargs, attn_layer="diff").double().eval()
     for m in theirs.modules():  # the paper's init is small; make lambda and the sub-norm matter
         if isinstance(m, TimmDiffAttention):
             for p in (m.lambda_q1, m.lambda_k1, m.lambda_q2, m.lambda_k2):
                 p.data.normal_(0, 0.5)
             m.sub_norm.weight.data.uniform_(0.5, 1.5)
-    ours = attnlab.build_model("vit_digits", num_classes=10, attn="diff").double().eval()
+    ours = attnlab.build_model("vit_digits", **TINY_VIT, num_classes=10, attn="diff").double().eval()
     assert set(ours.state_dict()) == set(theirs.state_dict())
     ours.load_state_dict(theirs.state_dict(), strict=True)
     _set_fused(theirs, fused)
@@ -50,7 +53,7 @@ def test_vit_matches_timm_diff_model(fused):
 
 
 def test_lambda_init_follows_depth():
-    model = attnlab.build_model("vit_digits", attn="diff")
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn="diff")
     got = [b.attn.lambda_init for b in model.blocks]
     assert got == pytest.approx([0.2, 0.8 - 0.6 * 0.7408182206817179, 0.8 - 0.6 * 0.5488116360940264])
 
@@ -116,7 +119,7 @@ def test_swin_matches_float64_loop(fused):
 def test_branch_outputs_recompose_forward():
     """o_pos - lambda * o_neg, sub-normed, scaled and merged is the module's output (ViT, eval)."""
     torch.manual_seed(3)
-    attn = attnlab.build_model("vit_digits", attn="diff").blocks[2].attn.double().eval()
+    attn = attnlab.build_model("vit_digits", **TINY_VIT, attn="diff").blocks[2].attn.double().eval()
     x = torch.randn(2, 17, 64, dtype=torch.float64)
     with torch.no_grad():
         o_pos, o_neg = attn.branch_outputs(x)
@@ -145,7 +148,7 @@ def test_gradcheck_float64():
 
 
 def test_new_parameters_follow_model_dtype():
-    model = attnlab.build_model("vit_digits", attn=None).double()
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn=None).double()
     attnlab.convert(model, "diff")
     assert {p.dtype for p in model.parameters()} == {torch.float64}
 
@@ -158,5 +161,5 @@ def test_odd_head_dim_is_refused():
 
 def test_spec_round_trip():
     assert str(attnlab.parse_spec("diff(dual_lambda=true)")) == "diff(dual_lambda=true)"
-    model = attnlab.build_model("vit_digits", attn="diff(dual_lambda=true)")
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn="diff(dual_lambda=true)")
     assert model.blocks[0].attn.lambda_a is not None and model.blocks[0].attn.lambda_q1 is None

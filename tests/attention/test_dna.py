@@ -19,6 +19,9 @@ from attnlab.errors import SpecError
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference_dna as ref  # noqa: E402
 
+# a fixed 3-block, 4-head geometry, independent of the demo preset's size
+TINY_VIT = dict(embed_dim=64, depth=3, num_heads=4)
+
 VARIANTS = ["qv", "q", "v", "shared", "sum"]
 # the documented row order of the fused projection, per variant (authors' order Q+, Q-, K, V+, V-)
 LAYOUT = {"qv": ("q_pos", "q_neg", "k", "v_pos", "v_neg"), "q": ("q_pos", "q_neg", "k", "v"),
@@ -217,7 +220,7 @@ def test_warm_start_copy_stays_close_to_the_pretrained_model(variant):
 
 def test_negative_neg_init_flips_only_v_neg():
     torch.manual_seed(0)
-    model = attnlab.build_model("vit_digits", attn=None)
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn=None)
     q, _, v = model.blocks[0].attn.qkv.weight.detach().clone().chunk(3)
     attnlab.convert(model, "dna(init=copy,neg_init=-0.01)")
     attn = model.blocks[0].attn
@@ -227,7 +230,7 @@ def test_negative_neg_init_flips_only_v_neg():
 
 def test_random_init_draws_fresh_negative_branch_and_keeps_positive():
     torch.manual_seed(0)
-    model = attnlab.build_model("vit_digits", attn=None)
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn=None)
     qkv = model.blocks[0].attn.qkv.weight.detach().clone()
     attnlab.convert(model, "dna")
     attn = model.blocks[0].attn
@@ -240,7 +243,7 @@ def test_random_init_draws_fresh_negative_branch_and_keeps_positive():
 
 def test_loads_checkpoint_with_separate_negative_projections():
     torch.manual_seed(0)
-    model = attnlab.build_model("vit_digits", attn="dna")
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn="dna")
     sd = model.state_dict()
     separate = {}
     for key, value in sd.items():  # the straightforward layout: qkv (Q+, K, V+) plus q_neg, v_neg Linears
@@ -252,7 +255,7 @@ def test_loads_checkpoint_with_separate_negative_projections():
             separate[f"{prefix}v_neg.{kind}"] = vn
         else:
             separate[key] = value
-    fresh = attnlab.build_model("vit_digits", attn="dna")
+    fresh = attnlab.build_model("vit_digits", **TINY_VIT, attn="dna")
     fresh.load_state_dict(separate, strict=True)
     x = torch.randn(2, 1, 8, 8)
     with torch.no_grad():

@@ -17,12 +17,15 @@ from attnlab.reparam import qkclip
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference_qk as ref  # noqa: E402
 
+# a fixed 3-block, 4-head geometry, independent of the demo preset's size
+TINY_VIT = dict(embed_dim=64, depth=3, num_heads=4)
+
 TAU = 100.0
 
 
 def _model(spec="qkclip", seed=0):
     torch.manual_seed(seed)
-    return attnlab.build_model("vit_digits", attn=spec)  # 8x8x1, dim 64, 3 layers, 4 heads (D=16), no dropout
+    return attnlab.build_model("vit_digits", **TINY_VIT, attn=spec)  # 8x8x1, dim 64, 3 layers, 4 heads (D=16), no dropout
 
 
 def _images(n=6, seed=1):
@@ -214,7 +217,7 @@ def test_spec_conflicts(spec, words):
 
 def test_qk_norm_model_refused_at_apply():
     torch.manual_seed(0)
-    model = attnlab.build_model("vit_digits", attn=None, qk_norm=True)  # timm's own QK-norm
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn=None, qk_norm=True)  # timm's own QK-norm
     with pytest.raises(SpecError, match="no effect"):
         attnlab.convert(model, "qkclip")
 

@@ -14,6 +14,9 @@ from attnlab.models import attention_modules
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference_qk as ref  # noqa: E402
 
+# a fixed 3-block, 4-head geometry, independent of the demo preset's size
+TINY_VIT = dict(embed_dim=64, depth=3, num_heads=4)
+
 
 def _randomise_norms(model, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -27,10 +30,10 @@ def _randomise_norms(model, seed=0):
 def test_vit_matches_timm_qk_norm(fused):
     """A timm ViT built with qk_norm=True and attnlab's `qknorm` ViT compute the same function on one state dict."""
     torch.manual_seed(0)
-    timm_model = attnlab.build_model("vit_digits", attn=None, qk_norm=True).eval()
+    timm_model = attnlab.build_model("vit_digits", **TINY_VIT, attn=None, qk_norm=True).eval()
     assert isinstance(timm_model.blocks[0].attn, TimmAttention)
     _randomise_norms(timm_model)
-    ours = attnlab.build_model("vit_digits", attn="qknorm").eval()
+    ours = attnlab.build_model("vit_digits", **TINY_VIT, attn="qknorm").eval()
     assert list(ours.state_dict()) == list(timm_model.state_dict())
     ours.load_state_dict(timm_model.state_dict(), strict=True)
     for model in (timm_model, ours):
@@ -45,7 +48,7 @@ def test_vit_matches_timm_qk_norm(fused):
 
 
 def test_norms_are_timm_layernorm_on_head_dim():
-    model = attnlab.build_model("vit_digits", attn="qknorm")
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn="qknorm")
     for _, m in attention_modules(model):
         for norm in (m.q_norm, m.k_norm):
             assert isinstance(norm, torch.nn.LayerNorm)
@@ -72,7 +75,7 @@ def test_swin_project_normalises_each_head():
 def test_existing_norms_are_kept():
     """A timm model trained with qk_norm keeps its norms (and their weights) when converted with `qknorm`."""
     torch.manual_seed(0)
-    model = attnlab.build_model("vit_digits", attn=None, qk_norm=True)
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn=None, qk_norm=True)
     _randomise_norms(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     attnlab.convert(model, "qknorm")
@@ -82,7 +85,7 @@ def test_existing_norms_are_kept():
 
 def test_diff_gets_half_head_norms():
     """With the diff kernel each half-head is normalised, as timm's DiffAttention builds its norms in a ViT."""
-    model = attnlab.build_model("vit_digits", attn="diff+qknorm")
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn="diff+qknorm")
     m = attention_modules(model)[0][1]
     assert m.q_norm.normalized_shape == (m.head_dim // 2,)
     model(torch.randn(2, 1, 8, 8))

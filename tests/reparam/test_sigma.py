@@ -19,6 +19,9 @@ from attnlab.reparam.sigma import SigmaReparam, _ScaleBySigma, apply_sigma, appl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference_reparam as ref  # noqa: E402
 
+# a fixed 3-block, 4-head geometry, independent of the demo preset's size
+TINY_VIT = dict(embed_dim=64, depth=3, num_heads=4)
+
 
 def _layer(out_f=40, in_f=24, seed=0, **kw):
     torch.manual_seed(seed)
@@ -166,7 +169,7 @@ def test_scale_by_sigma_backward_matches_plain_formula(contiguous):
 @pytest.mark.parametrize("fmt", ["torch", "safetensors"])
 def test_state_dict_saves_and_loads(fmt):
     torch.manual_seed(0)
-    model = attnlab.build_model("vit_digits", attn="sigma").train()
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn="sigma").train()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(4, 1, 8, 8)
     model(x).square().mean().backward()
@@ -182,7 +185,7 @@ def test_state_dict_saves_and_loads(fmt):
     else:
         loaded = load(save({k: v.contiguous() for k, v in state.items()}))
     torch.manual_seed(1)
-    fresh = attnlab.build_model("vit_digits", attn="sigma")
+    fresh = attnlab.build_model("vit_digits", **TINY_VIT, attn="sigma")
     fresh.load_state_dict(loaded, strict=True)
     for (name, p0), (_, p1) in zip(sigma_modules(model), sigma_modules(fresh)):
         assert torch.equal(p0.u, p1.u) and torch.equal(p0.gamma, p1.gamma), name
@@ -193,7 +196,7 @@ def test_state_dict_saves_and_loads(fmt):
 
 def test_specnorm_has_no_gamma_and_unit_norm():
     torch.manual_seed(0)
-    model = attnlab.build_model("vit_digits", attn="specnorm").eval()
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn="specnorm").eval()
     assert not any(k.endswith(".gamma") for k in model.state_dict())
     assert not any("gamma" in n for n, _ in model.named_parameters())
     qkv = model.blocks[0].attn.qkv
@@ -202,7 +205,7 @@ def test_specnorm_has_no_gamma_and_unit_norm():
 
 def test_targets_attn():
     torch.manual_seed(0)
-    model = attnlab.build_model("vit_digits", attn="sigma(targets=attn)")
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn="sigma(targets=attn)")
     names = sorted(n for n, _ in sigma_modules(model))
     expected = sorted(f"blocks.{i}.attn.{p}" for i in range(3) for p in ("qkv", "proj"))
     assert names == expected

@@ -20,10 +20,13 @@ from attnlab.reparam.speccond import AUTO_MARGIN, SpectralConditioning, apply_sp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference_reparam as ref  # noqa: E402
 
+# a fixed 3-block, 4-head geometry, independent of the demo preset's size
+TINY_VIT = dict(embed_dim=64, depth=3, num_heads=4)
+
 
 def _model(spec, seed=0):
     torch.manual_seed(seed)
-    return attnlab.build_model("vit_digits", attn=spec)
+    return attnlab.build_model("vit_digits", **TINY_VIT, attn=spec)
 
 
 @pytest.mark.parametrize("lam", [10.0, 0.37])
