@@ -10,7 +10,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .dna import branch_instruments
 from .entropy import attention_entropy, max_logits, qk_spectral_norms
+from .jacobian import jacobian_conditioning
 from .spectra import head_output_spectra, plot_spectra
 
 
@@ -37,10 +39,26 @@ def _qk_norms(model: nn.Module, images: torch.Tensor, batch_size: int) -> dict:
             "detail": [{"layer": n["layer"], "norm": n["norm"].tolist()} for n in norms]}
 
 
+def _branches(model: nn.Module, images: torch.Tensor, batch_size: int) -> dict:
+    summary = branch_instruments(model, images, batch_size=batch_size).summary()
+    flat = {k: v for k, v in summary.items() if k.endswith("_mean") and isinstance(v, float)}
+    return {"summary": flat, "detail": summary}
+
+
+def _jacobian(model: nn.Module, images: torch.Tensor, batch_size: int) -> dict:
+    # one sequence (image or window) per block and head, float64 SVD: seconds per block on a CPU
+    result = jacobian_conditioning(model, images[:1])
+    per_block = result.log10_mean()
+    return {"summary": {"log10_kappa": per_block.nanmean().item()},
+            "detail": {**result.to_dict(), "log10_kappa_per_block": per_block.tolist()}}
+
+
 INSTRUMENTS: dict[str, Callable[[nn.Module, torch.Tensor, int], dict]] = {
     "spectra": _spectra,    # NS-Attn Sec. 3.4: p1 and effective rank of head outputs
     "entropy": _entropy,    # sigma-Reparam: attention entropy per layer/head, max scaled logit per head
     "qk": _qk_norms,        # sigma-Reparam note Thm 3.1: ||W_Q,h W_K,h^T||_2 per head
+    "branches": _branches,  # DnA Sec. 4.4 / App. C.5: intruders, C(V+, V-), branch cosine (dna and diff models)
+    "jacobian": _jacobian,  # spectral conditioning Figs. 2-4: log10 condition number of the attention Jacobian
 }
 
 

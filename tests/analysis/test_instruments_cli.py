@@ -38,3 +38,18 @@ def test_analyze_cli_writes_json_and_plot(run_dir, tmp_path, capsys):
     assert (tmp_path / "spectra.png").stat().st_size > 1000
     assert main(["analyze", str(run_dir), "--what", "nope"]) == 2
     assert "choose from" in capsys.readouterr().err
+
+
+def test_analyze_fresh_model_branches_and_jacobian(tmp_path, capsys):
+    assert main(["analyze", "--model", "vit_digits", "--attn", "dna", "--what", "branches",
+                 "--images", "4", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "analysis.json").read_text())["vit_digits-dna"]
+    assert 0 <= data["summary"]["intruders_mean"] <= 10  # k = 10 directions per branch
+    assert main(["analyze", "--model", "vit_digits", "--what", "jacobian", "--images", "1", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "analysis.json").read_text())["vit_digits-standard"]
+    assert data["summary"]["log10_kappa"] >= 0  # a condition number is at least 1
+    assert len(data["jacobian"]["log10_kappa_per_block"]) == 2
+    # the Jacobian instrument is defined for softmax kernels: a DnA model is refused in one line
+    assert main(["analyze", "--model", "vit_digits", "--attn", "dna", "--what", "jacobian", "--images", "1",
+                 "--out", str(tmp_path)]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
