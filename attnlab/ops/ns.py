@@ -81,7 +81,9 @@ def ns_transform(
         )
 
     fn = _ns_reference if impl == "reference" else _ns_fast
-    work = x.float() if x.dtype in _HALF else x
+    # One dense copy up front: attention kernels return (B, H, N, D) as a strided view of (B, N, H, D), and batched
+    # matmuls on such views copy their operands at every product instead of once.
+    work = (x.float() if x.dtype in _HALF else x).contiguous()
     # Switch autocast off so matmuls stay in float32 (meta tensors have no autocast to switch off).
     device = x.device.type
     no_autocast = torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext()
@@ -138,17 +140,22 @@ def _ns_fast(x: torch.Tensor, steps: int, eps: float, coeffs: tuple[float, float
     r_sq = gram.diagonal(dim1=-2, dim2=-1).sum(dim=-1)[..., None, None]
     r = torch.where(r_sq > 0, r_sq.clamp_min(torch.finfo(x.dtype).tiny).sqrt(), 0.0)
     s = r.clamp_min(eps)
-    gram0 = gram = gram / (s * s)  # A: the Gram of Z = X / s (eq. 2)
-    eye = torch.eye(gram.shape[-1], dtype=x.dtype, device=x.device)
+    lead, n = gram.shape[:-2], gram.shape[-1]
+    # batched 3-D views so that baddbmm / bmm fuse the polynomial's products with its sums: on small
+    # matrices (Swin: 16 x 32 per window and head) each separate elementwise pass costs as much as a product
+    gram0 = gram = (gram / (s * s)).reshape(-1, n, n)  # A: the Gram of Z = X / s (eq. 2)
+    eye = torch.eye(n, dtype=x.dtype, device=x.device)
     p_total = p_sq = None
     for k in range(steps):
-        p = a * eye + b * gram + c * (gram @ gram)  # eq. 3
+        p = torch.baddbmm(torch.add(a * eye, gram, alpha=b), gram, gram, alpha=c)  # eq. 3: aI + bA + cA^2
         p_total = p if p_total is None else p @ p_total
         p_sq = p_total @ p_total
         if k + 1 < steps:
             gram = gram0 @ p_sq  # Gram after k + 1 steps: P A P = A P^2
-    # ||Z_K||_F^2 = tr(A P_K^2) = sum(A * P_K^2) (both symmetric); sqrt(clamp_min(., eps^2)) is
-    # max(||Z_K||_F, eps) (eq. 4) with a finite gradient at 0.
-    z_norm = (gram0 * p_sq).sum(dim=(-2, -1), keepdim=True).clamp_min(eps * eps).sqrt()
-    p_total = p_total * (r / (s * z_norm))  # fold eq. 4's scalar into the small matrix, not the output
+    # ||Z_K||_F^2 = tr(A P_K^2) = sum(A * P_K^2) (both symmetric), as one batched dot product; sqrt(clamp_min(.,
+    # eps^2)) is max(||Z_K||_F, eps) (eq. 4) with a finite gradient at 0.
+    z_sq = torch.bmm(gram0.reshape(-1, 1, n * n), p_sq.reshape(-1, n * n, 1))
+    z_norm = z_sq.clamp_min(eps * eps).sqrt()
+    # fold eq. 4's scalar into the small matrix, not the output
+    p_total = (p_total * (r.reshape(-1, 1, 1) / (s.reshape(-1, 1, 1) * z_norm))).reshape(*lead, n, n)
     return x @ p_total if features else p_total @ x

@@ -80,3 +80,22 @@ def test_ns_spec_options():
         attnlab.parse_spec("ns(steps=0)")
     with pytest.raises(attnlab.AttnlabError):
         attnlab.build_model("vit_digits", attn="ns(eps=-1)")
+
+
+@pytest.mark.parametrize("name", ["vit_digits", "swin_cifar"])
+def test_ns_attention_traces_without_graph_breaks(name):
+    """torch.compile sees one graph per attention module: no Python branching on tensor values in the NS path."""
+    import torch._dynamo
+
+    model = attnlab.build_model(name, attn="ns").eval()
+    if name == "swin_cifar":
+        block = model.layers[0].blocks[1]  # shifted windows: bias + mask
+        args, kwargs = (torch.randn(2 * 16, 16, 96),), {"mask": block.attn_mask}
+        attn = block.attn
+    else:
+        attn = model.blocks[0].attn
+        args, kwargs = (torch.randn(2, 16, attn.dim),), {}
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(attn)(*args, **kwargs)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
