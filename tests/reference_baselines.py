@@ -1,5 +1,5 @@
 """Independent float64 references for the `diff` and `cog` baselines: per-batch, per-head, per-entry loops written
-from the formulas (docs/sections/baselines.md), importing nothing from attnlab.
+from the formulas (docs/methods.md), importing nothing from attnlab.
 
 Shapes: x (B, N, C); qkv_w (3*H*D, C) laid out [q | k | v], each head's D features contiguous (timm's layout);
 Swin's ``mask`` is (num_windows, N, N) with 0 / -100 and window ``b % num_windows`` for batch row b.

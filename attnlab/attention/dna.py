@@ -30,7 +30,7 @@ for ``shared`` / ``sum``). State dicts that keep Q- and V- as separate ``q_neg``
 Speed. The fused path runs two SDPA calls; the softmin branch is SDPA with a negated scale on CPU (free), or with
 -Q- elsewhere (CUDA flash kernels take the row maximum before scaling, so a negative scale is not safe there).
 Stacking both branches into one SDPA call (along heads or batch) needs copies of K and the stacked q, v, and
-measured slower on CPU (see docs/sections/perf_dna.md), as it does on GPU (REFERENCES.md).
+measured slower on CPU (see docs/perf.md), as it does on GPU (REFERENCES.md).
 
 Two-branch convention (shared with ``diff``, used by :mod:`attnlab.analysis.dna`): ``branch_outputs(x, mask=None,
 attn_mask=None) -> (o_pos, o_neg)``, each (B, H, N, D), the two branches before alpha; ``branch_values(x) ->
@@ -289,7 +289,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         On CPU the product is formed heads-major, (blocks * H) x (B * N) x D, by one ``baddbmm`` over the same
         weight viewed as (blocks * H, D, dim): every (block, head) then is a contiguous N x D slab per sample, which
         the CPU SDPA kernel reads markedly faster than the token-major slices of one Linear's output (measured:
-        docs/sections/perf_dna.md). Forward hooks on ``qkv`` do not see this path; elsewhere ``qkv`` is called.
+        docs/perf.md). Forward hooks on ``qkv`` do not see this path; elsewhere ``qkv`` is called.
         """
         B, N, _ = x.shape
         nb, H, D = len(self.qkv_blocks), self.num_heads, self.head_dim
