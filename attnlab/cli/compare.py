@@ -17,8 +17,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     parser.description = (
         "Train every combination of models, datasets, seeds and attention variants one after another\n"
-        "(finished runs are skipped, interrupted ones resumed), then write and print the report of the\n"
-        "runs directory.")
+        "(or --jobs N at a time; finished runs are skipped, interrupted ones resumed), add each run's\n"
+        "instrument summaries (--analyze), then write and print the report of the runs directory.")
     parser.epilog = ("examples:\n"
                      "  attnlab compare --preset demo              # digits, every demo variant, seeds 0,1,2\n"
                      "  attnlab compare --config configs/grid.yaml\n"
