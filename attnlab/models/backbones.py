@@ -3,7 +3,7 @@ digits demo, and any timm model by name. Every one can be built with any attenti
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import timm
@@ -27,7 +27,6 @@ class Preset:
     num_classes: int
     doc: str
     fixed_drop_path: bool = False  # same rate in every block (the paper's ViT) instead of timm's linear rise
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 PRESETS: dict[str, Preset] = {
