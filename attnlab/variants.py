@@ -117,7 +117,9 @@ register(Variant(
     options={
         "steps": Option(1, int, minimum=1, help="polynomial iterations K (paper: 1; ablation: 2)"),
         "eps": Option(1e-6, float, help="clamp of both Frobenius-norm divisions"),
-        "impl": Option("auto", str, choices=("auto", "fast", "reference"), help="D x D fast path or Algorithm 1 literally"),
+        "impl": Option("auto", str, choices=("auto", "fast", "kernel", "reference"),
+                       help="auto: fused CPU kernel without gradient, else the Gram-space torch path (fast); "
+                            "reference: Algorithm 1 literally"),
     },
 ))
 register(Variant(

@@ -2,7 +2,9 @@
 
 Every configuration loads identical parameters; the protocol is the NS-Attn paper's (Section 3.5): rounds of
 warm-up and timed forwards with the order alternating between rounds. Rows:
-  ns                 the fast D x D formulation (attnlab's default)
+  ns                 attnlab's default (impl=auto): the fused C kernel on CPU forwards without gradient
+                     (ns_kernel.c), the Gram-space torch formulation elsewhere (GPU, autograd, torch.compile)
+  ns(impl=fast)      the Gram-space torch formulation on every device
   ns(impl=reference) Algorithm 1 written literally, batched over samples and heads
 
 CPU (issue targets, 2 cores, batch 64, fp32 eager): ns/standard <= 1.10 for vit_cifar, <= 1.15 for swin_cifar.
@@ -26,7 +28,7 @@ from attnlab.bench import bench_variants
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="vit_cifar,swin_cifar")
-    p.add_argument("--attn", default="standard,ns,ns(impl=reference)")
+    p.add_argument("--attn", default="standard,ns,ns(impl=fast),ns(impl=reference)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtypes", default="fp32", help="comma-separated: fp32, bf16")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.ns import NS_COEFFS, NS_EPS, ns_transform
+from ..ops.ns import NS_COEFFS, NS_EPS, check_ns_options, ns_transform
 
 
 class NSTransform(nn.Module):
@@ -23,14 +23,16 @@ class NSTransform(nn.Module):
     Args:
         steps: polynomial iterations K (paper: 1; 2 in the ablation of Table 2).
         eps: clamp of both Frobenius-norm divisions (paper: 1e-6).
-        impl: ``auto``/``fast`` (the D x D formulation) or ``reference`` (Algorithm 1 literally).
+        impl: ``auto`` (the fused CPU kernel for forward passes without gradient, else ``fast``), ``fast`` (the
+            Gram-space formulation in torch ops), ``kernel`` (always the fused kernel; an error where it cannot
+            run) or ``reference`` (Algorithm 1 literally). See :func:`attnlab.ops.ns_transform`.
     """
 
     def __init__(self, steps: int = 1, eps: float = NS_EPS, impl: str = "auto",
                  coeffs: tuple[float, float, float] = NS_COEFFS) -> None:
         super().__init__()
         self.steps, self.eps, self.impl, self.coeffs = steps, eps, impl, tuple(coeffs)
-        ns_transform(torch.zeros(1, 2, 2), steps, eps, self.coeffs, impl)  # reject bad options at conversion
+        check_ns_options(steps, eps, self.coeffs, impl)  # reject bad options at conversion
 
     def forward(self, o: torch.Tensor) -> torch.Tensor:
         return ns_transform(o, self.steps, self.eps, self.coeffs, self.impl)

@@ -9,10 +9,11 @@ For one head, the output X (N tokens x D features) is read as the feature-by-tok
 and T(M)^T is returned in the input's layout (eq. 5). One step maps every singular value t of the normalised
 matrix to p(t) = a t + b t^3 + c t^5 and keeps the singular vectors.
 
-Two implementations sit side by side:
+Three implementations sit side by side:
 
 - ``impl="reference"``: Algorithm 1 literally, batched over the leading dims, in M (D x N) layout.
-- ``impl="fast"`` (what ``"auto"`` picks): the same function with all K steps done in a small Gram space.
+- ``impl="fast"`` (what ``"auto"`` picks when a gradient is needed, under ``torch.compile`` and off the CPU): the
+  same function with all K steps done in a small Gram space.
   In X layout (N x D), with s = max(r, eps), G = X^T X and A = G / s^2 (= Z Z^T of Algorithm 1), a step is
   Z <- Z P with P = a I + b A + c A^2. P is a polynomial in A, so it commutes with A and the next Gram is
   P A P = A P^2; the K steps therefore accumulate into one D x D polynomial P_K in A, ||Z_K||_F^2 = tr(A P_K^2),
@@ -21,6 +22,10 @@ Two implementations sit side by side:
   N < D (Swin: 16 tokens, 32 features) it runs in N x N token space instead, since X f(X^T X) = f(X X^T) X for
   any polynomial f. Rounding: for K = 1 both paths are equally accurate; for K >= 3 on ill-conditioned float32
   inputs the fast path is less accurate (P_K multiplies the unflattened X), up to ~1e-4 vs ~1e-6.
+- ``impl="kernel"`` (what ``"auto"`` picks for CPU forward passes without gradient): the fast path's algebra as
+  one fused C loop per head matrix (``ns_kernel.c``, built on first use by :mod:`attnlab.ops.ns_cpu`). It reads
+  the attention kernel's strided output in place and writes with the same strides, so neither the dense copy in
+  nor the transposing copy at head merge happens.
 """
 
 from __future__ import annotations
@@ -30,14 +35,15 @@ from contextlib import nullcontext
 import torch
 
 from attnlab.errors import ConfigError
+from attnlab.ops.ns_cpu import kernel_error, ns_kernel
 
-__all__ = ["NS_COEFFS", "NS_EPS", "ns_transform"]
+__all__ = ["NS_COEFFS", "NS_EPS", "check_ns_options", "ns_transform"]
 
 # Muon's quintic (a, b, c) and the paper's clamp (eq. 2-4).
 NS_COEFFS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 NS_EPS: float = 1e-6
 
-_IMPLS = ("auto", "fast", "reference")
+_IMPLS = ("auto", "fast", "kernel", "reference")
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -59,7 +65,10 @@ def ns_transform(
         steps: number of polynomial iterations K >= 1 (paper: 1 main, 2 in the ablation).
         eps: clamp of both Frobenius-norm divisions (eq. 2 and 4); the paper's 1e-6.
         coeffs: (a, b, c) of the polynomial step (eq. 3); Muon's quintic by default.
-        impl: ``"fast"`` (D x D formulation), ``"reference"`` (Algorithm 1 literally) or ``"auto"`` (= fast).
+        impl: ``"fast"`` (the Gram-space formulation in torch ops), ``"kernel"`` (the same algebra as one fused
+            CPU kernel, forward only, see :mod:`attnlab.ops.ns_cpu`), ``"reference"`` (Algorithm 1 literally) or
+            ``"auto"``: the kernel where it applies (CPU, float32/64/16, no gradient needed, not being compiled),
+            else fast.
 
     Returns:
         Tensor of ``x``'s shape and dtype. bf16 / fp16 inputs are computed in float32 (autocast is
@@ -67,18 +76,19 @@ def ns_transform(
         float64. When neither clamp triggers, each output matrix has its input's Frobenius norm; a zero
         matrix maps to zeros (and zero gradient), never NaN.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ConfigError(f"ns_transform steps must be an integer >= 1 (the paper uses 1 or 2), got {steps!r}.")
-    if not eps > 0:
-        raise ConfigError(f"ns_transform eps must be a positive number (the paper uses 1e-6), got {eps!r}.")
-    if len(coeffs) != 3:
-        raise ConfigError(f"ns_transform coeffs must be three numbers (a, b, c), got {coeffs!r}.")
-    if impl not in _IMPLS:
-        raise ConfigError(f"ns_transform impl must be one of {', '.join(_IMPLS)}, got {impl!r}.")
+    check_ns_options(steps, eps, coeffs, impl)
     if x.ndim < 2 or not x.is_floating_point():
         raise ConfigError(
             f"ns_transform expects a floating tensor of shape (..., N, D), got {tuple(x.shape)} {x.dtype}."
         )
+
+    if impl in ("auto", "kernel"):
+        work = x.float() if x.dtype in _HALF else x  # keeps the strides of a dense view
+        reason = kernel_error(work)
+        if reason is None:
+            return ns_kernel(work, steps, float(eps), tuple(float(v) for v in coeffs)).to(x.dtype)
+        if impl == "kernel":
+            raise ConfigError(f"ns_transform impl='kernel' is not available here: {reason}.")
 
     fn = _ns_reference if impl == "reference" else _ns_fast
     # One dense copy up front: attention kernels return (B, H, N, D) as a strided view of (B, N, H, D), and batched
@@ -90,6 +100,18 @@ def ns_transform(
     with no_autocast:
         y = fn(work, steps, float(eps), tuple(float(v) for v in coeffs))
     return y.to(x.dtype)
+
+
+def check_ns_options(steps: int, eps: float, coeffs: tuple[float, float, float], impl: str) -> None:
+    """Raise :class:`ConfigError` for options :func:`ns_transform` does not take (used at model conversion)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"ns_transform steps must be an integer >= 1 (the paper uses 1 or 2), got {steps!r}.")
+    if not eps > 0:
+        raise ConfigError(f"ns_transform eps must be a positive number (the paper uses 1e-6), got {eps!r}.")
+    if len(coeffs) != 3:
+        raise ConfigError(f"ns_transform coeffs must be three numbers (a, b, c), got {coeffs!r}.")
+    if impl not in _IMPLS:
+        raise ConfigError(f"ns_transform impl must be one of {', '.join(_IMPLS)}, got {impl!r}.")
 
 
 def _ns_reference(x: torch.Tensor, steps: int, eps: float, coeffs: tuple[float, float, float]) -> torch.Tensor:
