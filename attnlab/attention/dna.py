@@ -276,32 +276,31 @@ class DnAAttention(_DnAParams, AttnlabAttention):
 
         Q and K are normalised per head when qk_norm is on (each query branch by the same ``q_norm``).
         """
-        named = dict(zip(self.qkv_blocks, self._project_blocks(x).unbind(0)))
+        named = dict(zip(self.qkv_blocks, self._project_blocks(x)))
         q_pos = self.q_norm(named.get("q_pos", named.get("q")))
         q_neg = self.q_norm(named["q_neg"]) if "q_neg" in named else q_pos
         v_pos = named.get("v_pos", named.get("v"))
         v_neg = named.get("v_neg", v_pos)
         return (q_pos, q_neg), self.k_norm(named["k"]), (v_pos, v_neg)
 
-    def _project_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ qkv.weight^T + qkv.bias as (blocks, B, H, N, D).
+    def _project_blocks(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x @ qkv.weight^T + qkv.bias, one (B, H, N, D) view per block of ``qkv_blocks``.
 
-        On CPU the product is formed heads-major, (blocks * H) x (B * N) x D, by one ``baddbmm`` over the same
-        weight viewed as (blocks * H, D, dim): every (block, head) then is a contiguous N x D slab per sample, which
-        the CPU SDPA kernel reads markedly faster than the token-major slices of one Linear's output (measured:
-        docs/perf.md). Forward hooks on ``qkv`` do not see this path; elsewhere ``qkv`` is called.
+        On CPU the fused weight is applied as two Linears over contiguous row slices, the query blocks and the
+        key / value blocks (no weight copy): the two narrower outputs measured faster than one 5*dim-wide output,
+        both for the GEMM and for the SDPA calls that read them (docs/perf.md). Forward hooks on ``qkv`` do not
+        see this path; elsewhere ``qkv`` is called once.
         """
         B, N, _ = x.shape
-        nb, H, D = len(self.qkv_blocks), self.num_heads, self.head_dim
+        H, D = self.num_heads, self.head_dim
         if x.device.type != "cpu":
-            return self.qkv(x).view(B, N, nb, H, D).permute(2, 0, 3, 1, 4)
-        weight = self.qkv.weight.view(nb * H, D, -1).transpose(1, 2)
-        tokens = x.reshape(1, B * N, -1).expand(nb * H, -1, -1)
-        if self.qkv.bias is None:
-            y = torch.bmm(tokens, weight)
+            groups = [(self.qkv(x), len(self.qkv_blocks))]
         else:
-            y = torch.baddbmm(self.qkv.bias.view(nb * H, 1, D), tokens, weight)
-        return y.view(nb, H, B, N, D).transpose(1, 2)
+            nq = sum(name.startswith("q") for name in self.qkv_blocks)  # blocks are ordered queries, K, values
+            w, b, split = self.qkv.weight, self.qkv.bias, nq * self.attn_dim
+            groups = [(F.linear(x, w[:split], None if b is None else b[:split]), nq),
+                      (F.linear(x, w[split:], None if b is None else b[split:]), len(self.qkv_blocks) - nq)]
+        return tuple(blk for y, n in groups for blk in y.view(B, N, n, H, D).permute(2, 0, 3, 1, 4).unbind(0))
 
     def _biases(self, B: int, N: int, mask, attn_mask):
         """(bias_pos, bias_neg): the standard fused bias, and the softmin branch's in negated-logit form."""
