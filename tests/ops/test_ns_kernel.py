@@ -169,8 +169,8 @@ def test_forced_kernel_explains_why_not(x, needle):
 
 def test_switch_off_with_environment(monkeypatch):
     x = _randn(2, 20, 16, dtype=torch.float32)
-    monkeypatch.setenv("ATTNLAB_NS_KERNEL", "0")
-    assert "ATTNLAB_NS_KERNEL=0" in kernel_error(x)
+    monkeypatch.setenv("ATTNLAB_KERNELS", "0")
+    assert "ATTNLAB_KERNELS=0" in kernel_error(x)
     with torch.no_grad():
         assert torch.equal(ns_transform(x), ns_transform(x, impl="fast"))
 

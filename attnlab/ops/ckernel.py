@@ -1,0 +1,116 @@
+"""Build, cache and call attnlab's small C kernels (``ns_kernel.c``, ``dna_kernel.c``) through ctypes.
+
+A kernel is one plain C file (no Python or torch headers). On first use in a process it is compiled with the system
+C compiler (``$CC``, else ``cc``; gcc or clang) into ``$ATTNLAB_CACHE`` (default ``~/.cache/attnlab``) under a
+name that hashes the source, the flags and the CPU (``-march=native``), then loaded with ctypes. A failed build
+(no compiler, read-only cache) is remembered and reported by :func:`load_error`; callers then use their torch
+path. ``ATTNLAB_KERNELS=0`` switches every kernel off.
+
+ctypes releases the GIL during a call, so :func:`run_split` spreads a kernel's independent work items over
+``torch.get_num_threads()`` threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+__all__ = ["disabled", "load", "load_error", "run_split"]
+
+_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu99")
+_MIN_PER_THREAD = 64  # work items; below this a thread hand-off costs more than it saves
+
+_lock = threading.Lock()
+_libs: dict[tuple[str, tuple[str, ...]], ctypes.CDLL] = {}
+_errors: dict[tuple[str, tuple[str, ...]], str] = {}
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0  # a forked child inherits the pool object but not its threads
+
+
+def disabled() -> str | None:
+    """The reason kernels are off (an environment switch), or None."""
+    if os.environ.get("ATTNLAB_KERNELS", "1") == "0":
+        return "the fused CPU kernels are switched off (ATTNLAB_KERNELS=0)"
+    return None
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("ATTNLAB_CACHE"):
+        return Path(os.environ["ATTNLAB_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnlab"
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build(source: Path, defines: tuple[str, ...]) -> ctypes.CDLL:
+    compiler = os.environ.get("CC", "cc")
+    flags = (*_FLAGS, *defines)
+    key = hashlib.sha256("\0".join([source.read_text(), compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}{''.join(d.lower() for d in defines)}_{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # unique name: concurrent builds do not clash
+        os.close(fd)
+        try:
+            proc = subprocess.run([compiler, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise OSError(f"{compiler} failed: {proc.stderr.strip()[:500]}")
+            os.replace(tmp, target)  # atomic: another process sees the old state or the whole file
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    return ctypes.CDLL(str(target))
+
+
+def load(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled ``attnlab/ops/<name>`` with ``-D`` ``defines``; None when it cannot be built (see
+    :func:`load_error`). Built once per process."""
+    key = (name, defines)
+    if key in _libs:
+        return _libs[key]
+    with _lock:
+        if key not in _libs and key not in _errors:
+            try:
+                _libs[key] = _build(Path(__file__).with_name(name), defines)
+            except OSError as err:  # no compiler, read-only cache, failed build or load
+                _errors[key] = f"the fused CPU kernel could not be built ({err})"
+    return _libs.get(key)
+
+
+def load_error(name: str, defines: tuple[str, ...] = ()) -> str | None:
+    return _errors.get((name, defines))
+
+
+def run_split(fn: Callable[..., int], args: tuple, total: int) -> None:
+    """Call ``fn(*args, start, end)`` over ``[0, total)``, split into contiguous chunks over torch's thread count.
+
+    ``fn`` returns 0 on success; anything else raises RuntimeError (the callers check shapes first)."""
+    global _pool, _pool_pid
+    threads = max(1, min(torch.get_num_threads(), total // _MIN_PER_THREAD))
+    if threads == 1:
+        statuses = [fn(*args, 0, total)]
+    else:
+        if _pool is None or _pool_pid != os.getpid() or _pool._max_workers < threads:
+            _pool, _pool_pid = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="attnlab"), os.getpid()
+        bounds = [total * i // threads for i in range(threads + 1)]
+        futures = [_pool.submit(fn, *args, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        statuses = [f.result() for f in futures]
+    if any(statuses):  # pragma: no cover - callers check supported shapes first
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)}: the kernel rejected its arguments")
