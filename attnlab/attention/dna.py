@@ -27,10 +27,12 @@ authors' order Q+, Q-, K, V+, V- (width 5*dim for ``qv``; Q+, Q-, K, V for ``q``
 for ``shared`` / ``sum``). State dicts that keep Q- and V- as separate ``q_neg`` / ``v_neg`` Linears next to a
 3*dim ``qkv`` are fused on load.
 
-Speed. The fused path runs two SDPA calls; the softmin branch is SDPA with a negated scale on CPU (free), or with
--Q- elsewhere (CUDA flash kernels take the row maximum before scaling, so a negative scale is not safe there).
-Stacking both branches into one SDPA call (along heads or batch) needs copies of K and the stacked q, v, and
-measured slower on CPU (see docs/perf.md), as it does on GPU (REFERENCES.md).
+Speed. For CPU forward passes without gradient (eval, analyses, benchmarks) both branches run in ONE fused C kernel
+(:mod:`attnlab.ops.dna_cpu`): one pass over K per head, the combined output written in head-merge layout. Elsewhere
+(training, GPU, other dtypes, torch.compile) the fused path runs two SDPA calls; the softmin branch is SDPA with a
+negated scale on CPU (free), or with -Q- elsewhere (CUDA flash kernels take the row maximum before scaling, so a
+negative scale is not safe there). Stacking both branches into one SDPA call (along heads or batch) needs copies
+of K and the stacked q, v, and measured slower on CPU (see docs/perf.md), as it does on GPU (REFERENCES.md).
 
 Two-branch convention (shared with ``diff``, used by :mod:`attnlab.analysis.dna`): ``branch_outputs(x, mask=None,
 attn_mask=None) -> (o_pos, o_neg)``, each (B, H, N, D), the two branches before alpha; ``branch_values(x) ->
@@ -47,6 +49,8 @@ from torch import nn
 from timm.layers import trunc_normal_
 
 from ..errors import SpecError
+from ..ops.dna_cpu import dna_attention
+from ..ops.dna_cpu import kernel_error as dna_kernel_error
 from .base import AttnlabAttention
 
 VARIANTS = ("qv", "q", "v", "shared", "sum")
@@ -116,6 +120,16 @@ def combine(o_pos: torch.Tensor, o_neg: torch.Tensor, alpha: torch.Tensor | None
     if alpha is None:
         return o_pos + o_neg
     return torch.addcmul(o_pos, alpha.to(o_pos.dtype).view(-1, 1, 1), o_neg)
+
+
+def _fused(q_pos, q_neg, k, v_pos, v_neg, alpha, *, scale_pos, scale_neg, bias_pos, bias_neg, dropout_p):
+    """The combined output of both branches, (B, H, N, D): the fused CPU kernel (:mod:`attnlab.ops.dna_cpu`) where it
+    applies (CPU float32 forward without gradient or dropout), else two SDPA calls and :func:`combine`."""
+    if dropout_p == 0.0 and dna_kernel_error(q_pos, k, q_neg, v_pos, v_neg, alpha, bias_pos, bias_neg) is None:
+        return dna_attention(q_pos, q_neg, k, v_pos, v_neg, alpha, scale_pos=scale_pos, scale_neg=scale_neg,
+                             bias_pos=bias_pos, bias_neg=bias_neg)
+    return combine(*dna_branches(q_pos, q_neg, k, v_pos, v_neg, scale_pos=scale_pos, scale_neg=scale_neg,
+                                 bias_pos=bias_pos, bias_neg=bias_neg, dropout_p=dropout_p), alpha)
 
 
 # ---- parameters shared by the self- and cross-attention modules --------------------------------------------------
@@ -354,7 +368,13 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         The explicit path with a shared V (variants q, shared, sum) forms [softmax(s^+) + alpha softmin(s^-)] V,
         one product with V, as Table 12 writes it.
         """
-        if self.fused_attn or v[0] is not v[1]:
+        if self.fused_attn:
+            (q_pos, q_neg), (v_pos, v_neg) = q, v
+            bias_pos, bias_neg = self._biases(q_pos.shape[0], q_pos.shape[2], mask, attn_mask)
+            return _fused(q_pos, q_neg, k, v_pos, v_neg, self.alpha, scale_pos=self.scale_pos,
+                          scale_neg=self.scale_neg, bias_pos=bias_pos, bias_neg=bias_neg,
+                          dropout_p=self.attn_drop.p if self.training else 0.0)
+        if v[0] is not v[1]:
             return combine(*self.branches(q, k, v, mask, attn_mask), self.alpha)
         w_pos, w_neg = self.weights(q, k, mask, attn_mask)
         if self.alpha is None:
@@ -491,7 +511,13 @@ class DnACrossAttention(_DnAParams, nn.Module):
     def forward(self, x: torch.Tensor, context: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (B, N, dim) queries, context: (B, M, kv_dim); ``attn_mask`` broadcastable to (B, H, N, M), bool
         (True = attend) or additive. Returns (B, N, dim)."""
-        o = combine(*self.branch_outputs(x, context, attn_mask), self.alpha)
+        if self.fused_attn:
+            (q_pos, q_neg), k, (v_pos, v_neg) = self.project(x, context)
+            bias_neg = negative_bias(None, attn_mask, q_pos) if attn_mask is not None else None
+            o = _fused(q_pos, q_neg, k, v_pos, v_neg, self.alpha, scale_pos=self.scale_pos, scale_neg=self.scale_neg,
+                       bias_pos=attn_mask, bias_neg=bias_neg, dropout_p=self.attn_drop.p if self.training else 0.0)
+        else:
+            o = combine(*self.branch_outputs(x, context, attn_mask), self.alpha)
         B, _, N, _ = o.shape
         return self.proj_drop(self.proj(o.transpose(1, 2).reshape(B, N, self.attn_dim)))
 

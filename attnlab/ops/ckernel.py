@@ -6,8 +6,11 @@ name that hashes the source, the flags and the CPU (``-march=native``), then loa
 (no compiler, read-only cache) is remembered and reported by :func:`load_error`; callers then use their torch
 path. ``ATTNLAB_KERNELS=0`` switches every kernel off.
 
-ctypes releases the GIL during a call, so :func:`run_split` spreads a kernel's independent work items over
-``torch.get_num_threads()`` threads.
+Threads: a kernel is built with ``-fopenmp`` when the compiler can, and then parallelises inside C over the
+process's OpenMP runtime. Its ``libgomp.so.1`` dependency resolves to the one torch has already loaded, so the
+kernel runs on torch's own worker threads; a separate Python thread pool would compete with those workers, which
+spin for a while after every torch op (measured: DnA's kernel lost its whole advantage that way). Without OpenMP,
+:func:`run_split` spreads the work items over Python threads (ctypes releases the GIL).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 __all__ = ["disabled", "load", "load_error", "run_split"]
 
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu99")
-_MIN_PER_THREAD = 64  # work items; below this a thread hand-off costs more than it saves
+_OPENMP = "-fopenmp"
 
 _lock = threading.Lock()
 _libs: dict[tuple[str, tuple[str, ...]], ctypes.CDLL] = {}
@@ -60,10 +63,17 @@ def _cpu_id() -> str:
 
 
 def _build(source: Path, defines: tuple[str, ...]) -> ctypes.CDLL:
+    try:
+        return _build_with(source, (*defines, _OPENMP))
+    except OSError:  # a compiler without OpenMP (e.g. clang without libomp): Python threads split the work
+        return _build_with(source, defines)
+
+
+def _build_with(source: Path, defines: tuple[str, ...]) -> ctypes.CDLL:
     compiler = os.environ.get("CC", "cc")
     flags = (*_FLAGS, *defines)
     key = hashlib.sha256("\0".join([source.read_text(), compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{source.stem}{''.join(d.lower() for d in defines)}_{key}.so"
+    target = _cache_dir() / f"{source.stem}_{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # unique name: concurrent builds do not clash
@@ -98,19 +108,21 @@ def load_error(name: str, defines: tuple[str, ...] = ()) -> str | None:
     return _errors.get((name, defines))
 
 
-def run_split(fn: Callable[..., int], args: tuple, total: int) -> None:
-    """Call ``fn(*args, start, end)`` over ``[0, total)``, split into contiguous chunks over torch's thread count.
+def run_split(lib: ctypes.CDLL, fn: Callable[..., int], args: tuple, total: int, min_per_thread: int = 1) -> None:
+    """Run ``fn(*args, start, end, threads)`` over the work items ``[0, total)`` on up to torch's thread count,
+    with at least ``min_per_thread`` items per thread (below that a hand-off costs more than it saves): inside C
+    when ``lib`` was built with OpenMP, else as contiguous chunks over Python threads.
 
     ``fn`` returns 0 on success; anything else raises RuntimeError (the callers check shapes first)."""
     global _pool, _pool_pid
-    threads = max(1, min(torch.get_num_threads(), total // _MIN_PER_THREAD))
-    if threads == 1:
-        statuses = [fn(*args, 0, total)]
+    threads = max(1, min(torch.get_num_threads(), total // min_per_thread))
+    if threads == 1 or lib.attnlab_openmp():
+        statuses = [fn(*args, 0, total, threads)]
     else:
         if _pool is None or _pool_pid != os.getpid() or _pool._max_workers < threads:
             _pool, _pool_pid = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="attnlab"), os.getpid()
         bounds = [total * i // threads for i in range(threads + 1)]
-        futures = [_pool.submit(fn, *args, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        futures = [_pool.submit(fn, *args, lo, hi, 1) for lo, hi in zip(bounds[:-1], bounds[1:])]
         statuses = [f.result() for f in futures]
     if any(statuses):  # pragma: no cover - callers check supported shapes first
         raise RuntimeError(f"{getattr(fn, '__name__', fn)}: the kernel rejected its arguments")

@@ -24,7 +24,7 @@ __all__ = ["kernel_error", "ns_kernel"]
 
 _SOURCE = "ns_kernel.c"
 _DTYPES = {torch.float32: ("f32", ctypes.c_float, ()), torch.float64: ("f64", ctypes.c_double, ("-DNS_DOUBLE",))}
-_funcs: dict[torch.dtype, tuple[object, object]] = {}  # dtype -> (transform, supports)
+_funcs: dict[torch.dtype, tuple[object, object, object]] = {}  # dtype -> (transform, supports, library)
 
 
 def _load(dtype: torch.dtype):
@@ -36,11 +36,12 @@ def _load(dtype: torch.dtype):
             return None
         fn, supports = getattr(lib, f"attnlab_ns_{suffix}"), getattr(lib, f"attnlab_ns_supports_{suffix}")
         i64 = ctypes.c_int64
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[i64] * 9, ctypes.c_int, ctype, ctype, ctype, ctype, i64, i64]
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[i64] * 9, ctypes.c_int, ctype, ctype, ctype, ctype, i64, i64,
+                       ctypes.c_int]
         fn.restype = ctypes.c_int
         supports.argtypes = [i64, i64]
         supports.restype = ctypes.c_int
-        _funcs[dtype] = (fn, supports)
+        _funcs[dtype] = (fn, supports, lib)
     return _funcs[dtype]
 
 
@@ -71,7 +72,7 @@ def kernel_error(x: torch.Tensor) -> str | None:
 def ns_kernel(x: torch.Tensor, steps: int, eps: float, coeffs: tuple[float, float, float]) -> torch.Tensor:
     """T(x) by the fused kernel; the caller has checked :func:`kernel_error`. Output strides follow the input's
     when it is dense (an attention kernel's (B, N, H, D) buffer stays (B, N, H, D)), else it is contiguous."""
-    fn = _funcs[x.dtype][0]
+    fn, _, lib = _load(x.dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
     # (B, H, N, D) for the kernel's two batch strides: a view whenever the leading dims allow one
@@ -79,5 +80,5 @@ def ns_kernel(x: torch.Tensor, steps: int, eps: float, coeffs: tuple[float, floa
     y4 = torch.empty_like(x4)  # preserve_format: same strides as a dense input
     B, H, N, D = x4.shape
     args = (x4.data_ptr(), y4.data_ptr(), H, N, D, *x4.stride()[:3], *y4.stride()[:3], steps, eps, *coeffs)
-    ckernel.run_split(fn, args, B * H)
+    ckernel.run_split(lib, fn, args, B * H, min_per_thread=64)  # a head matrix is ~1 us of work
     return y4.view(x.shape)  # splitting or dropping unit dims is always a view

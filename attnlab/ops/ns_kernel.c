@@ -159,14 +159,27 @@ int NS_SUPPORTS(int64_t N, int64_t D) {
     return 0;
 }
 
-/* Transforms matrices [start, end) of a (B, H, N, D) tensor; matrix m is (b, h) = (m / H, m % H). Strides are in
+/* Transforms matrices [start, end) of a (B, H, N, D) tensor, over `threads` OpenMP threads; matrix m is
+ * (b, h) = (m / H, m % H). Strides are in
  * elements; the feature stride of x and y must be 1. Returns 0, or -1 for a shape outside the limits above. */
 int NS_ENTRY(const real *x, real *y, int64_t H, int64_t N, int64_t D, int64_t sxb, int64_t sxh,
-                   int64_t sxn, int64_t syb, int64_t syh, int64_t syn, int steps, real eps, real ca, real cb,
-                   real cc, int64_t start, int64_t end) {
+             int64_t sxn, int64_t syb, int64_t syh, int64_t syn, int steps, real eps, real ca, real cb,
+             real cc, int64_t start, int64_t end, int threads) {
+    if (!NS_SUPPORTS(N, D)) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t m = start; m < end; m++) {
         const int64_t b = m / H, h = m % H;
-        if (ns_any(x + b * sxb + h * sxh, y + b * syb + h * syh, N, D, sxn, syn, steps, eps, ca, cb, cc)) return -1;
+        ns_any(x + b * sxb + h * sxh, y + b * syb + h * syh, N, D, sxn, syn, steps, eps, ca, cb, cc);
     }
     return 0;
+}
+
+/* 1 when built with OpenMP: the entry point then splits its range over `threads` threads of the process's OpenMP
+ * runtime (torch's own, when its libgomp is loaded first), else the caller splits it over Python threads */
+int attnlab_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
 }

@@ -1,0 +1,124 @@
+"""DnA's two branches in one fused CPU kernel (``dna_kernel.c``), for forward passes without gradient.
+
+    o = softmax(scale_pos q+ k^T + bias_pos) v+ + alpha_h * softmax(-scale_neg q- k^T + bias_neg) v-
+
+(``bias_neg`` in negated-logit form, as :func:`attnlab.attention.dna.negative_bias` builds it) computed per head
+and query row in one pass over K, with the combined output written in the (B, N, H, D) layout head merge reads.
+Two SDPA calls read K twice, write two (B, H, N, D) outputs and need a third pass to combine them; on 2 CPU cores
+the fused kernel takes less time than ONE SDPA call of the same shape (docs/perf.md).
+
+float32, CPU, head dim 16 / 32 / 48 / 64, at most 1024 keys, no dropout, no gradient; everything else goes to
+SDPA (:func:`attnlab.attention.dna.dna_branches`). Building: :mod:`attnlab.ops.ckernel`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from attnlab.ops import ckernel
+
+__all__ = ["dna_attention", "kernel_error"]
+
+_SOURCE = "dna_kernel.c"
+_NT = 8  # QP, QN, K, VP, VN, OUT, BP, BN in dna_kernel.c
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [
+        ("ptr", ctypes.c_void_p * _NT),
+        ("stride", (ctypes.c_int64 * 3) * _NT),
+        ("alpha", ctypes.c_void_p),
+        ("H", ctypes.c_int64), ("N", ctypes.c_int64), ("M", ctypes.c_int64), ("D", ctypes.c_int64),
+        ("scale_pos", ctypes.c_float), ("scale_neg", ctypes.c_float),
+    ]
+
+
+_funcs: tuple | None = None
+
+
+def _load():
+    global _funcs
+    if _funcs is None:
+        lib = ckernel.load(_SOURCE)
+        if lib is None:
+            return None
+        fn, supports = lib.attnlab_dna_f32, lib.attnlab_dna_supports
+        fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        supports.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        supports.restype = ctypes.c_int
+        _funcs = (fn, supports, lib)
+    return _funcs
+
+
+def kernel_error(q: torch.Tensor, k: torch.Tensor, *others: torch.Tensor | None) -> str | None:
+    """Why the fused kernel cannot run on these (B, H, N, D) queries / (B, H, M, D) keys (and the other tensors of
+    the call: values, alpha, biases), or None when it can."""
+    tensors = [t for t in (q, k, *others) if t is not None]
+    if any(t.device.type != "cpu" for t in tensors):
+        return "the fused DnA kernel runs on the CPU"
+    if any(t.dtype != torch.float32 for t in tensors if t.dtype != torch.bool):
+        return "the fused DnA kernel takes float32"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "the fused DnA kernel is forward-only; this call needs a gradient"
+    if torch.compiler.is_compiling():
+        return "the fused DnA kernel is opaque to torch.compile"
+    if q.ndim != 4 or k.ndim != 4:
+        return "the fused DnA kernel takes (B, H, N, D) tensors"
+    off = ckernel.disabled()
+    if off:
+        return off
+    funcs = _load()
+    if funcs is None:
+        return ckernel.load_error(_SOURCE)
+    if not funcs[1](q.shape[-1], k.shape[-2]):
+        return f"the fused DnA kernel takes head dim 16, 32, 48 or 64 and <= 1024 keys, got {q.shape[-1]}, {k.shape[-2]}"
+    return None
+
+
+def _additive(bias: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """A float bias broadcast to ``shape`` (B, H, N, M) as a view, rows of M contiguous floats."""
+    if bias is None:
+        return None
+    if bias.dtype == torch.bool:  # True = attend
+        bias = torch.zeros(bias.shape, dtype=torch.float32).masked_fill_(~bias, float("-inf"))
+    while bias.ndim < 4:
+        bias = bias.unsqueeze(0)
+    bias = bias.expand(shape)
+    return bias if bias.stride(-1) == 1 else bias.contiguous()
+
+
+def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_pos: torch.Tensor,
+                  v_neg: torch.Tensor, alpha: torch.Tensor | None, *, scale_pos: float, scale_neg: float,
+                  bias_pos: torch.Tensor | None = None, bias_neg: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(scale_pos q+ k^T + bias_pos) v+ + alpha_h softmin(scale_neg q- k^T - bias_neg) v-, (B, H, N, D).
+
+    q_*: (B, H, N, D); k, v_*: (B, H, M, D); alpha: (H,) or None (= 1); biases broadcastable to (B, H, N, M),
+    ``bias_neg`` in negated-logit form. Pass the same tensor as q_pos and q_neg (or v_pos and v_neg) for a shared
+    query (value); it is then used once. The result is a (B, H, N, D) view of a (B, N, H, D) buffer. The caller
+    has checked :func:`kernel_error`.
+    """
+    fn, _, lib = _load()
+    B, H, N, D = q_pos.shape
+    M = k.shape[-2]
+    ts = [t if t.stride(-1) == 1 else t.contiguous() for t in (q_pos, q_neg, k, v_pos, v_neg)]
+    if q_neg is q_pos:
+        ts[1] = ts[0]
+    if v_neg is v_pos:
+        ts[4] = ts[3]
+    out = torch.empty(B, N, H, D, dtype=q_pos.dtype).transpose(1, 2)
+    ts.append(out)
+    ts += [_additive(bias_pos, (B, H, N, M)), _additive(bias_neg, (B, H, N, M))]
+    alpha = (torch.ones(H) if alpha is None else alpha.detach()).float().contiguous()
+    args = _Args()
+    for i, t in enumerate(ts):
+        if t is not None:
+            args.ptr[i] = t.data_ptr()
+            args.stride[i][:] = t.stride()[:3]
+    args.alpha = alpha.data_ptr()
+    args.H, args.N, args.M, args.D = H, N, M, D
+    args.scale_pos, args.scale_neg = scale_pos, -scale_neg
+    ckernel.run_split(lib, fn, (ctypes.byref(args),), B * H, min_per_thread=max(1, 2**16 // (N * M)))
+    return out

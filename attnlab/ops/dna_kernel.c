@@ -1,0 +1,251 @@
+/* DnA's two-branch attention (papers/dna_denoising_attention.txt, Sec. 3.2), fused for the CPU, forward only.
+ *
+ * For one head h and query row i, with keys k_j (j < M):
+ *
+ *     a_j = softmax_j(sp * q+_i . k_j + bp_ij),   b_j = softmax_j(sn * q-_i . k_j + bn_ij)
+ *     o_i = sum_j a_j v+_j + alpha_h sum_j b_j v-_j
+ *
+ * The caller passes sn = -scale_neg and bn in negated-logit form (-B, and -inf at masked positions; see
+ * attnlab.attention.dna.negative_bias), so the second softmax is DnA's softmin. Both branches share one pass over
+ * K (transposed once per head into a local buffer), and o_i goes straight to the output with its own strides
+ * (the head merge after it is a view). When Q or V is shared (variants q, v, shared, sum) the caller passes the
+ * same tensor twice (computed twice: one compiled instance per head dim keeps the first build at a few seconds).
+ *
+ * float32 only, 64-byte vector types (GCC / Clang vector extensions), exp by a Cephes-style polynomial (about
+ * 1 ulp); head dim D in 16, 32, 48, 64 (a constant per instance), M <= 1024 keys. attnlab/ops/dna_cpu.py builds and
+ * calls it.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define L 16      /* floats per vector */
+#define MAX_M 1024
+#define INLINE static inline __attribute__((always_inline))
+
+typedef float vec __attribute__((vector_size(64)));
+typedef int32_t ivec __attribute__((vector_size(64)));
+
+/* Tensors, each with its (batch, head, row) strides in elements; the feature stride is 1. */
+enum { QP, QN, K, VP, VN, OUT, BP, BN, NT };
+
+typedef struct {
+    const float *ptr[NT]; /* BP / BN may be NULL (no bias); OUT is written */
+    int64_t stride[NT][3];
+    const float *alpha; /* (H,) */
+    int64_t H, N, M, D;
+    float scale_pos, scale_neg; /* scale_neg is negative for the softmin branch */
+} dna_args;
+
+INLINE vec load(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
+INLINE void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+INLINE vec splat(float x) { return (vec){0} + x; }
+INLINE vec select(ivec mask, vec a, vec b) { return (vec)(((ivec)a & mask) | ((ivec)b & ~mask)); }
+
+/* horizontal max / sum by halving: 16 -> 8 -> 4 lanes in vector registers, then 4 scalars */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+typedef int32_t i4 __attribute__((vector_size(16)));
+
+INLINE v8 lo8(vec v) { v8 r; memcpy(&r, &v, sizeof r); return r; }
+INLINE v8 hi8(vec v) { v8 r; memcpy(&r, (const char *)&v + sizeof r, sizeof r); return r; }
+INLINE v4 lo4(v8 v) { v4 r; memcpy(&r, &v, sizeof r); return r; }
+INLINE v4 hi4(v8 v) { v4 r; memcpy(&r, (const char *)&v + sizeof r, sizeof r); return r; }
+INLINE v8 max8(v8 a, v8 b) { const i8 m = a > b; return (v8)(((i8)a & m) | ((i8)b & ~m)); }
+INLINE v4 max4(v4 a, v4 b) { const i4 m = a > b; return (v4)(((i4)a & m) | ((i4)b & ~m)); }
+
+INLINE float hsum(vec v) {
+    const v8 s8 = lo8(v) + hi8(v);
+    const v4 s4 = lo4(s8) + hi4(s8);
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+INLINE float hmax(vec v) {
+    const v8 m8 = max8(lo8(v), hi8(v));
+    const v4 m4 = max4(lo4(m8), hi4(m8));
+    const float a = m4[0] > m4[1] ? m4[0] : m4[1], b = m4[2] > m4[3] ? m4[2] : m4[3];
+    return a > b ? a : b;
+}
+
+INLINE vec vexp(vec x) {
+    /* exp(x) for x <= 0: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, 2^n through the
+       exponent bits; exactly 0 below -87 (and for -inf, a masked position) */
+    const ivec keep = x >= splat(-87.0f);
+    x = select(keep, x, splat(-87.0f));
+    const vec n = (x * splat(1.44269504088896341f) + splat(12582912.0f)) - splat(12582912.0f); /* round */
+    const vec r = (x - n * splat(0.693359375f)) + n * splat(2.12194440e-4f);
+    vec p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+    return select(keep, p * (vec)bits, splat(0.0f));
+}
+
+/* One head's working set: K^T (zero-padded to whole vectors) and V+, V- as dense local copies. */
+typedef struct {
+    const float *kt, *vp, *vn;
+    const ivec *valid; /* per key block: lanes holding a real key */
+    int64_t M;
+    int blocks, row; /* key blocks of L, row = blocks * L */
+    float scale_pos, scale_neg, alpha;
+} head;
+
+/* Query rows are processed R at a time (register blocking: every K^T or V vector loaded serves R rows), R = 8 / W
+ * for W = D / L vectors per row, so that the 2 R W accumulators of the weighted sums fit in registers. */
+
+INLINE void logit_blocks(const head *c, const float *const *qp, const float *const *qn, const float *const *bp,
+                         const float *const *bn, float *pos, float *neg, vec *max_p, vec *max_n, int b0,
+                         const int G, const int R, const int D) {
+    /* scaled, biased logits of both branches for R rows and the G key blocks from b0, and their running maxima */
+    vec sp[R][G], sn[R][G];
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) sp[r][g] = sn[r][g] = (vec){0};
+    for (int d = 0; d < D; d++)
+        for (int g = 0; g < G; g++) {
+            const vec kv = load(c->kt + d * c->row + (b0 + g) * L);
+            for (int r = 0; r < R; r++) {
+                sp[r][g] += qp[r][d] * kv;
+                sn[r][g] += qn[r][d] * kv;
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            const int b = b0 + g;
+            vec xp = sp[r][g] * splat(c->scale_pos), xn = sn[r][g] * splat(c->scale_neg);
+            if ((b + 1) * L <= c->M) {
+                if (bp[r]) xp += load(bp[r] + b * L);
+                if (bn[r]) xn += load(bn[r] + b * L);
+            } else { /* the last, partial block: a bias row holds M floats, read no further */
+                for (int l = 0; b * L + l < c->M; l++) {
+                    if (bp[r]) xp[l] += bp[r][b * L + l];
+                    if (bn[r]) xn[l] += bn[r][b * L + l];
+                }
+            }
+            store(pos + r * c->row + b * L, xp);
+            store(neg + r * c->row + b * L, xn);
+            xp = select(c->valid[b], xp, splat(-INFINITY));
+            xn = select(c->valid[b], xn, splat(-INFINITY));
+            max_p[r] = select(xp > max_p[r], xp, max_p[r]);
+            max_n[r] = select(xn > max_n[r], xn, max_n[r]);
+        }
+}
+
+INLINE float exp_row(const head *c, float *row, vec max) {
+    /* row <- exp(row - max) over the real keys (0 elsewhere); returns 1 / sum, folded in by the caller */
+    const vec mx = splat(hmax(max));
+    vec sum = {0};
+    for (int b = 0; b < c->blocks; b++) {
+        const vec e = select(c->valid[b], vexp(load(row + b * L) - mx), splat(0.0f));
+        store(row + b * L, e);
+        sum += e;
+    }
+    return 1.0f / hsum(sum);
+}
+
+INLINE void rows(const head *c, const float *const *qp, const float *const *qn, const float *const *bp,
+                 const float *const *bn, float *const *out, float *pos, float *neg, const int R, const int D) {
+    const int W = D / L, G = 8 / R > 4 ? 4 : 8 / R;
+    vec max_p[R], max_n[R];
+    for (int r = 0; r < R; r++) max_p[r] = max_n[r] = splat(-INFINITY);
+    int b = 0;
+    for (; b + G <= c->blocks; b += G) logit_blocks(c, qp, qn, bp, bn, pos, neg, max_p, max_n, b, G, R, D);
+    for (; b < c->blocks; b++) logit_blocks(c, qp, qn, bp, bn, pos, neg, max_p, max_n, b, 1, R, D);
+
+    /* o = c+ sum_j e+_j v+_j + c- sum_j e-_j v-_j with c+ = 1 / sum e+, c- = alpha / sum e- */
+    float c_pos[R], c_neg[R];
+    for (int r = 0; r < R; r++) {
+        float *pr = pos + r * c->row, *nr = neg + r * c->row;
+        c_pos[r] = exp_row(c, pr, max_p[r]);
+        c_neg[r] = c->alpha * exp_row(c, nr, max_n[r]);
+    }
+    vec acc[R][W], acc_n[R][W];
+    for (int r = 0; r < R; r++)
+        for (int x = 0; x < W; x++) acc[r][x] = acc_n[r][x] = (vec){0};
+    for (int64_t j = 0; j < c->M; j++)
+        for (int x = 0; x < W; x++) {
+            const vec v = load(c->vp + j * D + x * L), vn = load(c->vn + j * D + x * L);
+            for (int r = 0; r < R; r++) {
+                acc[r][x] += pos[r * c->row + j] * v;
+                acc_n[r][x] += neg[r * c->row + j] * vn;
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int x = 0; x < W; x++)
+            store(out[r] + x * L, acc[r][x] * splat(c_pos[r]) + acc_n[r][x] * splat(c_neg[r]));
+}
+
+INLINE void dna_head(const dna_args *a, int64_t bi, int64_t h, const int D) {
+    const int64_t N = a->N, M = a->M;
+    const int blocks = (int)((M + L - 1) / L), row = blocks * L, R = 8 / (D / L) > 8 ? 8 : 8 / (D / L);
+    const float *p[NT];
+    for (int t = 0; t < NT; t++)
+        p[t] = a->ptr[t] ? a->ptr[t] + bi * a->stride[t][0] + h * a->stride[t][1] : NULL;
+
+    /* dense local copies: the inputs are rows of a wide projection output, one memory page apart */
+    float kt[D * row], vp[M * D], vn[M * D];
+    ivec valid[blocks];
+    for (int b = 0; b < blocks; b++) {
+        ivec lane;
+        for (int l = 0; l < L; l++) lane[l] = b * L + l;
+        valid[b] = lane < (ivec){0} + (int32_t)M;
+    }
+    memset(kt, 0, sizeof kt);
+    for (int64_t j = 0; j < M; j++) {
+        for (int d = 0; d < D; d++) kt[d * row + j] = p[K][j * a->stride[K][2] + d];
+        memcpy(vp + j * D, p[VP] + j * a->stride[VP][2], sizeof(float) * D);
+        memcpy(vn + j * D, p[VN] + j * a->stride[VN][2], sizeof(float) * D);
+    }
+    const head c = {kt, vp, vn, valid, M, blocks, row, a->scale_pos, a->scale_neg, a->alpha[h]};
+
+    float pos[R * row], neg[R * row], spare[D];
+    const float *qp[R], *qn[R], *bp[R], *bn[R];
+    float *out[R];
+    for (int64_t i = 0; i < N; i += R) {
+        for (int r = 0; r < R; r++) { /* past the last row: repeat it, into a spare output */
+            const int64_t ir = i + r < N ? i + r : N - 1;
+            qp[r] = p[QP] + ir * a->stride[QP][2];
+            qn[r] = p[QN] + ir * a->stride[QN][2];
+            bp[r] = p[BP] ? p[BP] + ir * a->stride[BP][2] : NULL;
+            bn[r] = p[BN] ? p[BN] + ir * a->stride[BN][2] : NULL;
+            out[r] = i + r < N ? (float *)p[OUT] + ir * a->stride[OUT][2] : spare;
+        }
+        rows(&c, qp, qn, bp, bn, out, pos, neg, R, D);
+    }
+}
+
+/* 1 when a head dim D and M keys are supported, else 0 */
+int attnlab_dna_supports(int64_t D, int64_t M) {
+    return (D == 16 || D == 32 || D == 48 || D == 64) && M >= 1 && M <= MAX_M;
+}
+
+/* Heads [start, end) of the (B, H) grid over `threads` OpenMP threads; head m is (b, h) = (m / H, m % H).
+ * Returns 0, or -1 if unsupported. */
+int attnlab_dna_f32(const dna_args *a, int64_t start, int64_t end, int threads) {
+    if (!attnlab_dna_supports(a->D, a->M)) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = start; m < end; m++) {
+        const int64_t b = m / a->H, h = m % a->H;
+        switch (a->D) { /* a constant D per case: unrolled, vectorised loops */
+        case 16: dna_head(a, b, h, 16); break;
+        case 32: dna_head(a, b, h, 32); break;
+        case 48: dna_head(a, b, h, 48); break;
+        default: dna_head(a, b, h, 64); break;
+        }
+    }
+    return 0;
+}
+
+/* 1 when built with OpenMP: the entry point then splits its range over `threads` threads of the process's OpenMP
+ * runtime (torch's own, when its libgomp is loaded first), else the caller splits it over Python threads */
+int attnlab_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}

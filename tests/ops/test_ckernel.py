@@ -1,0 +1,47 @@
+"""attnlab.ops.ckernel: the kernels build with OpenMP where the compiler has it, and split their work over Python
+threads where it does not (checked in a fresh process with a compiler that rejects -fopenmp)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+CODE = textwrap.dedent("""
+    import torch
+    from attnlab.attention.dna import combine, dna_branches
+    from attnlab.ops import ns_transform
+    from attnlab.ops import dna_cpu, ns_cpu
+    from attnlab.ops.dna_cpu import dna_attention
+
+    torch.set_num_threads(2)
+    x = torch.randn(64, 4, 20, 16)  # 256 head matrices: two threads
+    with torch.no_grad():
+        torch.testing.assert_close(ns_transform(x, impl="kernel"), ns_transform(x, impl="fast"), rtol=1e-5, atol=1e-6)
+    q = torch.randn(5, 32, 3, 40, 16).unbind(0)  # 96 heads: two threads
+    assert dna_cpu.kernel_error(q[0], q[1]) is None
+    got = dna_attention(q[0], q[1], q[2], q[3], q[4], torch.tensor([0.5, -0.5, 1.0]), scale_pos=0.25, scale_neg=0.25)
+    want = combine(*dna_branches(q[0], q[1], q[2], q[3], q[4], scale_pos=0.25, scale_neg=0.25),
+                   torch.tensor([0.5, -0.5, 1.0]))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    print("openmp", ns_cpu._funcs[torch.float32][2].attnlab_openmp(), dna_cpu._funcs[2].attnlab_openmp())
+""")
+
+
+def _run(tmp_path, cc=None):
+    env = dict(os.environ, ATTNLAB_CACHE=str(tmp_path / "cache"))
+    if cc:
+        env["CC"] = cc
+    out = subprocess.run([sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_kernels_use_openmp_when_the_compiler_has_it(tmp_path):
+    assert "openmp 1 1" in _run(tmp_path)
+
+
+def test_kernels_fall_back_to_python_threads_without_openmp(tmp_path):
+    cc = tmp_path / "cc-without-openmp"
+    cc.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-fopenmp" ] && exit 1; done\nexec cc "$@"\n')
+    cc.chmod(0o755)
+    assert "openmp 0 0" in _run(tmp_path, str(cc))
