@@ -4,7 +4,10 @@ Throughput ratio = standard latency / variant latency (1.0 = as fast as standard
 seed, so the shared weights are identical. Protocol: attnlab.bench.measure_latency (the NS-Attn paper's: rounds
 of warm-up and timed forwards, model order alternating between rounds), eval mode, inference mode.
 
-Rows besides the registered variants, to compare implementation layouts of Q±V±:
+On the CPU, attnlab's dna runs both branches in one fused C kernel for forwards without gradient (the rows below
+are such forwards); training and other devices use two SDPA calls. Rows besides the registered variants, to
+compare implementations of Q±V±:
+  dna[sdpa]             attnlab's dna with the kernel off: its own projection, two SDPA calls, alpha mul + add
   dna[straightforward]  separate Q-/V- Linears next to the 3*dim qkv, -Q- fed to a second SDPA, alpha mul + add
   dna[one-sdpa]         both branches as ONE SDPA call, stacked along the head axis (K copied, -Q- as query)
 
@@ -27,9 +30,16 @@ from torch import nn
 
 import attnlab
 from attnlab.analysis.cost import _input_shape
-from attnlab.attention.dna import DnAAttention
+from attnlab.attention.dna import DnAAttention, combine
 from attnlab.bench import measure_latency
 from attnlab.models.convert import attention_modules
+
+
+class SDPAOnly(DnAAttention):
+    """attnlab's dna as it runs where the fused CPU kernel does not: two SDPA calls, then alpha mul + add."""
+
+    def attend(self, q, k, v, mask=None, attn_mask=None):
+        return combine(*self.branches(q, k, v, mask, attn_mask), self.alpha)
 
 
 class Straightforward(DnAAttention):
@@ -86,7 +96,7 @@ def build(model_name: str, specs: list[str], seed: int = 0) -> dict[str, nn.Modu
         torch.manual_seed(seed + 1)  # new parameters (Q-, V-, alpha) drawn identically for every layout
         m = attnlab.convert(copy.deepcopy(base), kind)
         if impl:
-            cls = {"straightforward]": Straightforward, "one-sdpa]": OneSDPA}[impl]
+            cls = {"sdpa]": SDPAOnly, "straightforward]": Straightforward, "one-sdpa]": OneSDPA}[impl]
             for _, attn in attention_modules(m):
                 attn.__class__ = cls
                 if cls is Straightforward:
@@ -107,7 +117,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="vit_cifar,vit_base_patch16_224")
     p.add_argument("--batch-sizes", default="64,4", help="one per model")
-    p.add_argument("--attn", default="standard,dna,dna[straightforward],dna[one-sdpa],dna(variant=q),"
+    p.add_argument("--attn", default="standard,dna,dna[sdpa],dna[straightforward],dna[one-sdpa],dna(variant=q),"
                    "dna(variant=v),dna(variant=shared),dna(variant=sum)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)

@@ -161,3 +161,15 @@ def test_cross_attention_with_kernel_equals_sdpa(monkeypatch):
         sdpa = m(x, ctx, attn_mask=allowed)
     assert len(calls) == 1
     torch.testing.assert_close(fused, sdpa, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_compiled_module_traces_the_torch_path_without_graph_breaks(grad):
+    # under torch.compile the kernel's checks must fold away (is_compiling) instead of breaking the graph
+    import torch._dynamo
+
+    m = DnAAttention(32, 2, qkv_bias=True).eval()
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(grad):
+        explanation = torch._dynamo.explain(m)(torch.randn(2, 17, 32))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
