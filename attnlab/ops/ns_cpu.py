@@ -28,7 +28,7 @@ _funcs: dict[torch.dtype, tuple[object, object, object]] = {}  # dtype -> (trans
 
 
 def _load(dtype: torch.dtype):
-    """(transform, supports) entry points for ``dtype``, built on first use; None when the build failed."""
+    """(transform, supports, library) for ``dtype``, built on first use; None when the build failed."""
     if dtype not in _funcs:
         suffix, ctype, defines = _DTYPES[dtype]
         lib = ckernel.load(_SOURCE, defines)

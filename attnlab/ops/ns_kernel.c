@@ -7,8 +7,8 @@
  * ns.py (see its docstring): with A = G / s^2, P = a I + b A + c A^2, P_K the product of the K step polynomials,
  * ||Z_K||_F^2 = sum(A * P_K^2) and Q = P_K * r / (s * max(||Z_K||_F, eps)).
  *
- * Plain C, no Python or torch headers: attnlab/ops/ns_cpu.py compiles it on first use and calls it through
- * ctypes (which releases the GIL, so the caller splits the matrices over threads). Forward only (inference).
+ * Plain C, no Python or torch headers: attnlab/ops/ckernel.py compiles it on first use (with OpenMP where the
+ * compiler has it) and attnlab/ops/ns_cpu.py calls it through ctypes. Forward only (inference).
  */
 #include <math.h>
 #include <stdint.h>
