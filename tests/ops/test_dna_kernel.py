@@ -1,7 +1,6 @@
 """The fused CPU kernel of DnA's two branches (dna_kernel.c) against the float64 per-head loop of
 tests/reference_dna.py, and the DnA modules with the kernel on and off."""
 
-import os
 import sys
 from pathlib import Path
 
@@ -16,16 +15,7 @@ from attnlab.ops.dna_cpu import dna_attention, kernel_error
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference_dna as ref  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _private_cache(tmp_path_factory):
-    old = os.environ.get("ATTNLAB_CACHE")
-    os.environ["ATTNLAB_CACHE"] = str(tmp_path_factory.mktemp("kernels"))
-    yield
-    if old is None:
-        os.environ.pop("ATTNLAB_CACHE")
-    else:
-        os.environ["ATTNLAB_CACHE"] = old
+pytestmark = pytest.mark.usefixtures("private_kernel_cache")
 
 
 def _inputs(B, H, N, M, D, seed=0):
