@@ -16,6 +16,9 @@
  * calls it.
  */
 #include <math.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <string.h>
 
@@ -37,10 +40,16 @@ typedef struct {
     float scale_pos, scale_neg; /* scale_neg is negative for the softmin branch */
 } dna_args;
 
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (ivec){__VA_ARGS__})
+#endif
+
 INLINE vec load(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
 INLINE void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 INLINE vec splat(float x) { return (vec){0} + x; }
-INLINE vec select(ivec mask, vec a, vec b) { return (vec)(((ivec)a & mask) | ((ivec)b & ~mask)); }
+INLINE vec blend(ivec mask, vec a, vec b) { return (vec)(((ivec)a & mask) | ((ivec)b & ~mask)); }
 
 /* horizontal max / sum by halving: 16 -> 8 -> 4 lanes in vector registers, then 4 scalars */
 typedef float v8 __attribute__((vector_size(32)));
@@ -68,11 +77,31 @@ INLINE float hmax(vec v) {
     return a > b ? a : b;
 }
 
+#ifdef __AVX512F__
+INLINE vec vexp(vec x) {
+    /* exp(x) for x <= 0 as below, with 2^n applied by vscalefps; 0 below -87 by a zeroing mask (an underflowing
+       result would cost a microcode assist) */
+    const __mmask16 keep = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    const __m512 v = _mm512_max_ps((__m512)x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return (vec)_mm512_maskz_scalef_ps(keep, p, n);
+}
+#else
 INLINE vec vexp(vec x) {
     /* exp(x) for x <= 0: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, 2^n through the
        exponent bits; exactly 0 below -87 (and for -inf, a masked position) */
     const ivec keep = x >= splat(-87.0f);
-    x = select(keep, x, splat(-87.0f));
+    x = blend(keep, x, splat(-87.0f));
     const vec n = (x * splat(1.44269504088896341f) + splat(12582912.0f)) - splat(12582912.0f); /* round */
     const vec r = (x - n * splat(0.693359375f)) + n * splat(2.12194440e-4f);
     vec p = splat(1.9875691500e-4f);
@@ -83,13 +112,14 @@ INLINE vec vexp(vec x) {
     p = p * r + splat(5.0000001201e-1f);
     p = p * r * r + r + splat(1.0f);
     const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
-    return select(keep, p * (vec)bits, splat(0.0f));
+    return blend(keep, p * (vec)bits, splat(0.0f));
 }
+#endif
 
 /* One head's working set: K^T (zero-padded to whole vectors) and V+, V- as dense local copies. */
 typedef struct {
     const float *kt, *vp, *vn;
-    const ivec *valid; /* per key block: lanes holding a real key */
+    ivec tail; /* lanes of the last key block that hold a real key */
     int64_t M;
     int blocks, row; /* key blocks of L, row = blocks * L */
     float scale_pos, scale_neg, alpha;
@@ -100,10 +130,19 @@ typedef struct {
  * vectors, so that each loop keeps 16 accumulators in registers. R = 4 rather than 2 measured ~8% faster at D = 64
  * (K^T and V then stream from L2 once per 4 rows). */
 
+INLINE vec vmax(vec a, vec b) {
+#ifdef __AVX512F__
+    return (vec)_mm512_max_ps((__m512)a, (__m512)b);
+#else
+    return blend(a > b, a, b);
+#endif
+}
+
 INLINE void logit_blocks(const head *c, const float *const *qp, const float *const *qn, const float *const *bp,
                          const float *const *bn, float *pos, float *neg, vec *max_p, vec *max_n, int b0,
-                         const int G, const int R, const int D) {
-    /* scaled, biased logits of both branches for R rows and the G key blocks from b0, and their running maxima */
+                         const int G, const int R, const int D, const int last) {
+    /* scaled, biased logits of both branches for R rows and the G key blocks from b0, and their running maxima;
+       last: b0 is the final, partial key block, whose padding lanes get -inf (weight exactly 0) */
     vec sp[R][G], sn[R][G];
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) sp[r][g] = sn[r][g] = (vec){0};
@@ -119,30 +158,30 @@ INLINE void logit_blocks(const head *c, const float *const *qp, const float *con
         for (int g = 0; g < G; g++) {
             const int b = b0 + g;
             vec xp = sp[r][g] * splat(c->scale_pos), xn = sn[r][g] * splat(c->scale_neg);
-            if ((b + 1) * L <= c->M) {
+            if (!last) {
                 if (bp[r]) xp += load(bp[r] + b * L);
                 if (bn[r]) xn += load(bn[r] + b * L);
-            } else { /* the last, partial block: a bias row holds M floats, read no further */
+            } else { /* a bias row holds M floats, read no further */
                 for (int l = 0; b * L + l < c->M; l++) {
                     if (bp[r]) xp[l] += bp[r][b * L + l];
                     if (bn[r]) xn[l] += bn[r][b * L + l];
                 }
+                xp = blend(c->tail, xp, splat(-INFINITY));
+                xn = blend(c->tail, xn, splat(-INFINITY));
             }
             store(pos + r * c->row + b * L, xp);
             store(neg + r * c->row + b * L, xn);
-            xp = select(c->valid[b], xp, splat(-INFINITY));
-            xn = select(c->valid[b], xn, splat(-INFINITY));
-            max_p[r] = select(xp > max_p[r], xp, max_p[r]);
-            max_n[r] = select(xn > max_n[r], xn, max_n[r]);
+            max_p[r] = vmax(xp, max_p[r]);
+            max_n[r] = vmax(xn, max_n[r]);
         }
 }
 
 INLINE float exp_row(const head *c, float *row, vec max) {
-    /* row <- exp(row - max) over the real keys (0 elsewhere); returns 1 / sum, folded in by the caller */
+    /* row <- exp(row - max) (0 at the padding lanes, which hold -inf); returns 1 / sum, folded in by the caller */
     const vec mx = splat(hmax(max));
     vec sum = {0};
     for (int b = 0; b < c->blocks; b++) {
-        const vec e = select(c->valid[b], vexp(load(row + b * L) - mx), splat(0.0f));
+        const vec e = vexp(load(row + b * L) - mx);
         store(row + b * L, e);
         sum += e;
     }
@@ -154,9 +193,11 @@ INLINE void rows(const head *c, const float *const *qp, const float *const *qn, 
     const int W = D / L, G = 8 / R, C = (8 / R >= 2 && W % 2 == 0) ? 2 : 1;
     vec max_p[R], max_n[R];
     for (int r = 0; r < R; r++) max_p[r] = max_n[r] = splat(-INFINITY);
+    const int full = (int)(c->M / L);
     int b = 0;
-    for (; b + G <= c->blocks; b += G) logit_blocks(c, qp, qn, bp, bn, pos, neg, max_p, max_n, b, G, R, D);
-    for (; b < c->blocks; b++) logit_blocks(c, qp, qn, bp, bn, pos, neg, max_p, max_n, b, 1, R, D);
+    for (; b + G <= full; b += G) logit_blocks(c, qp, qn, bp, bn, pos, neg, max_p, max_n, b, G, R, D, 0);
+    for (; b < full; b++) logit_blocks(c, qp, qn, bp, bn, pos, neg, max_p, max_n, b, 1, R, D, 0);
+    if (full < c->blocks) logit_blocks(c, qp, qn, bp, bn, pos, neg, max_p, max_n, full, 1, R, D, 1);
 
     /* o = c+ sum_j e+_j v+_j + c- sum_j e-_j v-_j with c+ = 1 / sum e+, c- = alpha / sum e-, in column chunks */
     float c_pos[R], c_neg[R];
@@ -183,6 +224,23 @@ INLINE void rows(const head *c, const float *const *qp, const float *const *qn, 
     }
 }
 
+INLINE void transpose_keys(float *kt, const float *k, int64_t stride, int b, int64_t M, int row, const int D) {
+    /* kt[d][j] = k[j][d] for the keys j of block b (zeros past M), in 16 x 16 tiles: four rounds of interleaving
+       row i with row i + 8 (the perfect-shuffle transpose) */
+    for (int d0 = 0; d0 < D; d0 += L) {
+        vec t[L], u[L];
+        for (int i = 0; i < L; i++) t[i] = b * L + i < M ? load(k + (b * L + i) * stride + d0) : (vec){0};
+        for (int round = 0; round < 4; round++) {
+            for (int i = 0; i < L / 2; i++) {
+                u[2 * i] = SHUFFLE(t[i], t[i + L / 2], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+                u[2 * i + 1] = SHUFFLE(t[i], t[i + L / 2], 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+            }
+            memcpy(t, u, sizeof t);
+        }
+        for (int i = 0; i < L; i++) store(kt + (d0 + i) * row + b * L, t[i]);
+    }
+}
+
 INLINE void dna_head(const dna_args *a, int64_t bi, int64_t h, const int D) {
     const int64_t N = a->N, M = a->M;
     const int blocks = (int)((M + L - 1) / L), row = blocks * L, R = D == L ? 8 : 4;
@@ -192,19 +250,14 @@ INLINE void dna_head(const dna_args *a, int64_t bi, int64_t h, const int D) {
 
     /* dense local copies: the inputs are rows of a wide projection output, one memory page apart */
     float kt[D * row], vp[M * D], vn[M * D];
-    ivec valid[blocks];
-    for (int b = 0; b < blocks; b++) {
-        ivec lane;
-        for (int l = 0; l < L; l++) lane[l] = b * L + l;
-        valid[b] = lane < (ivec){0} + (int32_t)M;
-    }
-    memset(kt, 0, sizeof kt);
+    ivec lane;
+    for (int l = 0; l < L; l++) lane[l] = (blocks - 1) * L + l;
+    for (int b = 0; b < blocks; b++) transpose_keys(kt, p[K], a->stride[K][2], b, M, row, D);
     for (int64_t j = 0; j < M; j++) {
-        for (int d = 0; d < D; d++) kt[d * row + j] = p[K][j * a->stride[K][2] + d];
         memcpy(vp + j * D, p[VP] + j * a->stride[VP][2], sizeof(float) * D);
         memcpy(vn + j * D, p[VN] + j * a->stride[VN][2], sizeof(float) * D);
     }
-    const head c = {kt, vp, vn, valid, M, blocks, row, a->scale_pos, a->scale_neg, a->alpha[h]};
+    const head c = {kt, vp, vn, lane < (ivec){0} + (int32_t)M, M, blocks, row, a->scale_pos, a->scale_neg, a->alpha[h]};
 
     float pos[R * row], neg[R * row], spare[D];
     const float *qp[R], *qn[R], *bp[R], *bn[R];
