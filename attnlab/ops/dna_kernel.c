@@ -11,9 +11,14 @@
  * (the head merge after it is a view). When Q or V is shared (variants q, v, shared, sum) the caller passes the
  * same tensor twice (computed twice: one compiled instance per head dim keeps the first build at a few seconds).
  *
- * float32 only, 64-byte vector types (GCC / Clang vector extensions), exp by a Cephes-style polynomial (about
- * 1 ulp); head dim D in 16, 32, 48, 64 (a constant per instance), M <= 1024 keys. attnlab/ops/dna_cpu.py builds and
- * calls it.
+ * float32 only, 64-byte vector types (GCC / Clang vector extensions; with AVX-512, intrinsics for max and for
+ * exp's 2^n), exp by a Cephes-style polynomial (about 1 ulp); head dim D in 16, 32, 48, 64 (a constant per
+ * instance), M <= 1024 keys. attnlab/ops/dna_cpu.py builds and calls it.
+ *
+ * Measured at ViT-B/16 shapes (48 heads, N = M = 197, D = 64, one thread, C harness, 2026-11-30): ~8 ms. The
+ * logit loop runs at about 2/3 and the weighted-sum loop at about 4/5 of the machine's 512-bit FMA peak; exp takes
+ * ~11% and the per-head copies ~7%. Masking padding lanes only in the last key block, the AVX-512 exp and the
+ * tiled K transpose took ~7% off; larger register tiles (3 rows x 4 key blocks) did not gain.
  */
 #include <math.h>
 #ifdef __AVX512F__

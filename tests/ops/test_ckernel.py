@@ -2,9 +2,12 @@
 threads where it does not (checked in a fresh process with a compiler that rejects -fopenmp)."""
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 CODE = textwrap.dedent("""
     import torch
@@ -45,3 +48,39 @@ def test_kernels_fall_back_to_python_threads_without_openmp(tmp_path):
     cc.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-fopenmp" ] && exit 1; done\nexec cc "$@"\n')
     cc.chmod(0o755)
     assert "openmp 0 0" in _run(tmp_path, str(cc))
+
+
+PORTABLE = textwrap.dedent("""
+    import torch
+    from attnlab.attention.dna import combine, dna_branches
+    from attnlab.ops import dna_cpu
+    from attnlab.ops.dna_cpu import dna_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = (4 * torch.randn(5, 2, 3, 21, 32, generator=g)).unbind(0)  # logits spread to ~ -100: exp's clamp and zeros
+    blocked = torch.rand(2, 3, 21, 21, generator=g) < 0.3
+    blocked[..., 0] = False  # every row keeps a key
+    bias = torch.zeros(2, 3, 21, 21).masked_fill(blocked, float("-inf"))
+    alpha = torch.tensor([0.5, -0.5, 1.0])
+    assert dna_cpu.kernel_error(q[0], q[1]) is None
+    got = dna_attention(*q, alpha, scale_pos=0.25, scale_neg=0.25, bias_pos=bias, bias_neg=bias)
+    want = combine(*dna_branches(*q, scale_pos=0.25, scale_neg=0.25, bias_pos=bias, bias_neg=bias), alpha)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("avx512", [True, False], ids=["native", "without-avx512"])
+def test_dna_kernel_exp_clamp_and_masks_in_both_code_paths(tmp_path, avx512):
+    # The DnA kernel has AVX-512 intrinsics (exp, max) and a portable vector-extension path; -march=native picks
+    # the former on this machine, so the latter is built with AVX-512 switched off.
+    env = dict(os.environ, ATTNLAB_CACHE=str(tmp_path / "cache"))
+    if not avx512:
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip("-mno-avx512f is an x86 flag; elsewhere the portable path is the native one")
+        cc = tmp_path / "cc-without-avx512"
+        cc.write_text('#!/bin/sh\nexec cc "$@" -mno-avx512f\n')
+        cc.chmod(0o755)
+        env["CC"] = str(cc)
+    out = subprocess.run([sys.executable, "-c", PORTABLE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
