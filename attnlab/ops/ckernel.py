@@ -63,10 +63,15 @@ def _cpu_id() -> str:
 
 
 def _build(source: Path, defines: tuple[str, ...]) -> ctypes.CDLL:
+    """The library, with ``built_with_openmp`` set: its entry points then split their range over OpenMP threads
+    (torch's own libgomp, loaded first), else :func:`run_split` splits it over Python threads."""
     try:
-        return _build_with(source, (*defines, _OPENMP))
+        lib = _build_with(source, (*defines, _OPENMP))
+        lib.built_with_openmp = True
     except OSError:  # a compiler without OpenMP (e.g. clang without libomp): Python threads split the work
-        return _build_with(source, defines)
+        lib = _build_with(source, defines)
+        lib.built_with_openmp = False
+    return lib
 
 
 def _build_with(source: Path, defines: tuple[str, ...]) -> ctypes.CDLL:
@@ -116,7 +121,7 @@ def run_split(lib: ctypes.CDLL, fn: Callable[..., int], args: tuple, total: int,
     ``fn`` returns 0 on success; anything else raises RuntimeError (the callers check shapes first)."""
     global _pool, _pool_pid
     threads = max(1, min(torch.get_num_threads(), total // min_per_thread))
-    if threads == 1 or lib.attnlab_openmp():
+    if threads == 1 or lib.built_with_openmp:
         statuses = [fn(*args, 0, total, threads)]
     else:
         if _pool is None or _pool_pid != os.getpid() or _pool._max_workers < threads:

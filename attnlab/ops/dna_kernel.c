@@ -301,13 +301,3 @@ int attnlab_dna_f32(const dna_args *a, int64_t start, int64_t end, int threads) 
     }
     return 0;
 }
-
-/* 1 when built with OpenMP: the entry point then splits its range over `threads` threads of the process's OpenMP
- * runtime (torch's own, when its libgomp is loaded first), else the caller splits it over Python threads */
-int attnlab_openmp(void) {
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
-}

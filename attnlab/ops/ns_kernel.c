@@ -173,13 +173,3 @@ int NS_ENTRY(const real *x, real *y, int64_t H, int64_t N, int64_t D, int64_t sx
     }
     return 0;
 }
-
-/* 1 when built with OpenMP: the entry point then splits its range over `threads` threads of the process's OpenMP
- * runtime (torch's own, when its libgomp is loaded first), else the caller splits it over Python threads */
-int attnlab_openmp(void) {
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
-}
