@@ -51,6 +51,7 @@ from timm.layers import trunc_normal_
 from ..errors import SpecError
 from ..ops.dna_cpu import dna_attention
 from ..ops.dna_cpu import kernel_error as dna_kernel_error
+from ..ops.dna_cpu import runs_error as dna_runs_error
 from .base import AttnlabAttention
 
 VARIANTS = ("qv", "q", "v", "shared", "sum")
@@ -290,12 +291,43 @@ class DnAAttention(_DnAParams, AttnlabAttention):
 
         Q and K are normalised per head when qk_norm is on (each query branch by the same ``q_norm``).
         """
-        named = dict(zip(self.qkv_blocks, self._project_blocks(x)))
-        q_pos = self.q_norm(named.get("q_pos", named.get("q")))
-        q_neg = self.q_norm(named["q_neg"]) if "q_neg" in named else q_pos
-        v_pos = named.get("v_pos", named.get("v"))
-        v_neg = named.get("v_neg", v_pos)
-        return (q_pos, q_neg), self.k_norm(named["k"]), (v_pos, v_neg)
+        q_pos, q_neg, k, v_pos, v_neg = self._slots(self._project_blocks(x))
+        q_pos = self.q_norm(q_pos)
+        q_neg = self.q_norm(q_neg) if q_neg is not q_pos else q_pos
+        return (q_pos, q_neg), self.k_norm(k), (v_pos, v_neg)
+
+    def _slots(self, blocks):
+        """(q_pos, q_neg, k, v_pos, v_neg) from one item per block of ``qkv_blocks``; a shared query or value (the
+        same object) fills both of its slots."""
+        named = dict(zip(self.qkv_blocks, blocks))
+        q_pos, v_pos = named.get("q_pos", named.get("q")), named.get("v_pos", named.get("v"))
+        return q_pos, named.get("q_neg", q_pos), named["k"], v_pos, named.get("v_neg", v_pos)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """As :meth:`AttnlabAttention.forward`. Where the fused CPU kernel runs (float32 forward without gradient or
+        dropout, no QK-norm) the projection is one bias-free GEMM and the kernel adds ``qkv.bias`` as it copies
+        each head: adding it to the (B, N, 5*dim) output took a pass over it (docs/perf.md). Forward hooks on ``qkv``
+        do not see this path."""
+        B, N, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        if (is_causal or not self.fused_attn or (self.training and self.attn_drop.p > 0)
+                or not isinstance(self.q_norm, nn.Identity) or not isinstance(self.k_norm, nn.Identity)
+                or dna_runs_error((x, self.qkv.weight, self.qkv.bias, self.alpha), head_dim=D, keys=N)):
+            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal, mask=mask)
+        bias_pos, bias_neg = self._biases(B, N, mask, attn_mask)
+        if dna_runs_error((bias_pos, bias_neg), head_dim=D, keys=N):
+            return super().forward(x, attn_mask=attn_mask, mask=mask)
+        nb = len(self.qkv_blocks)
+        y = F.linear(x, self.qkv.weight).view(B, N, nb, H, D).permute(2, 0, 3, 1, 4)
+        bias = None
+        if self.qkv.bias is not None:  # K's bias adds q . b_k to a whole row of logits, which softmax(min) ignores
+            q_pos_b, q_neg_b, _, v_pos_b, v_neg_b = self._slots(self.qkv.bias.view(nb, H, D).unbind(0))
+            bias = (q_pos_b, q_neg_b, None, v_pos_b, v_neg_b)
+        q_pos, q_neg, k, v_pos, v_neg = self._slots(y.unbind(0))
+        o = dna_attention(q_pos, q_neg, k, v_pos, v_neg, self.alpha, scale_pos=self.scale_pos,
+                          scale_neg=self.scale_neg, bias_pos=bias_pos, bias_neg=bias_neg, input_bias=bias)
+        return self.merge(self.head_transform(o), x)
 
     def _project_blocks(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x @ qkv.weight^T + qkv.bias, one (B, H, N, D) view per block of ``qkv_blocks``.

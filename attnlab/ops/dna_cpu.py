@@ -19,7 +19,7 @@ import torch
 
 from attnlab.ops import ckernel
 
-__all__ = ["dna_attention", "kernel_error"]
+__all__ = ["dna_attention", "kernel_error", "runs_error"]
 
 _SOURCE = "dna_kernel.c"
 _NT = 8  # QP, QN, K, VP, VN, OUT, BP, BN in dna_kernel.c
@@ -29,6 +29,7 @@ class _Args(ctypes.Structure):
     _fields_ = [
         ("ptr", ctypes.c_void_p * _NT),
         ("stride", (ctypes.c_int64 * 3) * _NT),
+        ("in_bias", ctypes.c_void_p * 5),
         ("alpha", ctypes.c_void_p),
         ("H", ctypes.c_int64), ("N", ctypes.c_int64), ("M", ctypes.c_int64), ("D", ctypes.c_int64),
         ("scale_pos", ctypes.c_float), ("scale_neg", ctypes.c_float),
@@ -56,7 +57,15 @@ def _load():
 def kernel_error(q: torch.Tensor, k: torch.Tensor, *others: torch.Tensor | None) -> str | None:
     """Why the fused kernel cannot run on these (B, H, N, D) queries / (B, H, M, D) keys (and the other tensors of
     the call: values, alpha, biases), or None when it can."""
-    tensors = [t for t in (q, k, *others) if t is not None]
+    if q.ndim != 4 or k.ndim != 4:
+        return "the fused DnA kernel takes (B, H, N, D) tensors"
+    return runs_error((q, k, *others), head_dim=q.shape[-1], keys=k.shape[-2])
+
+
+def runs_error(tensors, *, head_dim: int, keys: int) -> str | None:
+    """Why the fused kernel cannot run on a call whose tensors (those it reads, or those they are computed from
+    under the same grad mode) are ``tensors``, with this head dim and number of keys; None when it can."""
+    tensors = [t for t in tensors if t is not None]
     if any(t.device.type != "cpu" for t in tensors):
         return "the fused DnA kernel runs on the CPU"
     if any(t.dtype != torch.float32 for t in tensors if t.dtype != torch.bool):
@@ -65,16 +74,14 @@ def kernel_error(q: torch.Tensor, k: torch.Tensor, *others: torch.Tensor | None)
         return "the fused DnA kernel is forward-only; this call needs a gradient"
     if torch.compiler.is_compiling():
         return "the fused DnA kernel is opaque to torch.compile"
-    if q.ndim != 4 or k.ndim != 4:
-        return "the fused DnA kernel takes (B, H, N, D) tensors"
     off = ckernel.disabled()
     if off:
         return off
     funcs = _load()
     if funcs is None:
         return ckernel.load_error(_SOURCE)
-    if not funcs[1](q.shape[-1], k.shape[-2]):
-        return f"the fused DnA kernel takes head dim 16, 32, 48 or 64 and <= 1024 keys, got {q.shape[-1]}, {k.shape[-2]}"
+    if not funcs[1](head_dim, keys):
+        return f"the fused DnA kernel takes head dim 16, 32, 48 or 64 and <= 1024 keys, got {head_dim}, {keys}"
     return None
 
 
@@ -92,13 +99,16 @@ def _additive(bias: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor
 
 def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_pos: torch.Tensor,
                   v_neg: torch.Tensor, alpha: torch.Tensor | None, *, scale_pos: float, scale_neg: float,
-                  bias_pos: torch.Tensor | None = None, bias_neg: torch.Tensor | None = None) -> torch.Tensor:
+                  bias_pos: torch.Tensor | None = None, bias_neg: torch.Tensor | None = None,
+                  input_bias: tuple[torch.Tensor | None, ...] | None = None) -> torch.Tensor:
     """softmax(scale_pos q+ k^T + bias_pos) v+ + alpha_h softmin(scale_neg q- k^T - bias_neg) v-, (B, H, N, D).
 
     q_*: (B, H, N, D); k, v_*: (B, H, M, D); alpha: (H,) or None (= 1); biases broadcastable to (B, H, N, M),
     ``bias_neg`` in negated-logit form. Pass the same tensor as q_pos and q_neg (or v_pos and v_neg) for a shared
-    query (value); it is then used once. The result is a (B, H, N, D) view of a (B, N, H, D) buffer. The caller
-    has checked :func:`kernel_error`.
+    query (value); it is then used once. ``input_bias``: five (H, D) tensors or None, in the order q_pos, q_neg,
+    k, v_pos, v_neg, added to every token's vector before use (a projection's bias: the kernel adds it as it
+    copies each head, so the projection can be a bias-free GEMM). The result is a (B, H, N, D) view of a
+    (B, N, H, D) buffer. The caller has checked :func:`kernel_error`.
     """
     fn, _, lib = _load()
     B, H, N, D = q_pos.shape
@@ -117,6 +127,13 @@ def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_p
         if t is not None:
             args.ptr[i] = t.data_ptr()
             args.stride[i][:] = t.stride()[:3]
+    if input_bias is not None:
+        if len(input_bias) != 5:
+            raise ValueError(f"input_bias takes 5 tensors (q_pos, q_neg, k, v_pos, v_neg) or None, got {len(input_bias)}")
+        input_bias = [None if b is None else b.detach().float().reshape(H, D).contiguous() for b in input_bias]
+        for i, b in enumerate(input_bias):
+            if b is not None:
+                args.in_bias[i] = b.data_ptr()
     args.alpha = alpha.data_ptr()
     args.H, args.N, args.M, args.D = H, N, M, D
     args.scale_pos, args.scale_neg = scale_pos, -scale_neg

@@ -8,7 +8,8 @@
  * The caller passes sn = -scale_neg and bn in negated-logit form (-B, and -inf at masked positions; see
  * attnlab.attention.dna.negative_bias), so the second softmax is DnA's softmin. Both branches share one pass over
  * K (transposed once per head into a local buffer), and o_i goes straight to the output with its own strides
- * (the head merge after it is a view). When Q or V is shared (variants q, v, shared, sum) the caller passes the
+ * (the head merge after it is a view). An optional per-head bias for each input (the projection's bias) is added
+ * as the head's rows are copied, so the caller's projection can be a bias-free GEMM. When Q or V is shared (variants q, v, shared, sum) the caller passes the
  * same tensor twice (computed twice: one compiled instance per head dim keeps the first build at a few seconds).
  *
  * float32 only, 64-byte vector types (GCC / Clang vector extensions; with AVX-512, intrinsics for max and for
@@ -40,6 +41,8 @@ enum { QP, QN, K, VP, VN, OUT, BP, BN, NT };
 typedef struct {
     const float *ptr[NT]; /* BP / BN may be NULL (no bias); OUT is written */
     int64_t stride[NT][3];
+    const float *in_bias[VN + 1]; /* per input QP..VN: (H, D) added to every token's vector (a projection's bias),
+                                     or NULL */
     const float *alpha; /* (H,) */
     int64_t H, N, M, D;
     float scale_pos, scale_neg; /* scale_neg is negative for the softmin branch */
@@ -229,12 +232,16 @@ INLINE void rows(const head *c, const float *const *qp, const float *const *qn, 
     }
 }
 
-INLINE void transpose_keys(float *kt, const float *k, int64_t stride, int b, int64_t M, int row, const int D) {
-    /* kt[d][j] = k[j][d] for the keys j of block b (zeros past M), in 16 x 16 tiles: four rounds of interleaving
-       row i with row i + 8 (the perfect-shuffle transpose) */
+INLINE vec bias_at(const float *bias, int d0) { return bias ? load(bias + d0) : (vec){0}; }
+
+INLINE void transpose_keys(float *kt, const float *k, const float *bias, int64_t stride, int b, int64_t M, int row,
+                           const int D) {
+    /* kt[d][j] = k[j][d] + bias[d] for the keys j of block b (zeros past M), in 16 x 16 tiles: four rounds of
+       interleaving row i with row i + 8 (the perfect-shuffle transpose) */
     for (int d0 = 0; d0 < D; d0 += L) {
+        const vec bd = bias_at(bias, d0);
         vec t[L], u[L];
-        for (int i = 0; i < L; i++) t[i] = b * L + i < M ? load(k + (b * L + i) * stride + d0) : (vec){0};
+        for (int i = 0; i < L; i++) t[i] = b * L + i < M ? load(k + (b * L + i) * stride + d0) + bd : (vec){0};
         for (int round = 0; round < 4; round++) {
             for (int i = 0; i < L / 2; i++) {
                 u[2 * i] = SHUFFLE(t[i], t[i + L / 2], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
@@ -246,25 +253,37 @@ INLINE void transpose_keys(float *kt, const float *k, int64_t stride, int b, int
     }
 }
 
+INLINE float *copy_rows(float *dst, const float *src, int64_t stride, const float *bias, int64_t n, const int D) {
+    /* dst[j] = src[j * stride] + bias, n dense rows of D; returns dst */
+    if (!bias) {
+        for (int64_t j = 0; j < n; j++) memcpy(dst + j * D, src + j * stride, sizeof(float) * D);
+        return dst;
+    }
+    vec bd[D / L];
+    for (int x = 0; x < D / L; x++) bd[x] = bias_at(bias, x * L);
+    for (int64_t j = 0; j < n; j++)
+        for (int x = 0; x < D / L; x++) store(dst + j * D + x * L, load(src + j * stride + x * L) + bd[x]);
+    return dst;
+}
+
 INLINE void dna_head(const dna_args *a, int64_t bi, int64_t h, const int D) {
     const int64_t N = a->N, M = a->M;
     const int blocks = (int)((M + L - 1) / L), row = blocks * L, R = D == L ? 8 : 4;
-    const float *p[NT];
+    const float *p[NT], *ib[VN + 1];
     for (int t = 0; t < NT; t++)
         p[t] = a->ptr[t] ? a->ptr[t] + bi * a->stride[t][0] + h * a->stride[t][1] : NULL;
+    for (int t = 0; t <= VN; t++) ib[t] = a->in_bias[t] ? a->in_bias[t] + h * D : NULL;
 
-    /* dense local copies: the inputs are rows of a wide projection output, one memory page apart */
+    /* dense local copies (input bias added): the inputs are rows of a wide projection output, one page apart */
     float kt[D * row], vp[M * D], vn[M * D];
     ivec lane;
     for (int l = 0; l < L; l++) lane[l] = (blocks - 1) * L + l;
-    for (int b = 0; b < blocks; b++) transpose_keys(kt, p[K], a->stride[K][2], b, M, row, D);
-    for (int64_t j = 0; j < M; j++) {
-        memcpy(vp + j * D, p[VP] + j * a->stride[VP][2], sizeof(float) * D);
-        memcpy(vn + j * D, p[VN] + j * a->stride[VN][2], sizeof(float) * D);
-    }
+    for (int b = 0; b < blocks; b++) transpose_keys(kt, p[K], ib[K], a->stride[K][2], b, M, row, D);
+    copy_rows(vp, p[VP], a->stride[VP][2], ib[VP], M, D);
+    copy_rows(vn, p[VN], a->stride[VN][2], ib[VN], M, D);
     const head c = {kt, vp, vn, lane < (ivec){0} + (int32_t)M, M, blocks, row, a->scale_pos, a->scale_neg, a->alpha[h]};
 
-    float pos[R * row], neg[R * row], spare[D];
+    float pos[R * row], neg[R * row], spare[D], q_pos[R * D], q_neg[R * D];
     const float *qp[R], *qn[R], *bp[R], *bn[R];
     float *out[R];
     for (int64_t i = 0; i < N; i += R) {
@@ -272,6 +291,8 @@ INLINE void dna_head(const dna_args *a, int64_t bi, int64_t h, const int D) {
             const int64_t ir = i + r < N ? i + r : N - 1;
             qp[r] = p[QP] + ir * a->stride[QP][2];
             qn[r] = p[QN] + ir * a->stride[QN][2];
+            if (ib[QP]) qp[r] = copy_rows(q_pos + r * D, qp[r], 0, ib[QP], 1, D);
+            if (ib[QN]) qn[r] = copy_rows(q_neg + r * D, qn[r], 0, ib[QN], 1, D);
             bp[r] = p[BP] ? p[BP] + ir * a->stride[BP][2] : NULL;
             bn[r] = p[BN] ? p[BN] + ir * a->stride[BN][2] : NULL;
             out[r] = i + r < N ? (float *)p[OUT] + ir * a->stride[OUT][2] : spare;

@@ -54,6 +54,23 @@ def test_matches_float64_loop(shared, D, N, M):
     assert got.shape == (2, 3, N, D) and got.transpose(1, 2).is_contiguous()
 
 
+@pytest.mark.parametrize("shared", ["none", "both"])
+def test_input_bias_is_added_to_every_token_of_its_input(shared):
+    # the projection bias the kernel adds itself: q+, q-, k, v+, v- each get their own (H, D) vector (None: none)
+    B, H, N, M, D = 2, 3, 19, 23, 32
+    qp, qn, k, vp, vn = _inputs(B, H, N, M, D, seed=11)
+    g = torch.Generator().manual_seed(12)
+    bias = [torch.randn(H, D, generator=g) for _ in range(5)]
+    if shared == "both":  # one query and one value, each with its one bias, passed in both slots
+        qn, vn, bias[1], bias[4] = qp, vp, bias[0], bias[3]
+    else:
+        bias[2] = None
+    alpha = torch.tensor([0.5, -0.3, 1.2])
+    got = dna_attention(qp, qn, k, vp, vn, alpha, scale_pos=0.2, scale_neg=0.2, input_bias=bias)
+    biased = [t if b is None else t + b.view(1, H, 1, D) for t, b in zip((qp, qn, k, vp, vn), bias)]
+    torch.testing.assert_close(got.double(), _reference(*biased, alpha, 0.2, 0.2), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("alpha", [None, torch.tensor([0.0, 0.0])], ids=["sum", "alpha0"])
 def test_alpha_none_is_one_and_zero_drops_the_softmin_branch(alpha):
     qp, qn, k, vp, vn = _inputs(2, 2, 17, 17, 16, seed=1)
@@ -101,9 +118,10 @@ def test_kernel_error_says_why(kwargs, needle):
 
 
 def _spy(monkeypatch):
+    """The keyword arguments of every call into the kernel."""
     calls = []
     real = dna_module.dna_attention
-    monkeypatch.setattr(dna_module, "dna_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(dna_module, "dna_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     return calls
 
 
@@ -129,6 +147,7 @@ def test_module_with_kernel_equals_module_with_sdpa(variant, window, monkeypatch
     with torch.no_grad():
         fused = m(x, **kwargs)
         assert calls, "the kernel did not run"
+        assert calls[0].get("input_bias") is not None, "the projection bias was not left to the kernel"
         monkeypatch.setenv("ATTNLAB_KERNELS", "0")
         sdpa = m(x, **kwargs)
     assert len(calls) == 1
@@ -136,6 +155,19 @@ def test_module_with_kernel_equals_module_with_sdpa(variant, window, monkeypatch
     with torch.enable_grad():  # with a gradient the kernel stays out of the way
         monkeypatch.delenv("ATTNLAB_KERNELS")
         assert m(x, **kwargs).grad_fn is not None and len(calls) == 1
+
+
+def test_module_with_qk_norm_adds_the_bias_before_normalising(monkeypatch):
+    # QK-norm acts on the biased projection, so the bias cannot be left to the kernel; the result stays the same
+    m = _randomise(DnAAttention(32, 2, qkv_bias=True, qk_norm=True), seed=8)
+    x = torch.randn(3, 17, 32, generator=torch.Generator().manual_seed(9))
+    calls = _spy(monkeypatch)
+    with torch.no_grad():
+        fused = m(x)
+        monkeypatch.setenv("ATTNLAB_KERNELS", "0")
+        sdpa = m(x)
+    assert len(calls) == 1 and calls[0].get("input_bias") is None
+    torch.testing.assert_close(fused, sdpa, rtol=1e-4, atol=1e-5)
 
 
 def test_cross_attention_with_kernel_equals_sdpa(monkeypatch):
