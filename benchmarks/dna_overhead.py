@@ -12,9 +12,12 @@ compare implementations of Q±V±:
   dna[one-sdpa]         both branches as ONE SDPA call, stacked along the head axis (K copied, -Q- as query)
 
 Targets for dna (qv), 2 CPU cores, fp32 eval: vit_cifar batch 64 >= 0.70; vit_base_patch16_224 batch 4 >= 0.85.
+On a CUDA GPU, bf16, ViT-B/16 at batch 128: >= 0.85.
 
     python benchmarks/dna_overhead.py                                  # both CPU targets
     python benchmarks/dna_overhead.py --models vit_cifar --batch-sizes 64 --iters 20
+    python benchmarks/dna_overhead.py --device cuda --dtype bf16 --models vit_base_patch16_224 --batch-sizes 128 \
+        --warmup 10 --iters 50                                         # the GPU target (bf16 autocast)
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import attnlab
 from attnlab.analysis.cost import _input_shape
 from attnlab.attention.base import AttnlabAttention
 from attnlab.attention.dna import DnAAttention, combine
-from attnlab.bench import measure_latency
+from attnlab.bench import DTYPES, Autocast, measure_latency, resolve_device
 from attnlab.models.convert import attention_modules
 
 
@@ -126,21 +129,30 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", default="fp32", choices=list(DTYPES),
+                   help="fp32, or autocast to bf16 / fp16 (weights stay fp32, as in training)")
     args = p.parse_args()
     import timm
 
-    print(f"# {cpu_name()}, torch {torch.__version__}, timm {timm.__version__}, threads {torch.get_num_threads()}, "
-          "fp32 eval, forward throughput ratio = standard ms / variant ms")
+    device = resolve_device(args.device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_name()}, threads {torch.get_num_threads()}"
+    print(f"# {where}, torch {torch.__version__}, timm {timm.__version__}, {args.dtype} eval, "
+          "forward throughput ratio = standard ms / variant ms")
     specs = args.attn.split(",")
+    tol = 1e-4 if args.dtype == "fp32" else 5e-2
     for model_name, bs in zip(args.models.split(","), map(int, args.batch_sizes.split(","))):
         models = build(model_name, specs)
         shape = _input_shape(models[specs[0]], None)
-        x = torch.randn(bs, *shape, generator=torch.Generator().manual_seed(0))
+        x = torch.randn(bs, *shape, generator=torch.Generator().manual_seed(0)).to(device)
+        for name, m in models.items():
+            m = m.to(device)
+            models[name] = m if args.dtype == "fp32" else Autocast(m, DTYPES[args.dtype])
         with torch.inference_mode():  # the layouts compute the same function
             ref = models["dna"](x) if "dna" in models else None
             for name, m in models.items():
                 if ref is not None and name.startswith("dna["):
-                    torch.testing.assert_close(m(x), ref, rtol=1e-4, atol=1e-4)
+                    torch.testing.assert_close(m(x), ref, rtol=tol, atol=tol)
         r = measure_latency(models, x, warmup=args.warmup, iters=args.iters, rounds=args.rounds, progress=False)
         print(f"\n## {model_name}, batch {bs}: {r['rounds']} rounds x ({r['warmup']} warm-up + {r['iters']} timed)\n")
         print("| attention | ms/batch (mean ± SD over rounds) | throughput vs standard |")

@@ -97,6 +97,29 @@ def _additive(bias: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor
     return bias if bias.stride(-1) == 1 else bias.contiguous()
 
 
+def _check_layout(q_pos, q_neg, k, v_pos, v_neg, alpha, bias_pos, bias_neg, input_bias) -> None:
+    """The kernel reads raw float32 memory: refuse anything it would misread."""
+    B, H, N, D = q_pos.shape
+    M = k.shape[-2]
+    expected = {"q_pos": (B, H, N, D), "q_neg": (B, H, N, D), "k": (B, H, M, D), "v_pos": (B, H, M, D),
+                "v_neg": (B, H, M, D)}
+    named = dict(q_pos=q_pos, q_neg=q_neg, k=k, v_pos=v_pos, v_neg=v_neg, alpha=alpha, bias_pos=bias_pos,
+                 bias_neg=bias_neg)
+    named.update((f"input_bias[{i}]", b) for i, b in enumerate(input_bias or ()))
+    for name, t in named.items():
+        if t is None:
+            continue
+        if t.device.type != "cpu" or (t.dtype != torch.float32 and not (name.startswith("bias") and t.dtype == torch.bool)):
+            raise ValueError(f"dna_attention: {name} is {t.dtype} on {t.device}; the kernel reads float32 CPU tensors")
+        if name in expected and tuple(t.shape) != expected[name]:
+            raise ValueError(f"dna_attention: {name} has shape {tuple(t.shape)}, expected {expected[name]}")
+    if alpha is not None and alpha.numel() != H:
+        raise ValueError(f"dna_attention: alpha has {alpha.numel()} values for {H} heads")
+    if input_bias is not None and (len(input_bias) != 5 or any(b is not None and b.numel() != H * D for b in input_bias)):
+        raise ValueError(f"dna_attention: input_bias takes 5 tensors of H * D = {H * D} values (or None), in the order "
+                         "q_pos, q_neg, k, v_pos, v_neg")
+
+
 def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_pos: torch.Tensor,
                   v_neg: torch.Tensor, alpha: torch.Tensor | None, *, scale_pos: float, scale_neg: float,
                   bias_pos: torch.Tensor | None = None, bias_neg: torch.Tensor | None = None,
@@ -108,11 +131,13 @@ def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_p
     query (value); it is then used once. ``input_bias``: five (H, D) tensors or None, in the order q_pos, q_neg,
     k, v_pos, v_neg, added to every token's vector before use (a projection's bias: the kernel adds it as it
     copies each head, so the projection can be a bias-free GEMM). The result is a (B, H, N, D) view of a
-    (B, N, H, D) buffer. The caller has checked :func:`kernel_error`.
+    (B, N, H, D) buffer. The caller has checked :func:`kernel_error`; tensors the kernel would misread (another
+    dtype or device, mismatched shapes) raise ValueError here.
     """
     fn, _, lib = _load()
     B, H, N, D = q_pos.shape
     M = k.shape[-2]
+    _check_layout(q_pos, q_neg, k, v_pos, v_neg, alpha, bias_pos, bias_neg, input_bias)
     ts = [t if t.stride(-1) == 1 else t.contiguous() for t in (q_pos, q_neg, k, v_pos, v_neg)]
     if q_neg is q_pos:
         ts[1] = ts[0]
@@ -121,16 +146,14 @@ def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_p
     out = torch.empty(B, N, H, D, dtype=q_pos.dtype).transpose(1, 2)
     ts.append(out)
     ts += [_additive(bias_pos, (B, H, N, M)), _additive(bias_neg, (B, H, N, M))]
-    alpha = (torch.ones(H) if alpha is None else alpha.detach()).float().contiguous()
+    alpha = (torch.ones(H) if alpha is None else alpha.detach()).contiguous()
     args = _Args()
     for i, t in enumerate(ts):
         if t is not None:
             args.ptr[i] = t.data_ptr()
             args.stride[i][:] = t.stride()[:3]
     if input_bias is not None:
-        if len(input_bias) != 5:
-            raise ValueError(f"input_bias takes 5 tensors (q_pos, q_neg, k, v_pos, v_neg) or None, got {len(input_bias)}")
-        input_bias = [None if b is None else b.detach().float().reshape(H, D).contiguous() for b in input_bias]
+        input_bias = [None if b is None else b.detach().reshape(H, D).contiguous() for b in input_bias]
         for i, b in enumerate(input_bias):
             if b is not None:
                 args.in_bias[i] = b.data_ptr()

@@ -117,6 +117,39 @@ def test_kernel_error_says_why(kwargs, needle):
     assert needle in kernel_error(q, k)
 
 
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (lambda t: dict(t, k=t["k"].to(torch.bfloat16)), "k is torch.bfloat16"),
+        (lambda t: dict(t, v_neg=t["v_neg"][:, :, :3]), "v_neg has shape"),
+        (lambda t: dict(t, alpha=torch.ones(5)), "alpha has 5 values"),
+        (lambda t: dict(t, bias_pos=torch.zeros(4, 4, dtype=torch.float64)), "bias_pos is torch.float64"),
+        (lambda t: dict(t, input_bias=[torch.zeros(3, 16)] * 4), "input_bias takes 5 tensors"),
+        (lambda t: dict(t, input_bias=[torch.zeros(2, 16)] * 5), "input_bias takes 5 tensors"),
+    ],
+)
+def test_kernel_refuses_tensors_it_would_misread(change, needle):
+    # the kernel reads raw float32 memory: another dtype or a wrong shape must raise, not corrupt memory
+    qp, qn, k, vp, vn = _inputs(1, 3, 4, 4, 16)
+    call = change(dict(q_pos=qp, q_neg=qn, k=k, v_pos=vp, v_neg=vn, alpha=torch.ones(3)))
+    with pytest.raises(ValueError, match=needle):
+        dna_attention(**call, scale_pos=0.25, scale_neg=0.25)
+
+
+def test_module_under_cpu_autocast_leaves_the_kernel_out(monkeypatch):
+    # bf16 autocast makes the projection bf16, which the float32 kernel must never see
+    m = _randomise(DnAAttention(32, 2, qkv_bias=True), seed=10)
+    x = torch.randn(2, 17, 32, generator=torch.Generator().manual_seed(11))
+    calls = _spy(monkeypatch)
+    with torch.no_grad():
+        want = m(x)
+        calls.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = m(x)
+    assert not calls
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.02 * want.abs().max().item())  # bf16 rounding
+
+
 def _spy(monkeypatch):
     """The keyword arguments of every call into the kernel."""
     calls = []
