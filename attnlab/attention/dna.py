@@ -312,7 +312,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         B, N, _ = x.shape
         H, D = self.num_heads, self.head_dim
         if (is_causal or not self.fused_attn or (self.training and self.attn_drop.p > 0)
-                or torch.is_autocast_enabled(x.device.type)
+                or x.device.type != "cpu" or torch.is_autocast_enabled("cpu")
                 or not isinstance(self.q_norm, nn.Identity) or not isinstance(self.k_norm, nn.Identity)
                 or dna_runs_error((x, self.qkv.weight, self.qkv.bias, self.alpha), head_dim=D, keys=N)):
             return super().forward(x, attn_mask=attn_mask, is_causal=is_causal, mask=mask)
