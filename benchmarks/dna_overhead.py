@@ -33,7 +33,6 @@ from torch import nn
 
 import attnlab
 from attnlab.analysis.cost import _input_shape
-from attnlab.attention.base import AttnlabAttention
 from attnlab.attention.dna import DnAAttention, combine
 from attnlab.bench import DTYPES, Autocast, measure_latency, resolve_device
 from attnlab.models.convert import attention_modules
@@ -41,9 +40,6 @@ from attnlab.models.convert import attention_modules
 
 class SDPAOnly(DnAAttention):
     """attnlab's dna as it runs where the fused CPU kernel does not: two SDPA calls, then alpha mul + add."""
-
-    def forward(self, x, attn_mask=None, is_causal=False, mask=None):  # the base frame: project, attend, merge
-        return AttnlabAttention.forward(self, x, attn_mask=attn_mask, is_causal=is_causal, mask=mask)
 
     def attend(self, q, k, v, mask=None, attn_mask=None):
         return combine(*self.branches(q, k, v, mask, attn_mask), self.alpha)

@@ -308,10 +308,12 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         """As :meth:`AttnlabAttention.forward`. Where the fused CPU kernel runs (float32 forward without gradient or
         dropout, no QK-norm) the projection is one bias-free GEMM and the kernel adds ``qkv.bias`` as it copies
         each head: adding it to the (B, N, 5*dim) output took a pass over it (docs/perf.md). Forward hooks on ``qkv``
-        do not see this path."""
+        do not see this path, nor does a subclass's own ``project`` or ``attend`` (the frame runs those)."""
         B, N, _ = x.shape
         H, D = self.num_heads, self.head_dim
+        cls = type(self)
         if (is_causal or not self.fused_attn or (self.training and self.attn_drop.p > 0)
+                or cls.project is not DnAAttention.project or cls.attend is not DnAAttention.attend
                 or x.device.type != "cpu" or torch.is_autocast_enabled("cpu")
                 or not isinstance(self.q_norm, nn.Identity) or not isinstance(self.k_norm, nn.Identity)
                 or dna_runs_error((x, self.qkv.weight, self.qkv.bias, self.alpha), head_dim=D, keys=N)):

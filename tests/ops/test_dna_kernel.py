@@ -150,6 +150,21 @@ def test_module_under_cpu_autocast_leaves_the_kernel_out(monkeypatch):
     torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.02 * want.abs().max().item())  # bf16 rounding
 
 
+def test_a_subclass_with_its_own_attend_keeps_it_on_cpu_inference():
+    # the kernel path bypasses project/attend; a subclass that overrides one of them must still see it run
+    seen = []
+
+    class Traced(DnAAttention):
+        def attend(self, q, k, v, mask=None, attn_mask=None):
+            seen.append(1)
+            return super().attend(q, k, v, mask=mask, attn_mask=attn_mask)
+
+    m = _randomise(Traced(32, 2, qkv_bias=True), seed=12)
+    with torch.no_grad():
+        m(torch.randn(2, 9, 32))
+    assert seen == [1]
+
+
 def _spy(monkeypatch):
     """The keyword arguments of every call into the kernel."""
     calls = []
