@@ -28,7 +28,9 @@ for ``shared`` / ``sum``). State dicts that keep Q- and V- as separate ``q_neg``
 3*dim ``qkv`` are fused on load.
 
 Speed. For CPU forward passes without gradient (eval, analyses, benchmarks) both branches run in ONE fused C kernel
-(:mod:`attnlab.ops.dna_cpu`): one pass over K per head, the combined output written in head-merge layout. Elsewhere
+(:mod:`attnlab.ops.dna_cpu`): one pass over K per head, the combined output written in head-merge layout, the
+projection a bias-free GEMM whose Q/V bias the kernel adds as it copies each head (:meth:`DnAAttention.forward`).
+Elsewhere
 (training, GPU, other dtypes, torch.compile) the fused path runs two SDPA calls; the softmin branch is SDPA with a
 negated scale on CPU (free), or with -Q- elsewhere (CUDA flash kernels take the row maximum before scaling, so a
 negative scale is not safe there). Stacking both branches into one SDPA call (along heads or batch) needs copies
