@@ -30,10 +30,9 @@ for ``shared`` / ``sum``). State dicts that keep Q- and V- as separate ``q_neg``
 Speed. For CPU forward passes without gradient (eval, analyses, benchmarks) both branches run in ONE fused C kernel
 (:mod:`attnlab.ops.dna_cpu`): one pass over K per head, the combined output written in head-merge layout, the
 projection a bias-free GEMM whose Q/V bias the kernel adds as it copies each head (:meth:`DnAAttention.forward`).
-Elsewhere
-(training, GPU, other dtypes, torch.compile) the fused path runs two SDPA calls; the softmin branch is SDPA with a
-negated scale on CPU (free), or with -Q- elsewhere (CUDA flash kernels take the row maximum before scaling, so a
-negative scale is not safe there). Stacking both branches into one SDPA call (along heads or batch) needs copies
+Elsewhere (training, GPU, other dtypes, torch.compile) the fused path runs two SDPA calls; the softmin branch is
+SDPA with a negated scale on CPU (free), or with -Q- elsewhere (CUDA flash kernels take the row maximum before
+scaling, so a negative scale is not safe there). Stacking both branches into one SDPA call (along heads or batch) needs copies
 of K and the stacked q, v, and measured slower on CPU (see docs/perf.md), as it does on GPU (REFERENCES.md).
 
 Two-branch convention (shared with ``diff``, used by :mod:`attnlab.analysis.dna`): ``branch_outputs(x, mask=None,
