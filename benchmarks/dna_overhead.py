@@ -10,6 +10,7 @@ compare implementations of Q±V±:
   dna[sdpa]             attnlab's dna with the kernel off: its own projection, two SDPA calls, alpha mul + add
   dna[straightforward]  separate Q-/V- Linears next to the 3*dim qkv, -Q- fed to a second SDPA, alpha mul + add
   dna[one-sdpa]         both branches as ONE SDPA call, stacked along the head axis (K copied, -Q- as query)
+  dna[triton]           (CUDA only) attnlab's dna with its opt-in Triton kernel (ATTNLAB_DNA_TRITON=1)
 
 Targets for dna (qv), 2 CPU cores, fp32 eval: vit_cifar batch 64 >= 0.70; vit_base_patch16_224 batch 4 >= 0.85.
 On a CUDA GPU, bf16, ViT-B/16 at batch 128: >= 0.85.
@@ -17,13 +18,14 @@ On a CUDA GPU, bf16, ViT-B/16 at batch 128: >= 0.85.
     python benchmarks/dna_overhead.py                                  # both CPU targets
     python benchmarks/dna_overhead.py --models vit_cifar --batch-sizes 64 --iters 20
     python benchmarks/dna_overhead.py --device cuda --dtype bf16 --models vit_base_patch16_224 --batch-sizes 128 \
-        --warmup 10 --iters 50                                         # the GPU target (bf16 autocast)
+        --warmup 10 --iters 50 --attn "standard,dna,dna[triton],dna[straightforward]"   # the GPU target (bf16 autocast)
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import platform
 import subprocess
 
@@ -75,6 +77,21 @@ class Straightforward(DnAAttention):
         return self.merge(o, x)
 
 
+class TritonKernel(DnAAttention):
+    """attnlab's dna with the opt-in Triton kernel switched on for this module's forwards."""
+
+    def forward(self, x, attn_mask=None, is_causal=False, mask=None):
+        before = os.environ.get("ATTNLAB_DNA_TRITON")
+        os.environ["ATTNLAB_DNA_TRITON"] = "1"
+        try:
+            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal, mask=mask)
+        finally:
+            if before is None:
+                del os.environ["ATTNLAB_DNA_TRITON"]
+            else:
+                os.environ["ATTNLAB_DNA_TRITON"] = before
+
+
 class OneSDPA(DnAAttention):
     """Q±V± as one SDPA call over 2H heads: queries [Q+, -Q-], keys [K, K] (a copy), values [V+, V-]."""
 
@@ -99,7 +116,8 @@ def build(model_name: str, specs: list[str], seed: int = 0) -> dict[str, nn.Modu
         torch.manual_seed(seed + 1)  # new parameters (Q-, V-, alpha) drawn identically for every layout
         m = attnlab.convert(copy.deepcopy(base), kind)
         if impl:
-            cls = {"sdpa]": SDPAOnly, "straightforward]": Straightforward, "one-sdpa]": OneSDPA}[impl]
+            cls = {"sdpa]": SDPAOnly, "straightforward]": Straightforward, "one-sdpa]": OneSDPA,
+                   "triton]": TritonKernel}[impl]
             for _, attn in attention_modules(m):
                 attn.__class__ = cls
                 if cls is Straightforward:
@@ -132,6 +150,8 @@ def main() -> None:
     import timm
 
     device = resolve_device(args.device)
+    if "dna[triton]" in args.attn.split(",") and device.type != "cuda":
+        p.error("dna[triton] runs on CUDA only; pass --device cuda")
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_name()}, threads {torch.get_num_threads()}"
     print(f"# {where}, torch {torch.__version__}, timm {timm.__version__}, {args.dtype} eval, "
           "forward throughput ratio = standard ms / variant ms")

@@ -53,6 +53,8 @@ from ..errors import SpecError
 from ..ops.dna_cpu import dna_attention
 from ..ops.dna_cpu import kernel_error as dna_kernel_error
 from ..ops.dna_cpu import runs_error as dna_runs_error
+from ..ops.dna_triton import dna_attention_triton
+from ..ops.dna_triton import triton_error as dna_triton_error
 from .base import AttnlabAttention
 
 VARIANTS = ("qv", "q", "v", "shared", "sum")
@@ -126,10 +128,15 @@ def combine(o_pos: torch.Tensor, o_neg: torch.Tensor, alpha: torch.Tensor | None
 
 def _fused(q_pos, q_neg, k, v_pos, v_neg, alpha, *, scale_pos, scale_neg, bias_pos, bias_neg, dropout_p):
     """The combined output of both branches, (B, H, N, D): the fused CPU kernel (:mod:`attnlab.ops.dna_cpu`) where it
-    applies (CPU float32 forward without gradient or dropout), else two SDPA calls and :func:`combine`."""
+    applies (CPU float32 forward without gradient or dropout), the opt-in Triton kernel on CUDA
+    (:mod:`attnlab.ops.dna_triton`, ``ATTNLAB_DNA_TRITON=1``, no bias or mask), else two SDPA calls and
+    :func:`combine`."""
     if dropout_p == 0.0 and dna_kernel_error(q_pos, k, q_neg, v_pos, v_neg, alpha, bias_pos, bias_neg) is None:
         return dna_attention(q_pos, q_neg, k, v_pos, v_neg, alpha, scale_pos=scale_pos, scale_neg=scale_neg,
                              bias_pos=bias_pos, bias_neg=bias_neg)
+    no_bias = bias_pos is None and bias_neg is None
+    if dropout_p == 0.0 and dna_triton_error(q_pos, k, q_neg, v_pos, v_neg, alpha, bias=not no_bias) is None:
+        return dna_attention_triton(q_pos, q_neg, k, v_pos, v_neg, alpha, scale_pos=scale_pos, scale_neg=scale_neg)
     return combine(*dna_branches(q_pos, q_neg, k, v_pos, v_neg, scale_pos=scale_pos, scale_neg=scale_neg,
                                  bias_pos=bias_pos, bias_neg=bias_neg, dropout_p=dropout_p), alpha)
 
