@@ -324,16 +324,19 @@ class DnAAttention(_DnAParams, AttnlabAttention):
                 or cls.project is not DnAAttention.project or cls.attend is not DnAAttention.attend
                 or x.device.type != "cpu" or torch.is_autocast_enabled("cpu")
                 or not isinstance(self.q_norm, nn.Identity) or not isinstance(self.k_norm, nn.Identity)
-                or dna_runs_error((x, self.qkv.weight, self.qkv.bias, self.alpha), head_dim=D, keys=N)):
+                or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
+                or dna_runs_error((x, self.alpha), head_dim=D, keys=N)):
             return super().forward(x, attn_mask=attn_mask, is_causal=is_causal, mask=mask)
-        bias_pos, bias_neg = self._biases(B, N, mask, attn_mask)
+        bias_pos, bias_neg = self._biases(B, N, mask, attn_mask, like=x)
         if dna_runs_error((bias_pos, bias_neg), head_dim=D, keys=N):
             return super().forward(x, attn_mask=attn_mask, mask=mask)
-        nb = len(self.qkv_blocks)
-        y = F.linear(x, self.qkv.weight).view(B, N, nb, H, D).permute(2, 0, 3, 1, 4)
+        # qkv.weight is read once per forward, as on every other path (a parametrisation such as sigma's power
+        # iteration runs on each read)
+        w, b, nb = self.qkv.weight, self.qkv.bias, len(self.qkv_blocks)
+        y = F.linear(x, w).view(B, N, nb, H, D).permute(2, 0, 3, 1, 4)
         bias = None
-        if self.qkv.bias is not None:  # K's bias adds q . b_k to a whole row of logits, which softmax(min) ignores
-            q_pos_b, q_neg_b, _, v_pos_b, v_neg_b = self._slots(self.qkv.bias.view(nb, H, D).unbind(0))
+        if b is not None:  # K's bias adds q . b_k to a whole row of logits, which softmax(min) ignores
+            q_pos_b, q_neg_b, _, v_pos_b, v_neg_b = self._slots(b.view(nb, H, D).unbind(0))
             bias = (q_pos_b, q_neg_b, None, v_pos_b, v_neg_b)
         q_pos, q_neg, k, v_pos, v_neg = self._slots(y.unbind(0))
         o = dna_attention(q_pos, q_neg, k, v_pos, v_neg, self.alpha, scale_pos=self.scale_pos,
@@ -359,12 +362,12 @@ class DnAAttention(_DnAParams, AttnlabAttention):
                       (F.linear(x, w[split:], None if b is None else b[split:]), len(self.qkv_blocks) - nq)]
         return tuple(blk for y, n in groups for blk in y.view(B, N, n, H, D).permute(2, 0, 3, 1, 4).unbind(0))
 
-    def _biases(self, B: int, N: int, mask, attn_mask):
-        """(bias_pos, bias_neg): the standard fused bias, and the softmin branch's in negated-logit form."""
+    def _biases(self, B: int, N: int, mask, attn_mask, like: torch.Tensor):
+        """(bias_pos, bias_neg): the standard fused bias, and the softmin branch's in negated-logit form (its masks
+        in ``like``'s dtype and device)."""
         bias_pos = self.attn_bias(B, N, mask, attn_mask)
         if self.window_size is None and attn_mask is None:
             return bias_pos, None
-        like = self.qkv.weight
         bias_neg = negative_bias(self.rel_pos_bias() if self.window_size is not None else None, None, like)
         if mask is not None:  # (num_windows, N, N) 0 / -100, windows fastest-varying in B (as AttnlabAttention)
             num_win = mask.shape[0]
@@ -384,7 +387,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         """
         (q_pos, q_neg) = q
         B, N = q_pos.shape[0], q_pos.shape[2]
-        _, bias_neg = self._biases(B, N, mask, attn_mask)
+        _, bias_neg = self._biases(B, N, mask, attn_mask, like=q_pos)
         kt = k.transpose(-2, -1)
         qk_pos = q_pos @ kt
         qk_neg = qk_pos if q_neg is q_pos else q_neg @ kt
@@ -398,7 +401,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         """(o_pos, o_neg), each (B, H, N, D), before alpha: softmax(s^+) V^+ and softmin(s^-) V^-."""
         (q_pos, q_neg), (v_pos, v_neg) = q, v
         if self.fused_attn:
-            bias_pos, bias_neg = self._biases(q_pos.shape[0], q_pos.shape[2], mask, attn_mask)
+            bias_pos, bias_neg = self._biases(q_pos.shape[0], q_pos.shape[2], mask, attn_mask, like=q_pos)
             return dna_branches(q_pos, q_neg, k, v_pos, v_neg, scale_pos=self.scale_pos, scale_neg=self.scale_neg,
                                 bias_pos=bias_pos, bias_neg=bias_neg,
                                 dropout_p=self.attn_drop.p if self.training else 0.0)
@@ -413,7 +416,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         """
         if self.fused_attn:
             (q_pos, q_neg), (v_pos, v_neg) = q, v
-            bias_pos, bias_neg = self._biases(q_pos.shape[0], q_pos.shape[2], mask, attn_mask)
+            bias_pos, bias_neg = self._biases(q_pos.shape[0], q_pos.shape[2], mask, attn_mask, like=q_pos)
             return _fused(q_pos, q_neg, k, v_pos, v_neg, self.alpha, scale_pos=self.scale_pos,
                           scale_neg=self.scale_neg, bias_pos=bias_pos, bias_neg=bias_neg,
                           dropout_p=self.attn_drop.p if self.training else 0.0)

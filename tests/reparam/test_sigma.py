@@ -71,6 +71,28 @@ def test_one_iteration_per_training_forward():
     torch.testing.assert_close(p.u.double(), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("attn", ["standard", "dna", "diff"])
+@pytest.mark.parametrize("name", ["vit_digits", "swin_cifar"])
+def test_one_iteration_per_training_forward_under_every_attention(name, attn):
+    """Every path that reads qkv.weight reads it once per forward (a second read would move u twice)."""
+    from attnlab.bench import input_shape
+
+    torch.manual_seed(0)
+    model = attnlab.build_model(name, **(TINY_VIT if name == "vit_digits" else {}), attn=f"{attn}+sigma(targets=attn)")
+    layers = {n: model.get_submodule(n) for n, _ in sigma_modules(model)}
+    assert any(n.endswith("qkv") for n in layers)
+    with torch.no_grad():  # off the fixed point (u starts as the exact singular vector, which one step keeps)
+        for m in layers.values():
+            _param(m).u.copy_(torch.nn.functional.normalize(torch.randn_like(_param(m).u), dim=0))
+    before = {n: (_param(m).u.double().clone(), _raw(m).detach().double()) for n, m in layers.items()}
+    model.train()
+    model(torch.randn(2, *input_shape(model)))
+    for n, m in layers.items():
+        u, w = before[n]
+        v = w @ u / (w @ u).norm()
+        torch.testing.assert_close(_param(m).u.double(), w.T @ v / (w.T @ v).norm(), rtol=1e-5, atol=1e-6, msg=n)
+
+
 @pytest.mark.parametrize("name", ["vit_digits", "swin_cifar"])
 def test_default_init_leaves_model_unchanged(name):
     torch.manual_seed(0)
