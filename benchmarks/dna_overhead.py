@@ -152,7 +152,10 @@ def main() -> None:
     device = resolve_device(args.device)
     if "dna[triton]" in args.attn.split(",") and device.type != "cuda":
         p.error("dna[triton] runs on CUDA only; pass --device cuda")
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_name()}, threads {torch.get_num_threads()}"
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = f"{cpu_name()}, threads {torch.get_num_threads()}"
     print(f"# {where}, torch {torch.__version__}, timm {timm.__version__}, {args.dtype} eval, "
           "forward throughput ratio = standard ms / variant ms")
     specs = args.attn.split(",")

@@ -32,8 +32,9 @@ Speed. For CPU forward passes without gradient (eval, analyses, benchmarks) both
 projection a bias-free GEMM whose Q/V bias the kernel adds as it copies each head (:meth:`DnAAttention.forward`).
 Elsewhere (training, GPU, other dtypes, torch.compile) the fused path runs two SDPA calls; the softmin branch is
 SDPA with a negated scale on CPU (free), or with -Q- elsewhere (CUDA flash kernels take the row maximum before
-scaling, so a negative scale is not safe there). Stacking both branches into one SDPA call (along heads or batch) needs copies
-of K and the stacked q, v, and measured slower on CPU (see docs/perf.md), as it does on GPU (REFERENCES.md).
+scaling, so a negative scale is not safe there). Stacking both branches into one SDPA call (along heads or batch)
+needs copies of K and the stacked q, v, and measured slower on CPU (see docs/perf.md), as it does on GPU
+(REFERENCES.md).
 
 Two-branch convention (shared with ``diff``, used by :mod:`attnlab.analysis.dna`): ``branch_outputs(x, mask=None,
 attn_mask=None) -> (o_pos, o_neg)``, each (B, H, N, D), the two branches before alpha; ``branch_values(x) ->
@@ -134,8 +135,8 @@ def _fused(q_pos, q_neg, k, v_pos, v_neg, alpha, *, scale_pos, scale_neg, bias_p
     if dropout_p == 0.0 and dna_kernel_error(q_pos, k, q_neg, v_pos, v_neg, alpha, bias_pos, bias_neg) is None:
         return dna_attention(q_pos, q_neg, k, v_pos, v_neg, alpha, scale_pos=scale_pos, scale_neg=scale_neg,
                              bias_pos=bias_pos, bias_neg=bias_neg)
-    no_bias = bias_pos is None and bias_neg is None
-    if dropout_p == 0.0 and dna_triton_error(q_pos, k, q_neg, v_pos, v_neg, alpha, bias=not no_bias) is None:
+    biased = bias_pos is not None or bias_neg is not None
+    if dropout_p == 0.0 and dna_triton_error(q_pos, k, q_neg, v_pos, v_neg, alpha, bias=biased) is None:
         return dna_attention_triton(q_pos, q_neg, k, v_pos, v_neg, alpha, scale_pos=scale_pos, scale_neg=scale_neg)
     return combine(*dna_branches(q_pos, q_neg, k, v_pos, v_neg, scale_pos=scale_pos, scale_neg=scale_neg,
                                  bias_pos=bias_pos, bias_neg=bias_neg, dropout_p=dropout_p), alpha)

@@ -109,15 +109,17 @@ def _check_layout(q_pos, q_neg, k, v_pos, v_neg, alpha, bias_pos, bias_neg, inpu
     for name, t in named.items():
         if t is None:
             continue
-        if t.device.type != "cpu" or (t.dtype != torch.float32 and not (name.startswith("bias") and t.dtype == torch.bool)):
+        mask = name.startswith("bias") and t.dtype == torch.bool
+        if t.device.type != "cpu" or (t.dtype != torch.float32 and not mask):
             raise ValueError(f"dna_attention: {name} is {t.dtype} on {t.device}; the kernel reads float32 CPU tensors")
         if name in expected and tuple(t.shape) != expected[name]:
             raise ValueError(f"dna_attention: {name} has shape {tuple(t.shape)}, expected {expected[name]}")
     if alpha is not None and alpha.numel() != H:
         raise ValueError(f"dna_attention: alpha has {alpha.numel()} values for {H} heads")
-    if input_bias is not None and (len(input_bias) != 5 or any(b is not None and b.numel() != H * D for b in input_bias)):
-        raise ValueError(f"dna_attention: input_bias takes 5 tensors of H * D = {H * D} values (or None), in the order "
-                         "q_pos, q_neg, k, v_pos, v_neg")
+    if input_bias is not None and (len(input_bias) != 5
+                                   or any(b is not None and b.numel() != H * D for b in input_bias)):
+        raise ValueError(f"dna_attention: input_bias takes 5 tensors of H * D = {H * D} values (or None), in the "
+                         "order q_pos, q_neg, k, v_pos, v_neg")
 
 
 def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_pos: torch.Tensor,
