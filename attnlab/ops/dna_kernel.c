@@ -9,8 +9,9 @@
  * attnlab.attention.dna.negative_bias), so the second softmax is DnA's softmin. Both branches share one pass over
  * K (transposed once per head into a local buffer), and o_i goes straight to the output with its own strides
  * (the head merge after it is a view). An optional per-head bias for each input (the projection's bias) is added
- * as the head's rows are copied, so the caller's projection can be a bias-free GEMM. When Q or V is shared (variants q, v, shared, sum) the caller passes the
- * same tensor twice (computed twice: one compiled instance per head dim keeps the first build at a few seconds).
+ * as the head's rows are copied, so the caller's projection can be a bias-free GEMM. When Q or V is shared
+ * (variants q, v, shared, sum) the caller passes the same tensor twice (computed twice: one compiled instance per
+ * head dim keeps the first build at a few seconds).
  *
  * float32 only, 64-byte vector types (GCC / Clang vector extensions; with AVX-512, intrinsics for max and for
  * exp's 2^n), exp by a Cephes-style polynomial (about 1 ulp); head dim D in 16, 32, 48, 64 (a constant per
