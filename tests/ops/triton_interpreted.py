@@ -64,3 +64,14 @@ def test_module_uses_it_without_bias_and_matches_sdpa(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+
+
+def test_half_precision_inputs_accumulate_in_float32():
+    # fp16 q, k, v (what autocast hands over on CUDA); the output comes back in fp16, within fp16 rounding
+    qp, qn, k, vp, vn = _inputs(1, 2, 40, 40, 16, seed=5)
+    alpha = torch.tensor([0.7, -0.2])
+    half = [t.half() for t in (qp, qn, k, vp, vn)]
+    got = dna_attention_triton(*half, alpha, scale_pos=0.25, scale_neg=0.25, block_m=16, block_n=16)
+    assert got.dtype == torch.float16
+    want = _reference(*(t.float() for t in half), alpha, 0.25, 0.25)
+    torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=2e-3)
