@@ -4,6 +4,9 @@
 Whitespace is ignored. Each term's name and keys come from the registry in :mod:`attnlab.variants`; values are
 coerced to the option's type, and options equal to their default are dropped, so that ``str(parse_spec(s))`` is a
 canonical name: ``parse_spec(str(spec)) == spec`` always, and ``str(parse_spec(s)) == s`` for canonical ``s``.
+
+A list of specs (``--attn standard,dna(variant=q,alpha_init=1)``, a grid's ``variants:``) is split by
+:func:`split_specs` at the commas outside parentheses, the commas inside separating a term's options.
 """
 
 from __future__ import annotations
@@ -140,3 +143,25 @@ def parse_spec(spec: str | Spec | None) -> Spec:
     # canonical order: kernel, head-output transforms, q/k terms, weight terms; stable within a kind
     terms.sort(key=lambda t: KIND_ORDER.index(t.kind))
     return Spec(tuple(terms))
+
+
+def split_specs(text: str) -> list[str]:
+    """Split a comma-separated list of specs at the commas outside parentheses, dropping empty items and whitespace
+    around them: ``"standard, dna(variant=q,alpha_init=1)+ns"`` -> ``["standard", "dna(variant=q,alpha_init=1)+ns"]``.
+
+    Every place that reads a list of specs from text (the CLI's ``--attn``, grid files) splits with this function.
+    Unbalanced parentheses are left for :func:`parse_spec` to report.
+    """
+    parts, current, depth = [], [], 0
+    for ch in text:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth = max(depth - 1, 0)  # a stray ')' must not swallow the commas after it
+        elif ch == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+            continue
+        current.append(ch)
+    parts.append("".join(current))
+    return [p.strip() for p in parts if p.strip()]

@@ -38,6 +38,7 @@ from attnlab.analysis.cost import _input_shape
 from attnlab.attention.dna import DnAAttention, combine
 from attnlab.bench import DTYPES, Autocast, measure_latency, resolve_device
 from attnlab.models.convert import attention_modules
+from attnlab.spec import split_specs
 
 
 class SDPAOnly(DnAAttention):
@@ -150,7 +151,7 @@ def main() -> None:
     import timm
 
     device = resolve_device(args.device)
-    if "dna[triton]" in args.attn.split(",") and device.type != "cuda":
+    if "dna[triton]" in split_specs(args.attn) and device.type != "cuda":
         p.error("dna[triton] runs on CUDA only; pass --device cuda")
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
@@ -158,7 +159,7 @@ def main() -> None:
         where = f"{cpu_name()}, threads {torch.get_num_threads()}"
     print(f"# {where}, torch {torch.__version__}, timm {timm.__version__}, {args.dtype} eval, "
           "forward throughput ratio = standard ms / variant ms")
-    specs = args.attn.split(",")
+    specs = split_specs(args.attn)
     tol = 1e-4 if args.dtype == "fp32" else 5e-2
     for model_name, bs in zip(args.models.split(","), map(int, args.batch_sizes.split(","))):
         models = build(model_name, specs)

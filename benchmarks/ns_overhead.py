@@ -23,6 +23,7 @@ import sys
 import torch
 
 from attnlab.bench import bench_variants
+from attnlab.spec import split_specs
 
 
 def main() -> None:
@@ -50,7 +51,7 @@ def main() -> None:
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"threads {torch.get_num_threads()}, device {args.device}, batch {args.batch_size}")
     compiles = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
-    specs = args.attn.split(",")
+    specs = split_specs(args.attn)
     print("| model | dtype | mode | " + " | ".join(f"{s} ms" for s in specs) + " | " +
           " | ".join(f"{s} / {specs[0]}" for s in specs[1:]) + " |")
     print("|---" * (3 + 2 * len(specs) - 1) + "|")

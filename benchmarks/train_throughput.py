@@ -15,6 +15,7 @@ import torch
 
 from attnlab.bench import input_shape, measure_train_throughput, resolve_device
 from attnlab.models import build_model
+from attnlab.spec import split_specs
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
 
     device = resolve_device(args.device)
     amp = torch.bfloat16 if args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda") else None
-    specs = args.attn.split(",")
+    specs = split_specs(args.attn)
     print(f"# torch {torch.__version__}, {platform.machine()}, threads {torch.get_num_threads()}, device {device}, "
           f"batch {args.batch_size}, amp {amp}")
     print("| model | variant | img/s (median of rounds) | ratio to " + specs[0] + " |")

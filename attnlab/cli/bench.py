@@ -29,8 +29,9 @@ def run(args) -> int:
     import json
 
     from ..bench import bench_variants, format_latency
+    from ..spec import split_specs
 
-    specs = [s for s in (t.strip() for t in args.attn.split(",")) if s]
+    specs = split_specs(args.attn)
     result = bench_variants(args.model, specs, batch_size=args.batch_size, warmup=args.warmup, iters=args.iters,
                             rounds=args.rounds, device=args.device, dtype=args.dtype, compile=args.compile,
                             seed=args.seed, num_classes=args.num_classes)

@@ -36,8 +36,9 @@ def run(args) -> int:
     table = list_variants()
     if args.cost:
         from ..analysis.cost import format_costs, variant_costs
+        from ..spec import split_specs
 
-        specs = args.attn.split(",") if args.attn else [v["name"] for v in table if v["kind"] == "kernel"]
+        specs = split_specs(args.attn) if args.attn else [v["name"] for v in table if v["kind"] == "kernel"]
         rows = variant_costs(args.cost, specs)
         print(json.dumps(rows, indent=2) if args.json else format_costs(rows))
         return 0

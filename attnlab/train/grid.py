@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from attnlab.errors import ConfigError
+from attnlab.spec import split_specs
 
 from .config import GRID_PRESETS, TrainConfig, make_config
 from .loop import RESULT, run_dir_of, train
@@ -24,21 +25,6 @@ def demo_variants() -> list[str]:
 
     specs = [v.demo if isinstance(v.demo, str) else v.name for v in VARIANTS.values() if v.demo]
     return sorted(specs, key=lambda n: n != "standard")
-
-
-def split_specs(text: str) -> list[str]:
-    """Split a comma-separated list of specs at commas outside parentheses: 'standard,dna(variant=q,alpha_init=1)'."""
-    parts, depth, current = [], 0, []
-    for ch in text:
-        depth += ch == "("
-        depth -= ch == ")"
-        if ch == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-    parts.append("".join(current))
-    return [p.strip() for p in parts if p.strip()]
 
 
 def grid_runs(base_cfg: TrainConfig, variants: Sequence[str], seeds: Sequence[int], datasets: Sequence[str] | None,

@@ -1,10 +1,13 @@
 """The spec language: parsing, canonical names, and errors that list what is valid."""
 
+import json
+
 import pytest
 
 import attnlab
+from attnlab.cli import main
 from attnlab.errors import SpecError
-from attnlab.spec import format_value
+from attnlab.spec import format_value, split_specs
 from attnlab.variants import VARIANTS, Option, Variant, register
 
 
@@ -92,3 +95,39 @@ def test_plus_inside_parentheses_is_a_value(toy_variants):
         assert attnlab.parse_spec(str(spec)) == spec
     finally:
         del VARIANTS["toyt"]
+
+
+# ---------------------------------------------------------------------------------------------- lists of specs
+@pytest.mark.parametrize("text,expected", [
+    ("standard,ns", ["standard", "ns"]),
+    (" standard , ns ,", ["standard", "ns"]),
+    ("dna(variant=q,alpha_init=1),ns", ["dna(variant=q,alpha_init=1)", "ns"]),
+    ("standard, dna(variant=q,alpha_init=1)+ns(steps=2,eps=1e-8)",
+     ["standard", "dna(variant=q,alpha_init=1)+ns(steps=2,eps=1e-8)"]),
+    ("", []),
+    ("ns),dna", ["ns)", "dna"]),  # a stray ')' does not glue the rest together; parse_spec reports it
+])
+def test_split_specs_splits_at_commas_outside_parentheses(text, expected):
+    assert split_specs(text) == expected
+
+
+def test_every_split_item_parses():
+    items = split_specs("standard,dna(variant=q,alpha_init=1)+ns,ns(steps=2)")
+    assert [str(attnlab.parse_spec(s)) for s in items] == ["standard", "dna(variant=q,alpha_init=1)+ns", "ns(steps=2)"]
+
+
+def test_bench_cli_reads_a_spec_with_an_inner_comma_as_one(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", "vit_digits", "--attn", "dna(variant=q,alpha_init=1),ns", "--batch-size", "2",
+            "--warmup", "0", "--iters", "1", "--rounds", "1", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert list(result["models"]) == ["dna(variant=q,alpha_init=1)", "ns"]
+    assert result["baseline"] == "dna(variant=q,alpha_init=1)"
+
+
+def test_variants_cost_cli_reads_a_spec_with_an_inner_comma_as_one(capsys):
+    argv = ["variants", "--cost", "vit_digits", "--attn", "dna(variant=q,alpha_init=1),ns", "--json"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["variant"] for r in rows] == ["dna(variant=q,alpha_init=1)", "ns"]
