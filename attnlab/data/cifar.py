@@ -1,14 +1,16 @@
 """CIFAR-10 and CIFAR-100 from the original python pickles, with the NS-Attn paper's transforms.
 
-torchvision's CIFAR classes check the md5 sum of every batch file before loading. attnlab keeps torchvision's
-download (the archive is still md5-checked by ``download_and_extract_archive``) and its loading code, but replaces
-the per-file integrity check by a layout check: the expected files exist, unpickle, and hold ``data`` as uint8
-(n, 3072) with n labels in range. That lets a re-packed or test-generated archive load, and a wrong one still fails
-with a clear ``DatasetError``. ``verify_md5=True`` restores torchvision's per-file md5 check.
+The files are pickles, and an ordinary ``pickle.load`` runs whatever code a crafted file names. attnlab reads them
+with :class:`CifarUnpickler`, which builds only what the CIFAR python format holds (dicts, lists, strings, bytes,
+numbers and numpy uint8 arrays) and refuses any other object before it is created: nothing in a file is executed,
+whatever the md5 setting. As in torchvision, every file's md5 sum must match the original's by default; a repacked
+or generated copy loads with the data option ``verify_md5: false``, after which a layout check (the files exist and
+hold ``data`` as uint8 rows of 3072 bytes with one label in range per row) still applies.
 """
 
 from __future__ import annotations
 
+import codecs
 import os
 import pickle
 from pathlib import Path
@@ -26,18 +28,109 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 
+_UINT8 = np.dtype(np.uint8)
+_np_reconstruct = np.zeros(0).__reduce__()[0]  # numpy's _reconstruct, wherever this numpy keeps it
 
-class _LayoutChecked:
-    """Mixin for torchvision's CIFAR classes: integrity = files present; meta read without its md5."""
 
-    def _check_integrity(self) -> bool:
-        return not self.missing_files(self.root)
+class RefusedPickle(pickle.UnpicklingError):
+    """A CIFAR file names an object that the CIFAR python format never contains."""
 
-    def _load_meta(self) -> None:
-        path = os.path.join(self.root, self.base_folder, self.meta["filename"])
-        with open(path, "rb") as f:
-            self.classes = list(pickle.load(f, encoding="latin1")[self.meta["key"]])
+
+def _refuse(what: str):
+    raise RefusedPickle(f"it holds {what}, which a CIFAR python file never contains")
+
+
+def _dtype(spec, *args):
+    if spec not in ("u1", "uint8"):
+        _refuse(f"a numpy array of dtype {spec!r}")
+    return np.dtype(spec, *args)
+
+
+def _reconstruct(cls, shape, typecode):
+    if cls is not np.ndarray:
+        _refuse(f"an array of class {cls!r}")
+    return _np_reconstruct(np.ndarray, shape, typecode)
+
+
+def _frombuffer(buf, dtype, shape, order):
+    if np.dtype(dtype) != _UINT8:
+        _refuse(f"a numpy array of dtype {dtype}")
+    return np.frombuffer(buf, dtype=_UINT8).reshape(shape, order=order)
+
+
+def _encode(text, encoding="utf-8"):
+    # protocol-2 pickles written by Python 3 spell bytes as _codecs.encode(str, "latin1")
+    if not isinstance(text, str) or codecs.lookup(encoding).name != "iso8859-1":
+        _refuse(f"a call _codecs.encode(..., {encoding!r})")
+    return text.encode("latin1")
+
+
+# (module, name) -> the guarded callable the unpickler hands out; numpy 1 and 2 spell the module differently.
+_ALLOWED = {
+    ("numpy", "dtype"): _dtype,
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+    ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+    ("numpy.core.numeric", "_frombuffer"): _frombuffer,
+    ("numpy._core.numeric", "_frombuffer"): _frombuffer,
+    ("_codecs", "encode"): _encode,
+}
+
+
+class CifarUnpickler(pickle.Unpickler):
+    """An unpickler for the CIFAR python format: builtin containers, strings, numbers and uint8 ndarrays only.
+
+    Every global a pickle names goes through :meth:`find_class`; anything outside ``_ALLOWED`` is refused before it
+    is imported or called, and the allowed numpy constructors check their dtype.
+    """
+
+    def find_class(self, module: str, name: str):
+        try:
+            return _ALLOWED[module, name]
+        except KeyError:
+            _refuse(f"a reference to {module}.{name}")
+
+
+def read_cifar_pickle(path: str | os.PathLike):
+    """The object in one CIFAR python file, read with :class:`CifarUnpickler` (Python 2 strings as latin1)."""
+    with open(path, "rb") as f:
+        return CifarUnpickler(f, encoding="latin1").load()
+
+
+class _SafeCifar:
+    """Mixin for torchvision's CIFAR classes: every file read through :func:`read_cifar_pickle`.
+
+    torchvision's ``__init__`` unpickles with ``pickle.load``; this one keeps its attributes (``data`` as uint8
+    (n, 32, 32, 3), ``targets``, ``classes``) so torchvision's ``__getitem__`` serves the images unchanged.
+    """
+
+    def __init__(self, root, train: bool = True, transform=None, target_transform=None) -> None:
+        torchvision.datasets.VisionDataset.__init__(self, root, transform=transform, target_transform=target_transform)
+        self.train = train
+        data, self.targets = [], []
+        for name, _ in self.train_list if train else self.test_list:
+            entry = self._entry(name)
+            data.append(entry["data"])
+            self.targets.extend(entry["labels"] if "labels" in entry else entry["fine_labels"])
+        self.data = np.vstack(data).reshape(-1, 3, 32, 32).transpose((0, 2, 3, 1))  # HWC, as torchvision
+        self.classes = list(self._entry(self.meta["filename"])[self.meta["key"]])
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+
+    def _entry(self, name: str) -> dict:
+        path = Path(self.root, self.base_folder, name)
+        try:
+            entry = read_cifar_pickle(path)
+        except RefusedPickle as err:
+            raise DatasetError(f"refused to load {path}: {err}; nothing in it was run. Delete the folder and pass "
+                               f"--download") from None
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+                MemoryError) as err:
+            raise DatasetError(f"{path} is not in the CIFAR python pickle layout ({type(err).__name__}: {err}); "
+                               f"delete the folder and pass --download") from None
+        if not isinstance(entry, dict):
+            raise DatasetError(f"{path} is not in the CIFAR python pickle layout (a {type(entry).__name__}, not a "
+                               f"dict); delete the folder and pass --download")
+        return entry
 
     @classmethod
     def expected_files(cls) -> list[str]:
@@ -55,14 +148,14 @@ class _LayoutChecked:
         return [f for f, md5 in pairs if not check_integrity(str(folder / f), md5)]
 
 
-class CIFAR10(_LayoutChecked, torchvision.datasets.CIFAR10):
-    """torchvision's CIFAR10 with a layout check in place of per-file md5 sums (see module docstring)."""
+class CIFAR10(_SafeCifar, torchvision.datasets.CIFAR10):
+    """torchvision's CIFAR10, its files read by the restricted unpickler (see module docstring)."""
 
     title, num_classes, mean, std = "CIFAR-10", 10, CIFAR10_MEAN, CIFAR10_STD
 
 
-class CIFAR100(_LayoutChecked, torchvision.datasets.CIFAR100):
-    """torchvision's CIFAR100 (fine labels) with a layout check in place of per-file md5 sums."""
+class CIFAR100(_SafeCifar, torchvision.datasets.CIFAR100):
+    """torchvision's CIFAR100 (fine labels), its files read by the restricted unpickler."""
 
     title, num_classes, mean, std = "CIFAR-100", 100, CIFAR100_MEAN, CIFAR100_STD
 
@@ -91,7 +184,7 @@ def cifar_transform(train: bool, augment: str, mean, std, *, auto_augment: bool 
 
 
 def load_cifar(cls: type, data_dir: str | os.PathLike, train: bool, transform, *, download: bool = False,
-               verify_md5: bool = False):
+               verify_md5: bool = True):
     """``cls`` (CIFAR10 or CIFAR100) from ``<data_dir>/<cls.base_folder>``; any problem raises DatasetError."""
     root = Path(data_dir).expanduser().resolve()
     folder = root / cls.base_folder
@@ -111,10 +204,13 @@ def load_cifar(cls: type, data_dir: str | os.PathLike, train: bool, transform, *
     if verify_md5:
         bad = cls.md5_mismatches(root)
         if bad:
-            raise DatasetError(f"{cls.title} files in {folder} fail torchvision's md5 check ({', '.join(bad)}); "
-                               f"delete the folder and pass --download, or drop verify_md5")
+            raise DatasetError(f"{cls.title} files in {folder} fail the md5 check of the official files "
+                               f"({', '.join(bad)}); delete the folder and pass --download, or, for a repacked or "
+                               f"generated copy, set the data option verify_md5: false")
     try:
-        ds = cls(str(root), train=train, transform=transform, download=False)
+        ds = cls(str(root), train=train, transform=transform)
+    except DatasetError:
+        raise
     except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, AttributeError, IndexError) as err:
         raise DatasetError(f"{cls.title} files in {folder} are not in the CIFAR python pickle layout "
                            f"({type(err).__name__}: {err}); delete the folder and pass --download") from None
@@ -124,9 +220,9 @@ def load_cifar(cls: type, data_dir: str | os.PathLike, train: bool, transform, *
         problem = f"pixel data has dtype {ds.data.dtype}, expected uint8"
     elif len(ds.targets) != n:
         problem = f"{n} images of 3072 bytes but {len(ds.targets)} labels"
-    elif n and not all(0 <= int(t) < cls.num_classes for t in (min(ds.targets), max(ds.targets))):
+    elif not all(type(t) is int and 0 <= t < cls.num_classes for t in ds.targets):
         problem = f"labels outside 0..{cls.num_classes - 1}"
-    elif len(ds.classes) != cls.num_classes:
+    elif len(ds.classes) != cls.num_classes or not all(isinstance(c, str) for c in ds.classes):
         problem = f"{len(ds.classes)} class names in {cls.meta['filename']}, expected {cls.num_classes}"
     if problem:
         raise DatasetError(f"{cls.title} files in {folder} are malformed ({problem}); "

@@ -14,7 +14,7 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)  # timm.data.IMAGENET_DEFAULT_MEAN / _STD,
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 # Options each dataset accepts, with defaults. Recipe options only change the train split with augment="recipe".
-_CIFAR_OPTIONS = {"auto_augment": True, "random_erasing": 0.25, "image_size": 32, "verify_md5": False}
+_CIFAR_OPTIONS = {"auto_augment": True, "random_erasing": 0.25, "image_size": 32, "verify_md5": True}
 OPTIONS: dict[str, dict[str, object]] = {
     "cifar10": _CIFAR_OPTIONS,
     "cifar100": _CIFAR_OPTIONS,

@@ -90,8 +90,8 @@ def test_cifar_statistics_are_the_published_training_set_values():
 def test_cifar10_loads_pixels_and_labels(tmp_path):
     write_cifar10(tmp_path)
     info = dataset_info("cifar10")
-    train = build_dataset("cifar10", True, data_dir=tmp_path)
-    test = build_dataset("cifar10", False, data_dir=tmp_path)
+    train = build_dataset("cifar10", True, data_dir=tmp_path, verify_md5=False)
+    test = build_dataset("cifar10", False, data_dir=tmp_path, verify_md5=False)
     assert len(train) == 5 * N_PER_BATCH and len(test) == N_TEST
     assert [train[i][1] for i in range(len(train))] == [i % 10 for i in range(10)]
     assert [test[i][1] for i in range(N_TEST)] == [9, 0, 5]
@@ -106,8 +106,8 @@ def test_cifar10_loads_pixels_and_labels(tmp_path):
 def test_cifar100_loads_fine_labels_and_pixels(tmp_path):
     write_cifar100(tmp_path)
     info = dataset_info("cifar100")
-    train = build_dataset("cifar100", True, data_dir=str(tmp_path))
-    test = build_dataset("cifar100", False, data_dir=str(tmp_path))
+    train = build_dataset("cifar100", True, data_dir=str(tmp_path), verify_md5=False)
+    test = build_dataset("cifar100", False, data_dir=str(tmp_path), verify_md5=False)
     assert [train[i][1] for i in range(4)] == [0, 42, 99, 7]
     assert [test[i][1] for i in range(3)] == [55, 1, 98]
     assert train.classes[42] == "fine42"
@@ -119,7 +119,8 @@ def test_recipe_crop_and_flip_keep_the_image_up_to_a_shift(tmp_path):
     """With AutoAugment and erasing off, the recipe is a 4-pixel-padded random crop and a random flip."""
     write_cifar10(tmp_path)
     info = dataset_info("cifar10")
-    ds = build_dataset("cifar10", True, data_dir=tmp_path, augment="recipe", auto_augment=False, random_erasing=0.0)
+    ds = build_dataset("cifar10", True, data_dir=tmp_path, augment="recipe", auto_augment=False, random_erasing=0.0,
+                       verify_md5=False)
     padded = np.pad(expected_image(4), ((0, 0), (4, 4), (4, 4)))  # zero padding: black
     torch.manual_seed(0)
     for _ in range(6):
@@ -132,11 +133,11 @@ def test_recipe_crop_and_flip_keep_the_image_up_to_a_shift(tmp_path):
 def test_full_recipe_output_shape_and_test_split_untouched(tmp_path):
     write_cifar100(tmp_path)
     torch.manual_seed(0)
-    train = build_dataset("cifar100", True, data_dir=tmp_path, augment="recipe")
+    train = build_dataset("cifar100", True, data_dir=tmp_path, augment="recipe", verify_md5=False)
     for i in range(4):
         image, label = train[i]
         assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and torch.isfinite(image).all()
-    test = build_dataset("cifar100", False, data_dir=tmp_path, augment="recipe")
+    test = build_dataset("cifar100", False, data_dir=tmp_path, augment="recipe", verify_md5=False)
     np.testing.assert_allclose(unnormalise(test[0][0], dataset_info("cifar100")), expected_image(200), atol=1e-3)
     names = [type(t).__name__ for t in train.transform.transforms]
     assert names == ["RandomCrop", "RandomHorizontalFlip", "AutoAugment", "ToTensor", "Normalize", "RandomErasing"]
@@ -145,7 +146,7 @@ def test_full_recipe_output_shape_and_test_split_untouched(tmp_path):
 
 def test_image_size_option_resizes(tmp_path):
     write_cifar10(tmp_path)
-    ds = build_dataset("cifar10", False, data_dir=tmp_path, image_size=64)
+    ds = build_dataset("cifar10", False, data_dir=tmp_path, image_size=64, verify_md5=False)
     assert ds[0][0].shape == (3, 64, 64)
     assert dataset_info("cifar10", image_size=64).image_size == 64
 
@@ -153,7 +154,7 @@ def test_image_size_option_resizes(tmp_path):
 @pytest.mark.parametrize("name, folder", [("cifar10", "cifar-10-batches-py"), ("cifar100", "cifar-100-python")])
 def test_missing_files_error_names_path_and_download(tmp_path, name, folder):
     with pytest.raises(DatasetError) as err:
-        build_dataset(name, True, data_dir=tmp_path)
+        build_dataset(name, True, data_dir=tmp_path, verify_md5=False)
     message = str(err.value)
     assert str((tmp_path / folder).resolve()) in message
     assert "--download" in message and "--data-dir" in message
@@ -164,7 +165,7 @@ def test_one_missing_file_is_named(tmp_path):
     folder = write_cifar10(tmp_path)
     (folder / "test_batch").unlink()
     with pytest.raises(DatasetError, match="test_batch") as err:
-        build_dataset("cifar10", True, data_dir=tmp_path)
+        build_dataset("cifar10", True, data_dir=tmp_path, verify_md5=False)
     assert str(folder.resolve()) in str(err.value)
 
 
@@ -172,23 +173,25 @@ def test_malformed_layout_is_a_dataset_error(tmp_path):
     folder = write_cifar100(tmp_path)
     dump(folder / "train", {"data": np.zeros((4, 1024), np.uint8), "fine_labels": [0, 1, 2, 3]})
     with pytest.raises(DatasetError, match="malformed|layout"):
-        build_dataset("cifar100", True, data_dir=tmp_path)
+        build_dataset("cifar100", True, data_dir=tmp_path, verify_md5=False)
     (folder / "train").write_bytes(b"not a pickle")
     with pytest.raises(DatasetError, match="layout"):
-        build_dataset("cifar100", True, data_dir=tmp_path)
+        build_dataset("cifar100", True, data_dir=tmp_path, verify_md5=False)
 
 
 def test_out_of_range_labels_are_a_dataset_error(tmp_path):
     folder = write_cifar10(tmp_path)
     dump(folder / "test_batch", {"data": cifar_rows(0, 2), "labels": [3, 10]})
     with pytest.raises(DatasetError, match="labels outside"):
-        build_dataset("cifar10", False, data_dir=tmp_path)
+        build_dataset("cifar10", False, data_dir=tmp_path, verify_md5=False)
 
 
-def test_verify_md5_rejects_files_that_are_not_the_originals(tmp_path):
+def test_md5_is_checked_by_default_and_the_message_names_the_opt_out(tmp_path):
     write_cifar10(tmp_path)
-    with pytest.raises(DatasetError, match="md5"):
-        build_dataset("cifar10", True, data_dir=tmp_path, verify_md5=True)
+    with pytest.raises(DatasetError, match="md5") as err:
+        build_dataset("cifar10", True, data_dir=tmp_path)
+    assert "verify_md5: false" in str(err.value)
+    assert len(build_dataset("cifar10", True, data_dir=tmp_path, verify_md5=False)) == 5 * N_PER_BATCH
 
 
 def test_download_failure_is_a_dataset_error(tmp_path, monkeypatch):
@@ -200,7 +203,7 @@ def test_download_failure_is_a_dataset_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cifar_module, "download_and_extract_archive", unreachable)
     with pytest.raises(DatasetError, match="could not download CIFAR-10") as err:
-        build_dataset("cifar10", True, data_dir=tmp_path, download=True)
+        build_dataset("cifar10", True, data_dir=tmp_path, download=True, verify_md5=False)
     assert str(tmp_path.resolve()) in str(err.value)
     # The archive's md5 is handed to torchvision's downloader, which checks it.
     assert calls == [("https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz", "cifar-10-python.tar.gz",
@@ -214,4 +217,4 @@ def test_download_skipped_when_files_present(tmp_path, monkeypatch):
         raise AssertionError("download attempted although the files are present")
 
     monkeypatch.setattr(cifar_module, "download_and_extract_archive", must_not_run)
-    assert len(build_dataset("cifar10", False, data_dir=tmp_path, download=True)) == N_TEST
+    assert len(build_dataset("cifar10", False, data_dir=tmp_path, download=True, verify_md5=False)) == N_TEST
