@@ -3,7 +3,9 @@
 Protocol: models in evaluation mode under ``torch.inference_mode()``, inputs already on the device; ``rounds``
 rounds, each running every model ``warmup`` untimed then ``iters`` timed forwards; the order of the models is
 reversed every other round (round 0: a, b; round 1: b, a; ...) so that drift (clocks, temperature) does not favour
-whichever model runs first. Timing uses synchronised CUDA events on GPU and ``time.perf_counter`` on CPU.
+whichever model runs first. Timing uses synchronised CUDA events on GPU and ``time.perf_counter`` on CPU. On a GPU
+the inputs' device is made the current device for the whole measurement, and the events are recorded on its
+current stream, so ``cuda:1`` is timed on ``cuda:1`` (events default to the current device, usually ``cuda:0``).
 
 For model m with round means t_{m,1..R} (ms per batch, each the elapsed time of one round's ``iters`` forwards
 divided by ``iters``):
@@ -16,6 +18,7 @@ divided by ``iters``):
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Callable
@@ -40,7 +43,7 @@ def _check_counts(**counts: int) -> None:
 
 def _check_device(name: str, model: nn.Module, device: torch.device) -> None:
     param = next(model.parameters(), None)
-    if param is not None and param.device.type != device.type:
+    if param is not None and param.device != device:
         raise ConfigError(
             f"model '{name}' has its parameters on {param.device} but the inputs are on {device}; "
             "move the models and the inputs to the same device first."
@@ -59,7 +62,7 @@ class _Stopwatch:
         if self.cuda:
             self._start = torch.cuda.Event(enable_timing=True)
             self._end = torch.cuda.Event(enable_timing=True)
-            self._start.record()
+            self._start.record(torch.cuda.current_stream(self.device))
         else:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -67,7 +70,7 @@ class _Stopwatch:
 
     def stop(self) -> float:
         if self.cuda:
-            self._end.record()
+            self._end.record(torch.cuda.current_stream(self.device))
             self._end.synchronize()
             return float(self._start.elapsed_time(self._end))
         if self.device.type == "cuda":
@@ -78,6 +81,11 @@ class _Stopwatch:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _on_device(device: torch.device):
+    """``device`` as the current CUDA device: what kernels launched without a tensor argument (Triton's) use."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def measure_latency(models: dict[str, nn.Module], inputs: torch.Tensor, *, warmup: int = 50, iters: int = 200,
@@ -121,7 +129,7 @@ def measure_latency(models: dict[str, nn.Module], inputs: torch.Tensor, *, warmu
     try:
         for model in models.values():
             model.eval()
-        with torch.inference_mode():
+        with _on_device(device), torch.inference_mode():
             for r, order in enumerate(orders):
                 for name in order:
                     model = models[name]

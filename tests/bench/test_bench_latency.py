@@ -113,3 +113,104 @@ def test_errors():
         measure_latency({"a": nn.Linear(2, 2)}, torch.zeros(1, 2), iters=0, progress=False)
     with pytest.raises(ConfigError, match="same device"):
         measure_latency({"a": nn.Linear(2, 2, device="meta")}, torch.zeros(1, 2), progress=False)
+
+
+class FakeCuda:
+    """Stands in for torch.cuda on a machine without a GPU: a current-device index that ``torch.cuda.device`` /
+    ``set_device`` change, streams that belong to a device, and events that log the current device (and the
+    stream's device, when one is given) at the moment they are recorded."""
+
+    def __init__(self, monkeypatch, current=0):
+        self.current, self.records, self.syncs, self.forwards = current, [], [], []
+        fake = self
+
+        def index(device):
+            if device is None:
+                return fake.current
+            device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+            return fake.current if device.index is None else device.index
+
+        class Stream:
+            def __init__(self, device):
+                self.device = torch.device("cuda", index(device))
+
+        class Event:
+            def __init__(self, enable_timing=False, **kwargs):
+                self.device = None
+
+            def record(self, stream=None):
+                fake.records.append((fake.current, None if stream is None else stream.device.index))
+
+            def synchronize(self):
+                fake.syncs.append(fake.current)
+
+            def elapsed_time(self, end):
+                return 8.0
+
+        class device:  # noqa: N801 - the name torch.cuda uses
+            def __init__(self, device):
+                self.index, self.saved = index(device), None
+
+            def __enter__(self):
+                self.saved, fake.current = fake.current, self.index
+
+            def __exit__(self, *exc):
+                fake.current = self.saved
+
+        def set_device(device):
+            fake.current = index(device)
+
+        for name, value in {
+            "Event": Event, "device": device, "set_device": set_device, "current_device": lambda: fake.current,
+            "current_stream": lambda device=None: Stream(device), "is_available": lambda: True,
+            "synchronize": lambda device=None: fake.syncs.append(index(device)),
+            "get_device_name": lambda device=None: "Fake GPU",
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+class OnGpu(torch.Tensor):
+    """A tensor that only claims to live on a CUDA device (no data; the fake models never read it)."""
+
+    @staticmethod
+    def __new__(cls, shape, device):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, device=device, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise AssertionError(f"the latency protocol must not compute on the inputs ({func})")
+
+
+class LogsCurrentDevice(nn.Module):
+    def __init__(self, fake, params=()):
+        super().__init__()
+        self.fake, self.params = fake, list(params)
+
+    def parameters(self, recurse=True):
+        return iter(self.params)
+
+    def forward(self, x):
+        self.fake.forwards.append(self.fake.current)
+        return x
+
+
+def test_cuda_events_and_syncs_follow_the_inputs_device(monkeypatch):
+    """`bench --device cuda:1`: events recorded while cuda:0 is current would time cuda:0's idle stream."""
+    fake = FakeCuda(monkeypatch, current=0)
+    models = {"a": LogsCurrentDevice(fake), "b": LogsCurrentDevice(fake)}
+    r = measure_latency(models, OnGpu((4, 3), "cuda:1"), warmup=1, iters=2, rounds=2, progress=False)
+    assert len(fake.records) == 2 * 2 * 2  # a start and an end event per model per round
+    for current, stream_device in fake.records:
+        assert current == 1 and stream_device in (None, 1), fake.records
+    assert fake.syncs and set(fake.syncs) == {1}
+    assert set(fake.forwards) == {1} and len(fake.forwards) == 2 * 2 * 3
+    assert fake.current == 0  # the caller's current device is restored
+    assert r["device"] == "cuda:1 (Fake GPU)" and r["models"]["b"]["mean_ms"] == pytest.approx(4.0)
+
+
+def test_models_on_another_gpu_than_the_inputs_are_refused(monkeypatch):
+    fake = FakeCuda(monkeypatch)
+    on_cuda0 = LogsCurrentDevice(fake, params=[OnGpu((2,), "cuda:0")])
+    with pytest.raises(ConfigError, match="cuda:0 but the inputs are on cuda:1"):
+        measure_latency({"a": on_cuda0}, OnGpu((4, 3), "cuda:1"), progress=False)
+    assert not fake.forwards
