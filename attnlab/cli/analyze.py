@@ -1,12 +1,14 @@
 """Run the papers' instruments on trained runs (or on a fresh model) and write analysis.json plus PNG plots.
 
 Inputs follow the NS-Attn paper's protocol: the first --images test images (default 160) of the run's dataset, in
-batches of --batch-size (default 32), eval mode, torch.inference_mode().
+batches of --batch-size (default 32), eval mode, torch.inference_mode(). Models and images go to --device (default
+auto: cuda if available, else cpu).
 
 Examples:
   attnlab analyze runs/demo/vit_digits-digits-ns-s0 --what spectra
   attnlab analyze runs/ns_attn_table1/vit_cifar-cifar100-* --what spectra --out figures/   # Figure 2, per variant
-  attnlab analyze --model vit_cifar --attn ns --dataset synthetic --what spectra,entropy"""
+  attnlab analyze --model vit_cifar --attn ns --dataset synthetic --what spectra,entropy
+  attnlab analyze runs/demo/vit_digits-digits-ns-s0 --what jacobian --device cuda:1"""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--images", type=int, default=160, help="number of test images, taken in order (default 160)")
     p.add_argument("--batch-size", type=int, default=32, help="images per forward (default 32)")
     p.add_argument("--out", default=None, help="output directory (default: the run directory, or analysis/)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
 
 
 def run(args) -> int:
@@ -39,6 +42,7 @@ def run(args) -> int:
     from ..data import build_dataset, dataset_info
     from ..errors import ConfigError
     from ..spec import parse_spec
+    from ..train.loop import resolve_device
 
     what = [w.strip() for w in args.what.split(",") if w.strip()]
     unknown = [w for w in what if w not in INSTRUMENTS]
@@ -46,6 +50,7 @@ def run(args) -> int:
         raise ConfigError(f"unknown instrument {unknown[0]!r}; choose from: {', '.join(INSTRUMENTS)}.")
     if not args.runs and not args.model:
         raise ConfigError("give run directories to analyse, or --model (with --attn and --dataset) for a fresh model.")
+    device = resolve_device(args.device)
 
     targets = []  # (label, attn, model, dataset, data_dir)
     if args.model:
@@ -54,13 +59,13 @@ def run(args) -> int:
         info = dataset_info(args.dataset, data_dir=args.data_dir or "data")
         torch.manual_seed(args.seed)
         model = build_model(args.model, num_classes=info.num_classes, attn=args.attn, in_chans=info.in_chans,
-                            img_size=info.image_size)
+                            img_size=info.image_size).to(device)
         targets.append((f"{args.model}-{parse_spec(args.attn)}", str(parse_spec(args.attn)), model, args.dataset,
                         args.data_dir or "data"))
     from ..train import load_run
 
     for run_dir in args.runs:
-        model, cfg = load_run(run_dir)
+        model, cfg = load_run(run_dir, map_location=device)
         targets.append((Path(run_dir).name, cfg.attn, model, cfg.dataset, args.data_dir or cfg.data_dir))
 
     out = Path(args.out) if args.out else (Path(args.runs[0]) if len(args.runs) == 1 and not args.model
@@ -73,7 +78,7 @@ def run(args) -> int:
         if key not in image_cache:
             test = build_dataset(dataset, False, data_dir=data_dir)
             n = min(args.images, len(test))
-            image_cache[key] = torch.stack([test[i][0] for i in range(n)])
+            image_cache[key] = torch.stack([test[i][0] for i in range(n)]).to(device)
         results[label] = {"attn": attn, **analyze_model(model, image_cache[key], what, batch_size=args.batch_size)}
         print(f"{label}: " + ", ".join(f"{k} {v:.4g}" for k, v in results[label]["summary"].items()))
     (out / "analysis.json").write_text(json.dumps(results, indent=2))

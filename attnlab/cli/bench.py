@@ -30,8 +30,10 @@ def run(args) -> int:
 
     from ..bench import bench_variants, format_latency
     from ..spec import split_specs
+    from ..train.loop import resolve_device
 
     specs = split_specs(args.attn)
+    resolve_device(args.device)  # a device this machine lacks is a one-line error before any model is built
     result = bench_variants(args.model, specs, batch_size=args.batch_size, warmup=args.warmup, iters=args.iters,
                             rounds=args.rounds, device=args.device, dtype=args.dtype, compile=args.compile,
                             seed=args.seed, num_classes=args.num_classes)

@@ -50,6 +50,10 @@ def resolve_device(device: str) -> torch.device:
         raise ConfigError(f"device {device!r} is not a torch device; use auto, cpu, cuda or cuda:N.") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} was asked for but CUDA is not available; use --device cpu or auto.")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise ConfigError(f"device {device!r} was asked for but this machine has {n} CUDA device(s); "
+                          f"use cuda:0 to cuda:{n - 1}.")
     return dev
 
 
@@ -214,7 +218,8 @@ def build_run_model(cfg: TrainConfig, info) -> nn.Module:
 
 
 def load_run(run_dir: str | Path, map_location: str | torch.device = "cpu") -> tuple[nn.Module, TrainConfig]:
-    """A run's model with its last checkpoint's weights, and its config (read from the run's files alone)."""
+    """A run's model in eval mode with its last checkpoint's weights, on ``map_location`` (``"cpu"``, ``"cuda:1"``,
+    ``"meta"`` for the structure alone), and its config (read from the run's files alone)."""
     from attnlab.data import dataset_info
     from attnlab.train.config import load_config
 
@@ -223,9 +228,10 @@ def load_run(run_dir: str | Path, map_location: str | torch.device = "cpu") -> t
         raise ConfigError(f"{run_dir} is not a run directory with a checkpoint (config.yaml, checkpoint.safetensors).")
     cfg = load_config(run_dir / CONFIG)
     model = build_run_model(cfg, dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options))
-    weights, _ = load_checkpoint(run_dir, map_location=map_location)
+    weights, _ = load_checkpoint(run_dir, map_location="cpu")
     model.load_state_dict(weights)
-    return model.eval(), cfg
+    # built on the CPU and then moved, as training does: sigma's set-up calls .item(), which meta cannot
+    return model.to(map_location).eval(), cfg
 
 
 def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from attnlab.analysis import training_probe
 from attnlab.cli import main
 from attnlab.train import RECIPES, train
 
@@ -15,7 +16,7 @@ def run_dir(tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
     cfg = dataclasses.replace(RECIPES["demo"], epochs=1, probe_every=5, probe_images=32, runs_dir=str(runs),
                               progress=False)
-    result = train(cfg)
+    result = train(cfg, probe=training_probe)
     return runs / result["name"]
 
 
@@ -53,3 +54,47 @@ def test_analyze_fresh_model_branches_and_jacobian(tmp_path, capsys):
     assert main(["analyze", "--model", "vit_digits", "--attn", "dna", "--what", "jacobian", "--images", "1",
                  "--out", str(tmp_path)]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_load_run_returns_the_model_on_the_requested_device(run_dir):
+    import torch
+
+    from attnlab.train import load_run
+
+    on_cpu, cfg = load_run(run_dir)
+    on_meta, _ = load_run(run_dir, map_location="meta")  # a device other than the CPU that this machine has
+    tensors = dict(on_meta.named_parameters()) | dict(on_meta.named_buffers())
+    assert tensors and {t.device.type for t in tensors.values()} == {"meta"}
+    assert not on_meta.training and cfg.attn == "standard"
+    reference = dict(on_cpu.named_parameters()) | dict(on_cpu.named_buffers())
+    assert {name: t.shape for name, t in tensors.items()} == {name: t.shape for name, t in reference.items()}
+    again, _ = load_run(run_dir, map_location=torch.device("cpu"))
+    for name, t in (dict(again.named_parameters()) | dict(again.named_buffers())).items():
+        assert torch.equal(t, reference[name]), name
+
+
+def test_analyze_device_flag(run_dir, monkeypatch, capsys):
+    import torch
+
+    import attnlab.train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["analyze", str(run_dir), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "CUDA is not available" in err[0] and "--device cpu" in err[0]
+
+    # with CUDA present, the run is loaded onto the device asked for (the spy stops the analysis there)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    asked = []
+
+    def spy(run, map_location="cpu"):
+        asked.append(torch.device(map_location))
+        raise attnlab.AttnlabError("stop here")
+
+    monkeypatch.setattr(attnlab.train, "load_run", spy)
+    assert main(["analyze", str(run_dir), "--device", "cuda:1"]) == 2
+    assert asked == [torch.device("cuda:1")]
+    assert main(["analyze", str(run_dir), "--device", "cuda:2"]) == 2
+    assert "2 CUDA device(s); use cuda:0 to cuda:1" in capsys.readouterr().err
+    assert asked == [torch.device("cuda:1")]

@@ -214,3 +214,14 @@ def test_models_on_another_gpu_than_the_inputs_are_refused(monkeypatch):
     with pytest.raises(ConfigError, match="cuda:0 but the inputs are on cuda:1"):
         measure_latency({"a": on_cuda0}, OnGpu((4, 3), "cuda:1"), progress=False)
     assert not fake.forwards
+
+
+def test_cli_refuses_a_gpu_the_machine_lacks_in_one_line(monkeypatch, capsys):
+    from attnlab.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args = ["bench", "--model", "vit_digits", "--attn", "standard", "--warmup", "0", "--iters", "1", "--rounds", "1"]
+    assert main([*args, "--device", "cuda:2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "2 CUDA device(s); use cuda:0 to cuda:1" in err[0]
