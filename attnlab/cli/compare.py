@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    from attnlab.analysis import training_probe  # for runs with probe_every
     from attnlab.train import load_grid, run_grid
 
     base = {k: getattr(args, k) for k in _BASE_FLAGS if hasattr(args, k)}
@@ -64,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
                      models=args.models, runs_dir=args.runs_dir, jobs=args.jobs, **base)
     progress = grid["base"].progress
     results = run_grid(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
-                       grid["runs_dir"], progress=progress, variations=grid["variations"], jobs=int(grid["jobs"]))
+                       grid["runs_dir"], progress=progress, variations=grid["variations"], jobs=int(grid["jobs"]),
+                       probe=training_probe)
     what = [w for w in args.analyze.split(",") if w.strip() and w.strip() != "none"]
     if what:
         from attnlab.analysis.instruments import annotate_runs

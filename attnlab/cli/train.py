@@ -87,7 +87,10 @@ def run(args: argparse.Namespace) -> int:
         overrides.setdefault("name", run_dir.name)
     cfg = load_config(config_path, **overrides)
     cfg = dataclasses.replace(cfg, resume=bool(args.resume))
-    result = train(cfg)  # NonFiniteLossError -> attnlab.cli.main: one stderr line, exit code 3
+    probe = None
+    if cfg.probe_every > 0:
+        from attnlab.analysis import training_probe as probe
+    result = train(cfg, probe)  # NonFiniteLossError -> attnlab.cli.main: one stderr line, exit code 3
     print(f"{result['name']}: top-1 {result['top1']:.2f}%  top-5 {result['top5']:.2f}%  test loss "
           f"{result['test_loss']:.4f}  ({result['params'] / 1e6:.2f}M params, {result['seconds']:.1f} s) -> "
           f"{Path(cfg.runs_dir) / result['name']}")

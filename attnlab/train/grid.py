@@ -46,14 +46,15 @@ def grid_runs(base_cfg: TrainConfig, variants: Sequence[str], seeds: Sequence[in
 def run_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Sequence[int],
              datasets: Sequence[str] | None, models: Sequence[str] | None, runs_dir: str | Path,
              progress: bool = True, variations: dict[str, dict[str, Any]] | None = None,
-             jobs: int = 1) -> list[dict[str, Any]]:
+             jobs: int = 1, probe=None) -> list[dict[str, Any]]:
     """Train every (model, dataset, seed, variant) of the grid; return their result dicts in grid order.
 
     A run whose ``result.json`` exists is skipped (its stored result returned); a run interrupted earlier
     resumes from its last checkpoint. ``variants=None`` means :func:`demo_variants`; ``datasets`` / ``models``
     ``None`` mean the base config's; ``variations`` as in :func:`grid_runs`. ``jobs=1`` trains one run after
     another; ``jobs=N`` trains N at a time in worker processes (each seeded as alone, so results do not depend on
-    N; give each ``threads`` so that N x threads fits the cores, e.g. the demo's 2 x 1 on 2 cores).
+    N; give each ``threads`` so that N x threads fits the cores, e.g. the demo's 2 x 1 on 2 cores). ``probe`` goes
+    to :func:`~attnlab.train.loop.train` (runs with ``probe_every`` need one; a module-level function, for workers).
     """
     if jobs < 1:
         raise ConfigError(f"jobs must be at least 1, not {jobs}.")
@@ -68,14 +69,14 @@ def run_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Seque
         for i, cfg in enumerate(todo, start=1):
             if progress:
                 print(f"[{i}/{len(todo)}] {run_dir_of(cfg).name}", flush=True)
-            train(cfg)
+            train(cfg, probe)
     elif todo:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         # spawn, not fork: a forked child of a process that already ran torch's thread pools can deadlock
         with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(train, cfg): cfg for cfg in todo}
+            futures = {pool.submit(train, cfg, probe): cfg for cfg in todo}
             for i, future in enumerate(as_completed(futures), start=1):
                 result = future.result()
                 if progress:

@@ -172,14 +172,6 @@ def evaluate(model, loader, *, device, amp_dtype, num_classes: int) -> dict[str,
 
 
 # ----------------------------------------------------------------------------------------------- the run
-def default_probe():
-    """The probe ``probe_every`` runs unless ``train`` is given another: attention entropy, maximum logits and
-    W_Q W_K^T spectral norms (looked up by name, so that this layer does not import the analysis layer)."""
-    import importlib
-
-    return importlib.import_module("attnlab.analysis.entropy").training_probe
-
-
 def train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     """Train ``cfg`` into ``<runs_dir>/<name>/`` and return the result dict (also written to result.json).
 
@@ -187,11 +179,15 @@ def train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     final weights equal an uninterrupted run's), return the stored result if it already finished, start afresh
     otherwise. Without it an existing checkpoint is an error, so that no run is overwritten by accident.
     Raises NonFiniteLossError (epoch and step in the message) at a NaN/inf loss, keeping the last checkpoint.
-    With ``cfg.probe_every > 0``, ``probe(model, images) -> dict`` (default :func:`default_probe`) runs every that
-    many steps on the first ``cfg.probe_images`` test images; each epoch's metrics line lists its results under
-    ``probes`` as ``{"step": n, ...}``.
+    With ``cfg.probe_every > 0``, ``probe(model, images) -> dict`` runs every that many steps on the first
+    ``cfg.probe_images`` test images; each epoch's metrics line lists its results under ``probes`` as
+    ``{"step": n, ...}``. The caller supplies the probe (the command line passes
+    ``attnlab.analysis.training_probe``), since the instruments sit in a layer above training.
     """
     cfg = validate(cfg)
+    if cfg.probe_every > 0 and probe is None:
+        raise ConfigError(f"probe_every={cfg.probe_every} needs a probe: call train(cfg, "
+                          f"probe=attnlab.analysis.training_probe) as `attnlab train` does, or set probe_every to 0.")
     threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -324,7 +320,6 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     probes: list[dict[str, Any]] = []
     on_step = None
     if cfg.probe_every > 0:
-        probe = probe or default_probe()
         probe_images = torch.stack([test_set[i][0] for i in range(min(cfg.probe_images, len(test_set)))]).to(device)
 
         def on_step(step: int) -> None:
