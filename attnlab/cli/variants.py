@@ -1,7 +1,7 @@
 """List the terms of the variant spec language: name, kind, options with defaults, what it is, and its paper.
 
-Terms join with '+': an attention kernel (standard, dna, diff, cog), head-output transforms (ns), q/k terms and
-weight terms. Example: attnlab train --attn 'dna(variant=q)+ns'.
+Terms join with '+': at most one attention kernel, then head-output transforms, q/k terms and weight terms (the
+kind column: kernel, head, qk, weight). Example: attnlab train --attn 'dna(variant=q)+ns'.
 
 With --cost MODEL, also count each variant's parameters and forward GFLOPs on MODEL (batch 1)."""
 
