@@ -144,3 +144,67 @@ def test_the_command_line_passes_the_training_probe(tmp_path, monkeypatch):
     assert main(["train", "--recipe", "demo", "--runs-dir", str(tmp_path)]) == 2
     assert main(["compare", "--attn", "standard", "--runs-dir", str(tmp_path)]) == 2
     assert given == [training_probe, None, training_probe]
+
+
+# --------------------------------------------------- a new method is one file plus one registry entry, nothing else
+TOY_METHOD = '''
+import torch
+from torch import nn
+
+from attnlab.attention.standard import StandardAttention
+
+
+class ReluAttention(StandardAttention):
+    def attend(self, q, k, v, mask=None, attn_mask=None):
+        w = torch.relu(q @ k.transpose(-2, -1) * self.scale)
+        return w / w.sum(-1, keepdim=True).clamp_min(1e-6) @ v
+
+
+class Doubler(nn.Module):
+    def __init__(self, factor=2.0):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, o):
+        return self.factor * o
+'''
+
+
+@pytest.fixture
+def toy_method(tmp_path, monkeypatch):
+    from attnlab.variants import VARIANTS, Option, Variant, register
+
+    (tmp_path / "toy_method.py").write_text(TOY_METHOD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    register(Variant("relu", "kernel", "relu-normalised attention", "none", "toy_method:ReluAttention"))
+    register(Variant("double", "head", "head outputs times factor", "none", "toy_method:Doubler",
+                     options={"factor": Option(2.0, float)}))
+    yield
+    del VARIANTS["relu"], VARIANTS["double"]
+
+
+def test_a_new_method_needs_only_its_file_and_its_registry_entry(toy_method, capsys):
+    import torch
+
+    from attnlab.cli import main
+    from attnlab.models import attention_modules
+
+    torch.manual_seed(0)
+    model = attnlab.build_model("vit_digits", num_classes=10, attn="relu+double(factor=3)").eval()
+    found = attention_modules(model)
+    assert found and all(type(m).__name__ == "ReluAttention" for _, m in found)
+    assert all(m.head_transform.factor == 3.0 for _, m in found)
+    images = torch.randn(2, 1, 8, 8)
+    assert torch.isfinite(model(images)).all()
+
+    # one block against the formula, float64: o_h = 3 * relu(q k^T / sqrt(D)) v / max(row sum, 1e-6)
+    name, block = found[0]
+    x = torch.randn(2, 5, block.qkv.in_features)
+    q, k, v = block.qkv(x).double().reshape(2, 5, 3, block.num_heads, -1).permute(2, 0, 3, 1, 4)
+    w = torch.relu(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5)
+    o = 3 * (w / w.sum(-1, keepdim=True).clamp_min(1e-6)) @ v
+    expected = block.proj(o.transpose(1, 2).reshape(2, 5, -1).float())
+    torch.testing.assert_close(block(x), expected, rtol=1e-4, atol=1e-5)
+
+    assert main(["variants"]) == 0
+    assert "| relu | kernel |" in capsys.readouterr().out
