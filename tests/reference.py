@@ -65,3 +65,19 @@ def effective_rank_reference(p) -> float:
         if v > 0:
             h -= v * math.log(v)
     return math.exp(h)
+
+
+def matrices_with_singular_values(shape, sigma, seed: int = 0) -> np.ndarray:
+    """Random float64 matrices of ``shape`` (..., N, D), each U diag(sigma) V^T with orthonormal columns U (N x k)
+    and V (D x k) from QR of Gaussian draws, k = min(N, D) = len(sigma): NS inputs of a chosen conditioning
+    (trained heads are far from Gaussian, Sec. 3.4: p1 ~ 0.7)."""
+    *lead, n, d = shape
+    sigma = np.asarray(sigma, dtype=np.float64)
+    assert sigma.shape == (min(n, d),)
+    rng = np.random.default_rng(seed)
+    out = np.empty(shape, dtype=np.float64)
+    for idx in np.ndindex(*lead):
+        u = np.linalg.qr(rng.standard_normal((n, sigma.size)))[0]
+        v = np.linalg.qr(rng.standard_normal((d, sigma.size)))[0]
+        out[idx] = (u * sigma) @ v.T
+    return out

@@ -13,15 +13,20 @@ Three implementations sit side by side:
 
 - ``impl="reference"``: Algorithm 1 literally, batched over the leading dims, in M (D x N) layout.
 - ``impl="fast"`` (what ``"auto"`` picks when a gradient is needed, under ``torch.compile`` and off the CPU): the
-  same function with all K steps done in a small Gram space.
+  same function with the steps done in a small Gram space, two at a time.
   In X layout (N x D), with s = max(r, eps), G = X^T X and A = G / s^2 (= Z Z^T of Algorithm 1), a step is
   Z <- Z P with P = a I + b A + c A^2. P is a polynomial in A, so it commutes with A and the next Gram is
-  P A P = A P^2; the K steps therefore accumulate into one D x D polynomial P_K in A, ||Z_K||_F^2 = tr(A P_K^2),
-  and the output is X @ (P_K * r / (s * max(||Z_K||_F, eps))): one Gram matmul, a few D x D products, one
-  N x D x D matmul, no branching on tensor values (``torch.compile(fullgraph=True)`` sees one graph). When
-  N < D (Swin: 16 tokens, 32 features) it runs in N x N token space instead, since X f(X^T X) = f(X X^T) X for
-  any polynomial f. Rounding: for K = 1 both paths are equally accurate; for K >= 3 on ill-conditioned float32
-  inputs the fast path is less accurate (P_K multiplies the unflattened X), up to ~1e-4 vs ~1e-6.
+  P A P = A P^2; steps therefore accumulate into one D x D polynomial P_K in A, ||Z_K||_F^2 = tr(A P_K^2),
+  and for K <= 2 the output is X @ (P_K * r / (s * max(||Z_K||_F, eps))): one Gram matmul, a few D x D
+  products, one N x D x D matmul, no branching on tensor values (``torch.compile(fullgraph=True)`` sees one
+  graph). When N < D (Swin: 16 tokens, 32 features) it runs in N x N token space instead, since
+  X f(X^T X) = f(X X^T) X for any polynomial f.
+  Rounding: the Gram squares the condition number; a rounding error d in A moves P_K by up to ~a^(2K) d, and a
+  rounding-level negative eigenvalue of A grows by more than a^2 ~ 12 per step. Accumulating all K steps in
+  float32 therefore drifts from ~1e-6 at K = 2 to ~1e-1, and to overflow, by K = 6-8. After every two steps Z
+  is therefore re-formed (Z <- Z P_2, one N x D x D matmul) and A restarts from its fresh Gram; each block then
+  stays at K = 2's accuracy and the float32 error stays within a few times Algorithm 1's (docs/methods.md).
+  Float64 D x D algebra would not help: the error is already in the float32 Gram.
 - ``impl="kernel"`` (what ``"auto"`` picks for CPU forward passes without gradient): the fast path's algebra as
   one fused C loop per head matrix (``ns_kernel.c``, built on first use by :mod:`attnlab.ops.ns_cpu`). It reads
   the attention kernel's strided output in place and writes with the same strides, so neither the dense copy in
@@ -45,6 +50,9 @@ NS_EPS: float = 1e-6
 
 _IMPLS = ("auto", "fast", "kernel", "reference")
 _HALF = (torch.float16, torch.bfloat16)
+# Polynomial steps per Gram-space block (fast path; NS_BLOCK in ns_kernel.c): Z is re-formed between blocks
+# because float32 rounding in a block's polynomial grows about 12x per step (docs/perf.md has the measurements).
+_BLOCK = 2
 
 
 def ns_transform(
@@ -151,8 +159,7 @@ class _Gram(torch.autograd.Function):
 
 
 def _ns_fast(x: torch.Tensor, steps: int, eps: float, coeffs: tuple[float, float, float]) -> torch.Tensor:
-    """The same map in the smaller Gram space, see the module docstring."""
-    a, b, c = coeffs
+    """The same map in the smaller Gram space, re-forming Z every ``_BLOCK`` steps; see the module docstring."""
     # Work in the smaller of the two Gram spaces (a shape test, not a value test, so it compiles to one graph):
     # Z f(Z^T Z) = f(Z Z^T) Z for any polynomial f, so tokens x tokens works as well as features x features.
     features = x.shape[-1] <= x.shape[-2]
@@ -165,19 +172,36 @@ def _ns_fast(x: torch.Tensor, steps: int, eps: float, coeffs: tuple[float, float
     lead, n = gram.shape[:-2], gram.shape[-1]
     # batched 3-D views so that baddbmm / bmm fuse the polynomial's products with its sums: on small
     # matrices (Swin: 16 x 32 per window and head) each separate elementwise pass costs as much as a product
-    gram0 = gram = (gram / (s * s)).reshape(-1, n, n)  # A: the Gram of Z = X / s (eq. 2)
+    gram = (gram / (s * s)).reshape(-1, n, n)  # A: the Gram of Z = X / s (eq. 2)
     eye = torch.eye(n, dtype=x.dtype, device=x.device)
-    p_total = p_sq = None
+    z, z_div = x, s  # Z = z / z_div: X / s until Z is first re-formed
+    for done in range(0, steps, _BLOCK):
+        p_total, p_sq = _gram_steps(gram, min(_BLOCK, steps - done), coeffs, eye)
+        if done + _BLOCK >= steps:
+            break
+        # re-form Z = Z P from the current Z and take its Gram afresh (the polynomial's rounding stays bounded)
+        q = (p_total / z_div.reshape(-1, 1, 1)).reshape(*lead, n, n)
+        z = z @ q if features else q @ z
+        z_div = torch.ones_like(s)
+        gram = _Gram.apply(z, features).reshape(-1, n, n)
+    # ||Z_K||_F^2 = tr(A P^2) = sum(A * P^2) (both symmetric), as one batched dot product; sqrt(clamp_min(.,
+    # eps^2)) is max(||Z_K||_F, eps) (eq. 4) with a finite gradient at 0.
+    z_sq = torch.bmm(gram.reshape(-1, 1, n * n), p_sq.reshape(-1, n * n, 1))
+    z_norm = z_sq.clamp_min(eps * eps).sqrt()
+    # fold eq. 4's scalar into the small matrix, not the output
+    q = (p_total * (r.reshape(-1, 1, 1) / (z_div.reshape(-1, 1, 1) * z_norm))).reshape(*lead, n, n)
+    return z @ q if features else q @ z
+
+
+def _gram_steps(gram: torch.Tensor, steps: int, coeffs: tuple[float, float, float], eye: torch.Tensor):
+    """(P, P^2) for ``steps`` polynomial steps (eq. 3) on a Z whose Gram is ``gram`` (batched, (m, n, n)): Z's
+    Gram after the steps is gram @ P^2. P is a polynomial in ``gram``, so every product here commutes."""
+    a, b, c = coeffs
+    gram0, p_total = gram, None
     for k in range(steps):
-        p = torch.baddbmm(torch.add(a * eye, gram, alpha=b), gram, gram, alpha=c)  # eq. 3: aI + bA + cA^2
+        p = torch.baddbmm(torch.add(a * eye, gram, alpha=b), gram, gram, alpha=c)  # aI + bA + cA^2
         p_total = p if p_total is None else p @ p_total
         p_sq = p_total @ p_total
         if k + 1 < steps:
             gram = gram0 @ p_sq  # Gram after k + 1 steps: P A P = A P^2
-    # ||Z_K||_F^2 = tr(A P_K^2) = sum(A * P_K^2) (both symmetric), as one batched dot product; sqrt(clamp_min(.,
-    # eps^2)) is max(||Z_K||_F, eps) (eq. 4) with a finite gradient at 0.
-    z_sq = torch.bmm(gram0.reshape(-1, 1, n * n), p_sq.reshape(-1, n * n, 1))
-    z_norm = z_sq.clamp_min(eps * eps).sqrt()
-    # fold eq. 4's scalar into the small matrix, not the output
-    p_total = (p_total * (r.reshape(-1, 1, 1) / (s.reshape(-1, 1, 1) * z_norm))).reshape(*lead, n, n)
-    return x @ p_total if features else p_total @ x
+    return p_total, p_sq
