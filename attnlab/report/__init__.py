@@ -6,6 +6,7 @@ from attnlab.report.summary import (
     format_markdown,
     format_top1,
     load_runs,
+    scan_runs,
     summarize,
 )
 from attnlab.report.write import plot_group, write_report
@@ -17,6 +18,7 @@ __all__ = [
     "format_top1",
     "load_runs",
     "plot_group",
+    "scan_runs",
     "summarize",
     "write_report",
 ]

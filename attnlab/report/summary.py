@@ -35,14 +35,31 @@ def _variant_label(attn: str) -> str:
     return "".join(str(attn).split())
 
 
-def load_runs(runs_dir: str | Path) -> list[dict]:
-    """Read every ``result.json`` below ``runs_dir`` (recursively), sorted by path.
+def _problem(path: Path) -> tuple[dict | None, str]:
+    """(the result.json's content, "") or (None, what is wrong with it, completed by the file's path)."""
+    try:
+        run = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"is not valid JSON ({exc}); rerun the run or delete the file."
+    if not isinstance(run, dict):
+        return None, f"holds a {type(run).__name__}, not a JSON object with the run's results."
+    missing = [k for k in REQUIRED_KEYS if k not in run]
+    if missing:
+        return None, f"lacks the key(s) {', '.join(missing)}; a result.json needs {', '.join(REQUIRED_KEYS)}."
+    if not _is_number(run["top1"]):
+        return None, f"has top1={run['top1']!r}; it must be a finite number (percent)."
+    return run, ""
 
-    Each returned dict is the file's content plus ``run_dir`` (the run's directory relative to ``runs_dir``).
-    Runs that have not finished (no ``result.json``) are not returned; see :func:`find_unfinished`.
+
+def scan_runs(runs_dir: str | Path) -> tuple[list[dict], list[dict]]:
+    """Every ``result.json`` below ``runs_dir`` (recursively, sorted by path), split into readable and unreadable.
+
+    Returns ``(runs, unreadable)``: runs as from :func:`load_runs`; ``unreadable`` one ``{"run_dir", "problem"}``
+    (problem: "result.json is not valid JSON (...)...") per result.json that cannot be read or lacks what a
+    report needs, so that one damaged run does not hide the others.
 
     Raises:
-        AttnlabError: ``runs_dir`` does not exist, holds no ``result.json``, or one is malformed.
+        AttnlabError: ``runs_dir`` does not exist or holds no ``result.json``.
     """
     root = Path(runs_dir)
     if not root.is_dir():
@@ -52,22 +69,31 @@ def load_runs(runs_dir: str | Path) -> list[dict]:
         raise AttnlabError(
             f"no finished runs found under '{root}' (no result.json); train some runs first or pass the folder that holds them."
         )
-    runs = []
+    runs, unreadable = [], []
     for path in paths:
-        try:
-            run = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise AttnlabError(f"'{path}' is not valid JSON ({exc}); rerun the run or delete the file.") from None
-        if not isinstance(run, dict):
-            raise AttnlabError(f"'{path}' holds a {type(run).__name__}, not a JSON object with the run's results.")
-        missing = [k for k in REQUIRED_KEYS if k not in run]
-        if missing:
-            raise AttnlabError(f"'{path}' lacks the key(s) {', '.join(missing)}; a result.json needs {', '.join(REQUIRED_KEYS)}.")
-        if not _is_number(run["top1"]):
-            raise AttnlabError(f"'{path}' has top1={run['top1']!r}; it must be a finite number (percent).")
-        run = dict(run)
-        run["run_dir"] = path.parent.relative_to(root).as_posix()
-        runs.append(run)
+        run_dir = path.parent.relative_to(root).as_posix()
+        run, problem = _problem(path)
+        if run is None:
+            unreadable.append({"run_dir": run_dir, "problem": f"result.json {problem}"})
+        else:
+            runs.append({**run, "run_dir": run_dir})
+    return runs, unreadable
+
+
+def load_runs(runs_dir: str | Path) -> list[dict]:
+    """Read every ``result.json`` below ``runs_dir`` (recursively), sorted by path.
+
+    Each returned dict is the file's content plus ``run_dir`` (the run's directory relative to ``runs_dir``).
+    Runs that have not finished (no ``result.json``) are not returned; see :func:`find_unfinished`.
+
+    Raises:
+        AttnlabError: ``runs_dir`` does not exist, holds no ``result.json``, or one is malformed
+        (:func:`scan_runs` lists those instead).
+    """
+    runs, unreadable = scan_runs(runs_dir)
+    if unreadable:
+        bad = unreadable[0]
+        raise AttnlabError(f"{(Path(runs_dir) / bad['run_dir']).as_posix()}/{bad['problem']}")
     return runs
 
 

@@ -6,7 +6,9 @@ import json
 import re
 from pathlib import Path
 
-from attnlab.report.summary import find_unfinished, format_markdown, load_runs, summarize
+from attnlab.errors import AttnlabError
+
+from attnlab.report.summary import find_unfinished, format_markdown, scan_runs, summarize
 
 
 def _slug(text: str) -> str:
@@ -47,8 +49,9 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
                  plots: bool = True) -> dict:
     """Summarise every finished run below ``runs_dir`` and write the report files into ``out_dir``.
 
-    Writes ``report.md`` (the tables of :func:`format_markdown`, plus a list of unfinished runs if any),
-    ``report.json`` (``{"baseline", "rows", "unfinished"}``, rows as from :func:`summarize`) and, when ``plots``,
+    Writes ``report.md`` (the tables of :func:`format_markdown`, plus lists of unfinished runs and of runs whose
+    result.json cannot be read, if any), ``report.json`` (``{"baseline", "rows", "unfinished", "unreadable"}``, rows
+    as from :func:`summarize`, unreadable as from :func:`scan_runs`) and, when ``plots``,
     ``report_<model>_<dataset>.png`` per group. The output depends only on the run files (no dates, no absolute
     paths), so running it twice gives identical files.
 
@@ -63,7 +66,10 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     """
     runs_dir = Path(runs_dir)
     out = Path(out_dir) if out_dir is not None else runs_dir
-    rows = summarize(load_runs(runs_dir), baseline=baseline)
+    runs, unreadable = scan_runs(runs_dir)
+    if not runs:
+        raise AttnlabError(f"no run under '{runs_dir}' has a readable result.json ({unreadable[0]['problem']}).")
+    rows = summarize(runs, baseline=baseline)
     unfinished = find_unfinished(runs_dir)
 
     markdown = "# attnlab report\n\n"
@@ -73,12 +79,16 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     markdown += format_markdown(rows)
     if unfinished:
         markdown += "\nUnfinished runs (no result.json), not included: " + ", ".join(unfinished) + "\n"
+    if unreadable:
+        markdown += "\nUnreadable runs, not included:\n\n" + "".join(
+            f"- {bad['run_dir']}: {bad['problem']}\n" for bad in unreadable)
 
     out.mkdir(parents=True, exist_ok=True)
     md_path = out / "report.md"
     md_path.write_text(markdown)
     json_path = out / "report.json"
-    json_path.write_text(json.dumps({"baseline": baseline, "rows": rows, "unfinished": unfinished}, indent=2) + "\n")
+    json_path.write_text(json.dumps({"baseline": baseline, "rows": rows, "unfinished": unfinished,
+                                     "unreadable": unreadable}, indent=2) + "\n")
 
     plot_paths = []
     if plots:

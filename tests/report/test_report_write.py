@@ -63,3 +63,35 @@ def test_write_report_from_files(tmp_path):
     in_place = write_report(runs, plots=False)
     assert in_place["json"] == runs / "report.json"
     assert (runs / "report.md").read_text() == md
+
+
+@pytest.mark.parametrize("damage", ["{not json", "[1, 2]", '{"name": "x"}', ""])
+def test_a_corrupt_run_is_listed_and_the_others_reported(tmp_path, damage):
+    runs = tmp_path / "runs"
+    make_runs(runs)
+    clean = write_report(runs, tmp_path / "clean", plots=False)
+    bad = runs / "swin_cifar-cifar100-ns-s9"
+    bad.mkdir()
+    (bad / "result.json").write_text(damage)
+
+    result = write_report(runs, tmp_path / "out", plots=False)
+    assert result["rows"] == clean["rows"]  # the six good runs, as without the bad one
+    md = result["markdown"]
+    assert md.startswith(clean["markdown"])
+    assert "Unreadable runs, not included:" in md and "- swin_cifar-cifar100-ns-s9: result.json " in md
+    assert str(tmp_path) not in md  # relative names only, as everywhere in the report
+    data = json.loads(result["json"].read_text())
+    assert [u["run_dir"] for u in data["unreadable"]] == ["swin_cifar-cifar100-ns-s9"]
+
+    from attnlab.cli import main  # the command prints the report, exit code 0
+
+    assert main(["report", str(runs), "--no-plots", "--out", str(tmp_path / "cli")]) == 0
+
+
+def test_only_corrupt_runs_is_one_clear_error(tmp_path):
+    from attnlab.errors import AttnlabError
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "result.json").write_text("{not json")
+    with pytest.raises(AttnlabError, match="no run under .* has a readable result.json"):
+        write_report(tmp_path, plots=False)
