@@ -46,6 +46,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "preset uses 2, one thread each); results do not depend on N")
     parser.add_argument("--no-report", dest="report", action="store_false",
                         help="train only; do not write or print the report")
+    parser.add_argument("--plan", action="store_true",
+                        help="check every run (model, dataset, spec, options, instruments, run directory) and print "
+                             "which would be trained, resumed or skipped, without training")
     group = parser.add_argument_group("training config applied to every run (overrides the recipe and --config)")
     add_config_flags(group, only=_BASE_FLAGS)
 
@@ -55,7 +58,10 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from attnlab.analysis import training_probe  # for runs with probe_every
+    from attnlab.analysis.instruments import INSTRUMENTS
+    from attnlab.errors import ConfigError
     from attnlab.train import load_grid, run_grid
+    from attnlab.train.grid import format_plan, plan_grid
 
     base = {k: getattr(args, k) for k in _BASE_FLAGS if hasattr(args, k)}
     preset = args.preset
@@ -64,10 +70,18 @@ def run(args: argparse.Namespace) -> int:
     grid = load_grid(args.config, preset, variants=args.attn, seeds=args.seeds, datasets=args.datasets,
                      models=args.models, runs_dir=args.runs_dir, jobs=args.jobs, **base)
     progress = grid["base"].progress
+    what = [w.strip() for w in args.analyze.split(",") if w.strip() and w.strip() != "none"]
+    unknown = [w for w in what if w not in INSTRUMENTS]
+    if unknown:
+        raise ConfigError(f"unknown instrument {unknown[0]!r} in --analyze; choose from: {', '.join(INSTRUMENTS)} "
+                          "(or none).")
+    if args.plan:
+        print(format_plan(plan_grid(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
+                                    grid["runs_dir"], variations=grid["variations"])))
+        return 0
     results = run_grid(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
                        grid["runs_dir"], progress=progress, variations=grid["variations"], jobs=int(grid["jobs"]),
                        probe=training_probe)
-    what = [w for w in args.analyze.split(",") if w.strip() and w.strip() != "none"]
     if what:
         from attnlab.analysis.instruments import annotate_runs
 

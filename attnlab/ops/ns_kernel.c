@@ -5,7 +5,8 @@
  * n x n matrix (n = min(N, D)), and the output X Q (or Q X) is written straight to y with its own strides, so the
  * attention kernel's (B, N, H, D) buffer is neither copied in nor out. The algebra is the one of _ns_fast in
  * ns.py (see its docstring): with A = G / s^2, P = a I + b A + c A^2, P_K the product of the K step polynomials,
- * ||Z_K||_F^2 = sum(A * P_K^2) and Q = P_K * r / (s * max(||Z_K||_F, eps)).
+ * ||Z_K||_F^2 = sum(A * P_K^2) and Q = P_K * r / (s * max(||Z_K||_F, eps)); for K > NS_BLOCK, Z is re-formed
+ * after every NS_BLOCK steps and the algebra restarts from its Gram.
  *
  * Plain C, no Python or torch headers: attnlab/ops/ckernel.py compiles it on first use (with OpenMP where the
  * compiler has it) and attnlab/ops/ns_cpu.py calls it through ctypes. Forward only (inference).
@@ -28,6 +29,7 @@ typedef float real;
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
+#define NS_BLOCK 2 /* polynomial steps per Gram-space block; _BLOCK in ns.py */
 
 /* 64-byte vectors (GCC/Clang vector extensions): 16 floats or 8 doubles, one AVX-512 register (two AVX2 ones).
  * Every helper gets the Gram side n as an argument and is inlined into ns_one, which ns_any calls with constant n and D,
@@ -53,7 +55,9 @@ INLINE void rows_times(const real *a, int64_t rows, int64_t a_stride, const int 
 
 INLINE void gram_rows(const real *x, int64_t rows, int64_t stride, real *g, const int n) {
     /* g = sum over rows t of x_t^T x_t, in blocks of R rows of g whose 16 vectors stay in registers */
-    const int W = n / L, R = W >= 16 ? 1 : 16 / W;
+    const int W = n / L;
+    int R = W >= 16 ? 1 : 16 / W;
+    while (n % R) R--; /* whole blocks only: 16 / W rows of 48 floats would run 2 rows past g and x_t */
     for (int i0 = 0; i0 < n; i0 += R) {
         vec acc[16] = {0};
         for (int64_t t = 0; t < rows; t++) {
@@ -102,39 +106,65 @@ INLINE void ns_one(const real *x, real *y, int64_t N, int64_t sxn, int64_t syn, 
     real *A = g;
     for (int i = 0; i < n * n; i++) A[i] *= inv_s2;
 
-    /* eq. 3, K times in Gram space: P = aI + bA_k + cA_k^2, P_K = P ... P, A_{k+1} = A P_K^2.
- */
-    const real *cur = A; /* Gram of Z after k steps */
+    /* eq. 3, K times, in blocks of NS_BLOCK steps in Gram space: P = aI + bA_k + cA_k^2, P_B = P ... P,
+     * A_{k+1} = A P_B^2. Between blocks Z = Z P_B is re-formed (into y, or in place in xt_buf in token space) and
+     * A restarts from its Gram, because float32 rounding in a block's polynomial grows ~12x per step. */
+    const real *src = x; /* Z's rows (features): X, then y once re-formed */
+    int64_t src_stride = sxn;
+    real div = s; /* Z = (current matrix) / div: X / s until Z is first re-formed */
     real *pt = pt_a, *spare = pt_b;
-    for (int k = 0; k < steps; k++) {
-        rows_times(cur, n, n, n, cur, n, sq, n, n);
-        for (int i = 0; i < n * n; i++) p[i] = cb * cur[i] + cc * sq[i];
-        for (int i = 0; i < n; i++) p[i * n + i] += ca;
-        if (k == 0) {
-            memcpy(pt, p, sizeof(real) * n * n);
-        } else {
-            rows_times(p, n, n, n, pt, n, spare, n, n);
-            real *t = pt; pt = spare; spare = t;
+    for (int done = 0;;) {
+        const int block = steps - done < NS_BLOCK ? steps - done : NS_BLOCK;
+        const real *cur = A; /* Gram of Z after k steps of this block */
+        for (int k = 0; k < block; k++) {
+            rows_times(cur, n, n, n, cur, n, sq, n, n);
+            for (int i = 0; i < n * n; i++) p[i] = cb * cur[i] + cc * sq[i];
+            for (int i = 0; i < n; i++) p[i * n + i] += ca;
+            if (k == 0) {
+                memcpy(pt, p, sizeof(real) * n * n);
+            } else {
+                rows_times(p, n, n, n, pt, n, spare, n, n);
+                real *t = pt; pt = spare; spare = t;
+            }
+            rows_times(pt, n, n, n, pt, n, p_sq, n, n);
+            if (k + 1 < block) {
+                rows_times(A, n, n, n, p_sq, n, cur_buf, n, n);
+                cur = cur_buf;
+            }
         }
-        rows_times(pt, n, n, n, pt, n, p_sq, n, n);
-        if (k + 1 < steps) {
-            rows_times(A, n, n, n, p_sq, n, cur_buf, n, n);
-            cur = cur_buf;
+        done += block;
+        if (done == steps) break;
+        const real inv_div = 1 / div;
+        for (int i = 0; i < n * n; i++) pt[i] *= inv_div;
+        div = 1;
+        if (features) { /* row t of Z P reads only row t of Z, so y may be both source and target */
+            rows_times(src, N, src_stride, n, pt, n, y, syn, n);
+            src = y;
+            src_stride = syn;
+            gram_rows(y, N, syn, g, n);
+        } else { /* Z^T P, row by row in place */
+            rows_times(xt_buf, D, n, n, pt, n, xt_buf, n, n);
+            gram_rows(xt_buf, D, n, g, n);
         }
     }
 
-    /* eq. 4: ||Z_K||_F^2 = tr(A P_K^2) = sum(A * P_K^2); fold r / (s max(||Z_K||, eps)) into Q = P_K */
+    /* eq. 4: ||Z_K||_F^2 = tr(A P_B^2) = sum(A * P_B^2); fold r / (div max(||Z_K||, eps)) into Q = P_B */
     const real z_sq = dot(A, p_sq, n * n);
     real z = SQRT(z_sq > 0 ? z_sq : 0);
     if (z < eps) z = eps;
-    const real scale = r / (s * z);
+    const real scale = r / (div * z);
     for (int i = 0; i < n * n; i++) pt[i] *= scale;
 
-    /* output: X Q (features) or Q X (tokens), written with y's row stride */
-    if (features)
-        rows_times(x, N, sxn, n, pt, n, y, syn, n);
-    else
+    /* output: Z Q (features) or Q Z (tokens), written with y's row stride */
+    if (features) {
+        rows_times(src, N, src_stride, n, pt, n, y, syn, n);
+    } else if (steps <= NS_BLOCK) {
         rows_times(pt, n, n, n, x, sxn, y, syn, D);
+    } else { /* Z^T Q in place, then transposed into y */
+        rows_times(xt_buf, D, n, n, pt, n, xt_buf, n, n);
+        for (int i = 0; i < n; i++)
+            for (int d = 0; d < D; d++) y[i * syn + d] = xt_buf[d * n + i];
+    }
 }
 
 /* The (n, D) pairs compiled, n = min(N, D): in feature space (D <= N) n = D, in token space (N < D) n = N.

@@ -14,7 +14,7 @@ from attnlab.errors import ConfigError
 from attnlab.spec import split_specs
 
 from .config import GRID_PRESETS, TrainConfig, make_config
-from .loop import RESULT, run_dir_of, train
+from .loop import RESULT, check_run, run_dir_of, train
 
 
 
@@ -43,14 +43,57 @@ def grid_runs(base_cfg: TrainConfig, variants: Sequence[str], seeds: Sequence[in
             for base in bases for m in models for d in datasets for s in seeds for a in variants]
 
 
+def plan_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Sequence[int],
+              datasets: Sequence[str] | None, models: Sequence[str] | None, runs_dir: str | Path,
+              variations: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Check every run of the grid before any of them trains, and say what :func:`run_grid` would do with each.
+
+    Each run goes through :func:`~attnlab.train.loop.check_run` (options, spec, device, dataset files, model, its
+    run directory), each dataset and model once; the first problem raises its AttnlabError, so a grid with one
+    bad run trains nothing. Two runs with one run directory are an error too. Returns check_run's dicts in grid
+    order, each with the run's config under ``"cfg"``. Arguments as for :func:`run_grid`.
+    """
+    variants = demo_variants() if variants is None else list(variants)
+    cache: dict = {}
+    plans: list[dict[str, Any]] = []
+    seen: dict[str, TrainConfig] = {}
+    for cfg in grid_runs(base_cfg, variants, seeds, datasets, models, runs_dir, variations):
+        plan = check_run(cfg, cache)
+        if plan["name"] in seen:
+            first = seen[plan["name"]]
+            raise ConfigError(f"the grid trains run {plan['name']} twice (attn {first.attn!r} and {cfg.attn!r}, seed "
+                              f"{cfg.seed}); list each variant, seed, dataset and model once.")
+        seen[plan["name"]] = cfg
+        plans.append({**plan, "cfg": cfg})
+    return plans
+
+
+def format_plan(plans: Sequence[dict[str, Any]]) -> str:
+    """One line per run (train / resume / skip, the run's name, why), then the counts."""
+    lines = []
+    for p in plans:
+        if p["action"] == "skip":
+            detail = f"finished, top-1 {p['result']['top1']:.2f}%"
+        elif p["action"] == "resume":
+            detail = f"after epoch {p['epoch']} of {p['cfg'].epochs}" + (f": {p['note']}" if p["note"] else "")
+        else:
+            detail = f"{p['cfg'].epochs} epoch" + ("s" if p["cfg"].epochs != 1 else "")
+        lines.append(f"{p['action']:<7}{p['name']}  ({detail})")
+    counts = {a: sum(p["action"] == a for p in plans) for a in ("train", "resume", "skip")}
+    lines.append(f"{len(plans)} runs: {counts['train']} to train, {counts['resume']} to resume, "
+                 f"{counts['skip']} finished")
+    return "\n".join(lines)
+
+
 def run_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Sequence[int],
              datasets: Sequence[str] | None, models: Sequence[str] | None, runs_dir: str | Path,
              progress: bool = True, variations: dict[str, dict[str, Any]] | None = None,
              jobs: int = 1, probe=None) -> list[dict[str, Any]]:
     """Train every (model, dataset, seed, variant) of the grid; return their result dicts in grid order.
 
-    A run whose ``result.json`` exists is skipped (its stored result returned); a run interrupted earlier
-    resumes from its last checkpoint. ``variants=None`` means :func:`demo_variants`; ``datasets`` / ``models``
+    Every run is checked first (:func:`plan_grid`), so a grid with a bad run trains nothing. A run whose
+    ``result.json`` exists is skipped (its stored result returned); a run interrupted earlier resumes from its last
+    checkpoint. ``variants=None`` means :func:`demo_variants`; ``datasets`` / ``models``
     ``None`` mean the base config's; ``variations`` as in :func:`grid_runs`. ``jobs=1`` trains one run after
     another; ``jobs=N`` trains N at a time in worker processes (each seeded as alone, so results do not depend on
     N; give each ``threads`` so that N x threads fits the cores, e.g. the demo's 2 x 1 on 2 cores). ``probe`` goes
@@ -58,10 +101,9 @@ def run_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Seque
     """
     if jobs < 1:
         raise ConfigError(f"jobs must be at least 1, not {jobs}.")
-    variants = demo_variants() if variants is None else list(variants)
-    configs = [dataclasses.replace(c, progress=progress and jobs == 1)
-               for c in grid_runs(base_cfg, variants, seeds, datasets, models, runs_dir, variations)]
-    todo = [c for c in configs if not (run_dir_of(c) / RESULT).exists()]
+    plans = plan_grid(base_cfg, variants, seeds, datasets, models, runs_dir, variations)
+    configs = [dataclasses.replace(p["cfg"], progress=progress and jobs == 1) for p in plans]
+    todo = [c for c, p in zip(configs, plans) if p["action"] != "skip"]
     if progress:
         print(f"{len(configs)} runs, {len(configs) - len(todo)} already finished"
               + (f", {jobs} at a time" if jobs > 1 and todo else ""), flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -25,8 +26,12 @@ from tqdm.auto import tqdm
 from attnlab.errors import ConfigError, NonFiniteLossError
 
 from .checkpoint import (
+    STATE,
+    WEIGHTS,
     atomic_write_json,
     atomic_write_text,
+    create_dir_with,
+    find_checkpoint,
     get_rng_state,
     has_checkpoint,
     load_checkpoint,
@@ -91,6 +96,79 @@ def _check_same_run(run_dir: Path, ours: dict[str, Any]) -> None:
     if differ:
         raise ConfigError(f"cannot resume {run_dir}: its config.yaml differs in {', '.join(differ)}; resume with the "
                           f"same settings or pass another --name.")
+
+
+def _read_result(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / RESULT).read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{run_dir / RESULT} cannot be read ({err}); delete it to train the run again.") from None
+
+
+def _train_sampler(cfg: TrainConfig, train_set, generator: torch.Generator):
+    if cfg.repeated_aug > 1:
+        from timm.data.distributed_sampler import RepeatAugSampler
+
+        return RepeatAugSampler(train_set, num_replicas=1, rank=0, shuffle=True, num_repeats=cfg.repeated_aug)
+    return RandomSampler(train_set, generator=generator)
+
+
+def _check_steps(cfg: TrainConfig, sampled: int) -> int:
+    """Optimizer steps per epoch (full batches only); raises ConfigError if there are none."""
+    if sampled // cfg.batch_size == 0:
+        raise ConfigError(f"batch_size {cfg.batch_size} is larger than the {sampled} training images of an "
+                          f"epoch of {cfg.dataset}; use a smaller batch size.")
+    return sampled // cfg.batch_size
+
+
+def check_run(cfg: TrainConfig, cache: dict | None = None) -> dict[str, Any]:
+    """Resolve everything :func:`train` needs before its first step, and say what it would do, without training.
+
+    Raises the AttnlabError that ``train(cfg)`` would raise: options, spec, device, dataset (name, options, files,
+    at least one batch per epoch), model, and a run directory it could not continue (another config, no intact
+    checkpoint, a checkpoint without ``cfg.resume``). Returns ``{"name", "run_dir", "action", "epoch", "note",
+    "result"}``: action ``"skip"`` (finished; ``result`` holds its result.json), ``"resume"`` (after completed
+    epoch ``epoch``; ``note`` says why if not from the latest checkpoint) or ``"train"``. ``cache``, a dict kept
+    across calls, makes a grid load each dataset and build each model once.
+    """
+    from attnlab import parse_spec
+    from attnlab.data import build_dataset, dataset_info
+
+    cache = {} if cache is None else cache
+    cfg = validate(cfg)
+    spec = str(parse_spec(cfg.attn))
+    name = run_name(cfg, spec)
+    run_dir = Path(cfg.runs_dir) / name
+    resolve_device(cfg.device)
+    data_key = ("data", cfg.dataset, cfg.data_dir, cfg.download, cfg.augment, repr(sorted(cfg.data_options.items())))
+    if data_key not in cache:
+        info = dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options)
+        n_train = len(build_dataset(cfg.dataset, True, data_dir=cfg.data_dir, download=cfg.download,
+                                    augment=cfg.augment, **cfg.data_options))
+        build_dataset(cfg.dataset, False, data_dir=cfg.data_dir, download=cfg.download, augment="none",
+                      **cfg.data_options)
+        cache[data_key] = (info, n_train)
+    info, n_train = cache[data_key]
+    _check_steps(cfg, len(_train_sampler(cfg, range(n_train), torch.Generator())))
+    model_key = ("model", cfg.model, spec, cfg.norm, cfg.drop_path, repr(sorted(cfg.model_options.items())), info)
+    if model_key not in cache:
+        with torch.random.fork_rng(devices=[]):  # leave the caller's random streams as they were
+            build_run_model(cfg, info)
+        cache[model_key] = True
+
+    plan = {"name": name, "run_dir": run_dir, "action": "train", "epoch": 0, "note": None, "result": None}
+    finished, resumable = (run_dir / RESULT).exists(), has_checkpoint(run_dir)
+    if resumable and not cfg.resume:
+        raise ConfigError(f"run directory {run_dir} already holds a checkpoint; pass --resume to continue it or "
+                          f"--name to start another run.")
+    if cfg.resume and (run_dir / CONFIG).exists() and (resumable or finished):
+        _check_same_run(run_dir, _resolved_config(cfg, spec, name))
+    if cfg.resume and finished:
+        plan.update(action="skip", result=_read_result(run_dir))
+    elif resumable:
+        found = find_checkpoint(run_dir)
+        plan.update(action="resume", epoch=found.epoch, note=found.note)
+    return plan
 
 
 def count_params(model: nn.Module) -> int:
@@ -249,13 +327,15 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     if cfg.resume and (run_dir / CONFIG).exists() and (resuming or (run_dir / RESULT).exists()):
         _check_same_run(run_dir, resolved)
         if (run_dir / RESULT).exists():
-            return json.loads((run_dir / RESULT).read_text())
-    run_dir.mkdir(parents=True, exist_ok=True)
+            return _read_result(run_dir)
 
     # Model and data. Seeding first makes the initial weights a function of the seed.
     seed_everything(cfg.seed)
     info = dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options)
     model = build_run_model(cfg, info).to(device)
+    # The run directory appears together with its config.yaml, before the data is loaded (or downloaded): from
+    # here on a killed run continues with `train --resume RUN_DIR`.
+    create_dir_with(run_dir, {CONFIG: yaml.safe_dump(resolved, sort_keys=False).encode()})
     train_set = build_dataset(cfg.dataset, True, data_dir=cfg.data_dir, download=cfg.download, augment=cfg.augment,
                               **cfg.data_options)
     test_set = build_dataset(cfg.dataset, False, data_dir=cfg.data_dir, download=cfg.download, augment="none",
@@ -265,21 +345,13 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     # it is re-seeded from (seed, epoch) at the start of every epoch. Workers are not persistent so that each
     # epoch's workers are seeded anew from it; torch seeds random, numpy and torch in each worker.
     data_gen = torch.Generator()
-    if cfg.repeated_aug > 1:
-        from timm.data.distributed_sampler import RepeatAugSampler
-
-        sampler = RepeatAugSampler(train_set, num_replicas=1, rank=0, shuffle=True, num_repeats=cfg.repeated_aug)
-    else:
-        sampler = RandomSampler(train_set, generator=data_gen)
+    sampler = _train_sampler(cfg, train_set, data_gen)
     pin = device.type == "cuda"
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
                               num_workers=cfg.num_workers, pin_memory=pin, generator=data_gen)
     test_loader = DataLoader(test_set, batch_size=2 * cfg.batch_size, shuffle=False, num_workers=cfg.num_workers,
                              pin_memory=pin, generator=torch.Generator().manual_seed(0))
-    steps_per_epoch = len(train_loader)
-    if steps_per_epoch == 0:
-        raise ConfigError(f"batch_size {cfg.batch_size} is larger than the {len(sampler)} training images of an "
-                          f"epoch of {cfg.dataset}; use a smaller batch size.")
+    steps_per_epoch = _check_steps(cfg, len(sampler))
 
     mixup_fn = None
     if uses_mixing(cfg):
@@ -299,15 +371,18 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
                                 warmup_epochs=cfg.warmup_epochs, warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr)
 
     start_epoch, num_updates, history = 0, 0, []
+    previous = None  # the checkpoint pair the first new checkpoint keeps as the previous one
     if resuming:
-        weights, state = load_checkpoint(run_dir, map_location="cpu")
+        found = find_checkpoint(run_dir, map_location="cpu")
+        if found.note:
+            print(f"{name}: {found.note}", file=sys.stderr, flush=True)
+        weights, state, previous = found.weights, found.state, found.files
         model.load_state_dict(weights)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, num_updates, history = int(state["epoch"]), int(state["num_updates"]), list(state["history"])
         set_rng_state(state["rng"])
-    # config.yaml, and metrics.jsonl rewritten from the checkpoint's history (dropping any epoch logged after it)
-    atomic_write_text(run_dir / CONFIG, yaml.safe_dump(resolved, sort_keys=False))
+    # metrics.jsonl rewritten from the checkpoint's history (dropping any epoch logged after it)
     atomic_write_text(run_dir / METRICS, "".join(json.dumps(h) + "\n" for h in history))
 
     forward = torch.compile(model) if cfg.compile else model
@@ -353,7 +428,8 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
             "epoch": epoch, "num_updates": num_updates, "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "sampler": {"seed": cfg.seed, "next_epoch": epoch + 1},
             "rng": get_rng_state(), "history": history,
-        })
+        }, previous=previous)
+        previous = (WEIGHTS, STATE)
 
     last = history[-1]
     result = {"name": name, "model": cfg.model, "dataset": cfg.dataset, "tag": cfg.tag, "attn": spec, "seed": cfg.seed,
