@@ -1,0 +1,204 @@
+"""Files that carry code never run it: each file attnlab reads, crafted to execute a payload, is refused.
+
+Every payload would create a marker file when unpickled or constructed; each case runs attnlab as a real process and
+checks one line on stderr, exit code 2, and that the marker does not exist afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
+from test_data_cifar import write_cifar10  # noqa: E402  (the benign generated archive)
+
+
+class Payload:
+    """Unpickling this calls ``os.system("touch MARKER")``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def hostile_pickle(marker: Path, protocol: int = 2, wrap=lambda p: p) -> bytes:
+    return pickle.dumps(wrap(Payload(marker)), protocol=protocol)
+
+
+def attnlab(*argv, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "attnlab", *map(str, argv)], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+def assert_refused(proc: subprocess.CompletedProcess, marker: Path, *fragments: str) -> None:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert not marker.exists(), "the payload ran"
+
+
+def test_the_payload_runs_under_plain_pickle(tmp_path):
+    """The test's own check: an ordinary pickle.load of the payload does create the marker."""
+    marker = tmp_path / "marker"
+    pickle.loads(hostile_pickle(marker))
+    assert marker.exists()
+
+
+# ------------------------------------------------------------------------------------------------- CIFAR files
+CIFAR_CASES = {
+    # the whole batch file is the payload
+    "batch": ("data_batch_3", lambda m: hostile_pickle(m)),
+    # a payload nested inside an otherwise well-formed batch (protocol 4: STACK_GLOBAL)
+    "nested": ("test_batch", lambda m: pickle.dumps({"data": np.zeros((1, 3072), np.uint8),
+                                                     "labels": [Payload(m)]}, protocol=4)),
+    # an object array whose elements are payloads: numpy's own constructors, a dtype other than uint8
+    "object-array": ("data_batch_1", lambda m: pickle.dumps({"data": np.array([Payload(m)], dtype=object),
+                                                             "labels": [0]}, protocol=2)),
+    "meta": ("batches.meta", lambda m: hostile_pickle(m, protocol=5, wrap=lambda p: {"label_names": [p]})),
+}
+
+
+@pytest.mark.parametrize("case", list(CIFAR_CASES))
+def test_hostile_cifar_file_is_refused_by_the_loader(tmp_path, case):
+    from attnlab.data import build_dataset
+    from attnlab.errors import DatasetError
+
+    name, make = CIFAR_CASES[case]
+    marker = tmp_path / "marker"
+    folder = write_cifar10(tmp_path)
+    (folder / name).write_bytes(make(marker))
+    splits = {"data_batch_1": [True], "data_batch_3": [True], "test_batch": [False]}.get(name, [True, False])
+    for train in splits:
+        with pytest.raises(DatasetError, match="refused") as err:
+            build_dataset("cifar10", train, data_dir=tmp_path, verify_md5=False)
+        assert name in str(err.value) and "nothing in it was run" in str(err.value)
+    assert not marker.exists(), "the payload ran"
+
+
+@pytest.mark.slow
+def test_hostile_cifar_file_is_refused_whatever_the_md5_setting(tmp_path):
+    """As a real process: one line, exit 2, with md5 checking off (the unpickler refuses) and on (md5 refuses)."""
+    marker = tmp_path / "marker"
+    folder = write_cifar10(tmp_path / "data")
+    (folder / "data_batch_3").write_bytes(hostile_pickle(marker))
+    common = ["train", "--model", "vit_digits", "--dataset", "cifar10", "--data-dir", tmp_path / "data",
+              "--epochs", "1", "--runs-dir", tmp_path / "runs"]
+    assert_refused(attnlab(*common, "--data-options", "{verify_md5: false}"), marker, "data_batch_3", "refused",
+                   "nothing in it was run")
+    assert_refused(attnlab(*common), marker, "md5", "verify_md5: false")  # the default checks md5 first
+
+
+def test_cifar_unpickler_refuses_every_global_outside_the_format(tmp_path):
+    from attnlab.data.cifar import CifarUnpickler, RefusedPickle
+
+    marker = tmp_path / "marker"
+    for blob in (hostile_pickle(marker, p) for p in (0, 2, 4, 5)):
+        with pytest.raises(RefusedPickle, match="posix.system|os.system"):
+            CifarUnpickler(io.BytesIO(blob), encoding="latin1").load()
+    for obj in (np.arange(3, dtype=np.int64), np.array(["a"], dtype=object), np.float32(1.0), {1, 2}):
+        with pytest.raises(RefusedPickle):
+            CifarUnpickler(io.BytesIO(pickle.dumps({"data": obj}, protocol=2)), encoding="latin1").load()
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("protocol", [0, 2, 4, 5])
+def test_cifar_unpickler_reads_the_format_at_every_protocol(protocol):
+    from attnlab.data.cifar import CifarUnpickler
+
+    entry = {"batch_label": "training batch 1 of 5", "data": np.arange(2 * 3072).astype(np.uint8).reshape(2, 3072),
+             "labels": [3, 7], "filenames": ["a.png", "b.png"], "raw": b"\x00\xff", "n": 2, "x": 0.5}
+    out = CifarUnpickler(io.BytesIO(pickle.dumps(entry, protocol=protocol)), encoding="latin1").load()
+    assert out.keys() == entry.keys()
+    assert out["data"].dtype == np.uint8 and np.array_equal(out["data"], entry["data"])
+    assert {k: v for k, v in out.items() if k != "data"} == {k: v for k, v in entry.items() if k != "data"}
+
+
+def test_cifar_unpickler_reads_python2_numpy1_pickles():
+    """The official files were written by Python 2 and numpy 1: ``numpy.core.multiarray`` and byte strings."""
+    from attnlab.data.cifar import CifarUnpickler
+
+    data = np.arange(3072, dtype=np.uint8).reshape(1, 3072)
+    blob = pickle.dumps({"data": data, "labels": [1]}, protocol=2)
+    blob = blob.replace(b"numpy._core.multiarray\n", b"numpy.core.multiarray\n")
+    assert b"numpy.core.multiarray" in blob
+    out = CifarUnpickler(io.BytesIO(blob), encoding="latin1").load()
+    assert np.array_equal(out["data"], data) and out["labels"] == [1]
+
+
+# ------------------------------------------------------------------------------------------ run directories
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """One finished one-epoch digits run, trained in this process."""
+    from attnlab.train import RECIPES, train
+
+    runs = tmp_path_factory.mktemp("runs")
+    cfg = dataclasses.replace(RECIPES["demo"], epochs=1, batch_size=256, runs_dir=str(runs), progress=False)
+    return runs / train(cfg)["name"]
+
+
+@pytest.fixture
+def run_copy(trained_run, tmp_path) -> Path:
+    run = tmp_path / "runs" / trained_run.name
+    shutil.copytree(trained_run, run)
+    return run
+
+
+def test_hostile_config_yaml_is_refused(run_copy, tmp_path):
+    marker = tmp_path / "marker"
+    text = f'!!python/object/apply:os.system ["touch {marker}"]\n'
+    (run_copy / "config.yaml").write_text(text)
+    assert_refused(attnlab("train", "--resume", run_copy), marker, "config.yaml")
+    (tmp_path / "grid.yaml").write_text(text)
+    assert_refused(attnlab("compare", "--config", tmp_path / "grid.yaml"), marker, "grid.yaml")
+
+
+def test_hostile_checkpoint_is_refused(run_copy, tmp_path):
+    marker = tmp_path / "marker"
+    (run_copy / "checkpoint.safetensors").write_bytes(hostile_pickle(marker))
+    (run_copy / "result.json").unlink()
+    assert_refused(attnlab("export", run_copy, "--out", tmp_path / "w.safetensors"), marker, "checkpoint")
+    assert not (tmp_path / "w.safetensors").exists()
+    assert_refused(attnlab("train", "--resume", run_copy), marker, "checkpoint")
+
+
+def test_hostile_trainer_state_is_refused(run_copy, tmp_path):
+    marker = tmp_path / "marker"
+    buf = io.BytesIO()
+    torch.save({"epoch": 1, "optimizer": Payload(marker)}, buf)  # torch's own zip format, a code payload inside
+    (run_copy / "trainer_state.pt").write_bytes(buf.getvalue())
+    (run_copy / "result.json").unlink()
+    assert_refused(attnlab("train", "--resume", run_copy), marker, "trainer_state.pt")
+
+
+def test_hostile_result_json_is_refused(run_copy, tmp_path):
+    marker = tmp_path / "marker"
+    (run_copy / "result.json").write_bytes(hostile_pickle(marker))
+    assert_refused(attnlab("train", "--resume", run_copy), marker, "result.json")
+    report = attnlab("report", run_copy.parent)  # lists the run as unreadable instead of loading it
+    assert run_copy.name in report.stdout + report.stderr and "Traceback" not in report.stderr, report.stderr
+    assert not marker.exists()
+
+
+def test_hostile_metrics_file_is_never_unpickled(run_copy, tmp_path):
+    """metrics.jsonl is written, never read back: a resumed run rewrites it from the checkpoint's history."""
+    marker = tmp_path / "marker"
+    (run_copy / "metrics.jsonl").write_bytes(hostile_pickle(marker))
+    (run_copy / "result.json").unlink()
+    proc = attnlab("train", "--resume", run_copy)
+    assert proc.returncode == 0, proc.stderr
+    assert not marker.exists()
+    assert (run_copy / "metrics.jsonl").read_text().startswith("{")
