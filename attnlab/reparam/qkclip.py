@@ -23,7 +23,9 @@ Choices, where the Kimi K2 report leaves room:
   then q_h and k_h scale exactly by gamma^alpha and gamma^(1-alpha), so the recorded maximum lands on tau.
 - The maximum is computed in float32 from the q, k the forward already produced (a forward hook on ``qkv``, under
   ``torch.no_grad``), so the attention kernel and its fused SDPA path are unchanged; evaluation forwards record
-  nothing. :func:`attnlab.analysis.entropy.max_logits` gives the exact maximum of every head for analysis.
+  nothing. It is taken tile by tile (images, heads, queries, keys; at most :data:`CHUNK_ELEMENTS` float32 elements
+  per intermediate), so neither the (B, H, N, N) logits nor a float32 copy of q and k is ever held.
+  :func:`attnlab.analysis.entropy.max_logits` gives the exact maximum of every head for analysis.
 - Under ``torch.distributed`` the per-rank maxima are all-reduced (MAX) before clipping, so that every rank applies
   the same factors.
 - Only softmax kernels (``standard``, alone or with ``ns``) are supported: QK-norm after the projection divides out
@@ -45,26 +47,51 @@ from ..attention.standard import StandardAttention
 from ..errors import SpecError
 from .qknorm import has_qk_norm
 
-#: at most this many logits are materialised at once while recording (float32: 128 MiB)
-CHUNK_ELEMENTS = 1 << 25
+#: the most float32 elements any intermediate of the logit pass holds (64 MiB): a tile of logits, or the float32
+#: copy of a tile of q or k. The full (B, H, N, N) logits never exist (ViT-B/16, batch 256: 0.5 GB per layer)
+CHUNK_ELEMENTS = 1 << 24
 
 
-def max_scaled_logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """Per-head max of (q_i . k_j) * scale over batch, i and j, in float32.
+def _tile_sizes(B: int, H: int, N: int, M: int, D: int, block: int) -> tuple[int, int, int, int]:
+    """(images, heads, queries, keys) per tile such that the tile's logits (b h r c elements) and its float32 q and
+    k slices (b h r D, b h c D) each hold at most max(block, D) elements; the largest tiles that do."""
+    c = min(M, max(1, block // D))
+    r = min(N, max(1, block // max(c, D)))
+    per_head = max(r * max(c, D), c * D)
+    h = min(H, max(1, block // per_head))
+    b = min(B, max(1, block // (h * per_head)))
+    return b, h, r, c
 
-    q, k: (B, N, H, D) (the layout of the fused projection's output). Returns (H,). The batch is processed in chunks
-    of at most :data:`CHUNK_ELEMENTS` logits so that large models do not materialise every logit at once.
+
+def max_scaled_logits(q: torch.Tensor, k: torch.Tensor, scale: float, heads: torch.Tensor | None = None,
+                      block: int | None = None) -> torch.Tensor:
+    """Per-head max of (q_i . k_j) * scale over batch, i and j, in float32, computed tile by tile.
+
+    q: (B, N, H, D), k: (B, M, H, D) (the layout of the fused projection's output; Swin: B = images x windows).
+    ``heads``: indices of the heads to compute (default all). Returns (len(heads),) or (H,). Tiles of images, heads,
+    queries and keys are cast to float32 and multiplied one at a time, so no intermediate holds more than
+    ``block`` (default :data:`CHUNK_ELEMENTS`) elements when ``block >= D``; the maximum of the tiles' maxima is
+    the maximum of the whole logit tensor, and each logit is the same float32 dot product.
     """
-    B, N, H, _ = q.shape
-    q = q.transpose(1, 2).float()  # (B, H, N, D)
-    k = k.transpose(1, 2).float()
-    step = max(1, CHUNK_ELEMENTS // max(1, H * N * k.shape[2]))
-    out = None
+    block = CHUNK_ELEMENTS if block is None else block
+    B, N, H, D = q.shape
+    M = k.shape[1]
+    count = H if heads is None else heads.numel()
+    tb, th, tr, tc = _tile_sizes(B, count, N, M, D, block)
+    out = torch.full((count,), float("-inf"), device=q.device, dtype=torch.float32)
     with torch.autocast(q.device.type, enabled=False):  # under autocast the matmul would run in bf16 / fp16
-        for start in range(0, B, step):
-            logits = q[start:start + step] @ k[start:start + step].transpose(-2, -1)
-            m = logits.amax(dim=(0, 2, 3))
-            out = m if out is None else torch.maximum(out, m)
+        for h0 in range(0, count, th):
+            h1 = min(h0 + th, count)
+            idx = None if heads is None else heads[h0:h1]
+            for b0 in range(0, B, tb):
+                for r0 in range(0, N, tr):
+                    qt = q[b0:b0 + tb, r0:r0 + tr]
+                    qt = (qt[:, :, h0:h1] if idx is None else qt.index_select(2, idx)).transpose(1, 2).float()
+                    for c0 in range(0, M, tc):
+                        kt = k[b0:b0 + tb, c0:c0 + tc]
+                        kt = (kt[:, :, h0:h1] if idx is None else kt.index_select(2, idx)).transpose(1, 2).float()
+                        m = (qt @ kt.transpose(-2, -1)).amax(dim=(0, 2, 3))  # (b, h, r, c) logits -> (h,)
+                        torch.maximum(out[h0:h1], m, out=out[h0:h1])
     return out * scale
 
 
@@ -72,7 +99,22 @@ def max_scaled_logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.T
 BOUND_MARGIN = 1e-4
 
 
-def screened_max_logits(qk: torch.Tensor, scale: float, tau: float, select: bool | None = None) -> torch.Tensor:
+def _max_norms(qk: torch.Tensor, block: int) -> torch.Tensor:
+    """max over tokens of ||q_i|| and ||k_j|| per image and head: (B, 2, H) float32, from tiles of images and tokens
+    whose float32 copies hold at most max(block, 2 H D) elements."""
+    B, N, _, H, D = qk.shape
+    tokens = min(N, max(1, block // (2 * H * D)))
+    images = min(B, max(1, block // (tokens * 2 * H * D)))
+    out = torch.full((B, 2, H), float("-inf"), device=qk.device, dtype=torch.float32)
+    for b0 in range(0, B, images):
+        for n0 in range(0, N, tokens):
+            norms = torch.linalg.vector_norm(qk[b0:b0 + images, n0:n0 + tokens].float(), dim=-1).amax(dim=1)
+            torch.maximum(out[b0:b0 + images], norms, out=out[b0:b0 + images])
+    return out
+
+
+def screened_max_logits(qk: torch.Tensor, scale: float, tau: float, select: bool | None = None,
+                        block: int | None = None) -> torch.Tensor:
     """Per-head max logit where it matters for the clip: exact S_max,h for every head that could exceed ``tau``, and
     for the others the Cauchy-Schwarz bound (<= tau) that shows it cannot.
 
@@ -81,21 +123,23 @@ def screened_max_logits(qk: torch.Tensor, scale: float, tau: float, select: bool
     Heads with bound_h > tau get :func:`max_scaled_logits`. ``select`` (default: on the CPU) computes the exact
     maximum for those heads only, which needs their indices on the host; otherwise (GPU: no host sync) every head's
     exact maximum is computed and ``where(bound > tau, exact, bound)`` is returned. Both give the same values.
-    qk: (B, N, 2, H, D), queries then keys (a view of the fused projection's output). Returns (H,) float32.
+    qk: (B, N, 2, H, D), queries then keys (a view of the fused projection's output). Returns (H,) float32. No
+    intermediate holds more than ``block`` (default :data:`CHUNK_ELEMENTS`) elements when ``block >= 2 H D``.
     """
+    block = CHUNK_ELEMENTS if block is None else block
     if select is None:
         select = qk.device.type == "cpu"
-    norms = torch.linalg.vector_norm(qk.float(), dim=-1).amax(dim=1)  # (B, 2, H): one pass over q and k
+    norms = _max_norms(qk, block)  # (B, 2, H): one pass over q and k
     bound = (norms[:, 0] * norms[:, 1]).amax(dim=0) * (scale * (1 + BOUND_MARGIN))
     over = bound > tau
     q, k = qk[:, :, 0], qk[:, :, 1]
     if not select:
-        return torch.where(over, max_scaled_logits(q, k, scale), bound)
+        return torch.where(over, max_scaled_logits(q, k, scale, block=block), bound)
     heads = over.nonzero().flatten()
     if heads.numel() == 0:
         return bound
     out = bound.clone()
-    out[heads] = max_scaled_logits(q[:, :, heads], k[:, :, heads], scale)
+    out[heads] = max_scaled_logits(q, k, scale, heads=heads, block=block)
     return out
 
 

@@ -1,4 +1,5 @@
-"""`qkclip`: what is recorded (against float64 loops), the clip after an optimizer step, untouched heads, errors."""
+"""`qkclip`: what is recorded (against float64 loops), the blockwise logit pass and its memory bound, the clip after an
+optimizer step, untouched heads, errors."""
 
 import copy
 import math
@@ -8,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import attnlab
 from attnlab.errors import SpecError
@@ -258,3 +261,104 @@ def test_screening_is_exact_where_it_matters(select):
     got = qkclip.screened_max_logits(torch.stack([q, k], dim=2), scale, tau, select=select).double()
     torch.testing.assert_close(got[[1, 3]], exact[[1, 3]], rtol=1e-5, atol=0)
     torch.testing.assert_close(got[[0, 2]], bound[[0, 2]], rtol=2e-4, atol=0)
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Bytes of the largest tensor any aten op allocates while active (outputs that are views of, or written into,
+    one of the op's tensor arguments allocate nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                if t.untyped_storage().nbytes() > self.largest:
+                    self.largest, self.op = t.untyped_storage().nbytes(), str(func)
+        return out
+
+
+def _exact_max(q, k, scale):
+    """Per-head max of the float64 logits, every (B, H, N, M) logit materialised at once."""
+    return (torch.einsum("bnhd,bmhd->bhnm", q.double(), k.double()) * scale).amax(dim=(0, 2, 3))
+
+
+BLOCK = 512  # float32 elements: below one image's logits of one head (40 x 40), and below q or k of one image
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("how", ["max_scaled_logits", "screened-select", "screened-no-sync"])
+def test_logit_pass_is_exact_and_never_holds_more_than_a_block(monkeypatch, dtype, how):
+    """The blockwise maximum equals the maximum of the whole float64 logit tensor, and no intermediate (logit
+    tile, float32 copy of q or k, head selection) exceeds BLOCK float32 elements."""
+    monkeypatch.setattr(qkclip, "CHUNK_ELEMENTS", BLOCK)
+    g = torch.Generator().manual_seed(0)
+    B, N, H, D = 3, 40, 4, 16
+    qk = torch.randn(B, N, 2, H, D, generator=g)
+    qk[:, :, :, 2] *= 6  # head 2 lies far above tau, the others below it
+    qk[-1, -1, :, 0] = qk[-1, -1, 0, 0] * 1.5  # head 0's maximum: the last image's last query and last key
+    qk = qk.to(dtype)
+    q, k, scale = qk[:, :, 0], qk[:, :, 1], D ** -0.5
+    exact = _exact_max(q, k, scale)
+    head0 = torch.einsum("bnd,bmd->bnm", q[:, :, 0].double(), k[:, :, 0].double())
+    assert head0.flatten().argmax() == head0.numel() - 1  # so that a tile left out at the end shows
+    tau = float(exact[2]) / 2
+    assert H * N * N > BLOCK and N * H * D > BLOCK
+    with LargestAllocation() as seen:
+        if how == "max_scaled_logits":
+            got = qkclip.max_scaled_logits(q, k, scale)
+        else:
+            got = qkclip.screened_max_logits(qk, scale, tau, select=how == "screened-select")
+    assert seen.largest <= BLOCK * 4, (seen.largest, seen.op)
+    assert got.dtype == torch.float32
+    if how == "max_scaled_logits":
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=0)
+    else:
+        torch.testing.assert_close(got[2].double(), exact[2], rtol=1e-5, atol=0)
+        others = [0, 1, 3]
+        assert (got[others].double() >= exact[others] * (1 - 1e-5)).all() and (got[others] <= tau).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["vit_digits", "swin_cifar"])
+def test_record_in_small_blocks_is_the_exact_max(monkeypatch, name, dtype):
+    """A training forward with 256-element blocks (one head's logits of one image or window) records, for every
+    layer and head (tau tiny: all exact), the maximum of that layer's float64 q k^T / sqrt(D) (Swin: over every
+    window, without position bias or mask), and the recording never holds more than a block."""
+    monkeypatch.setattr(qkclip, "CHUNK_ELEMENTS", 256)
+    largest = []
+    screened = qkclip.screened_max_logits
+
+    def measured(*args, **kwargs):
+        with LargestAllocation() as seen:
+            out = screened(*args, **kwargs)
+        largest.append((seen.largest, seen.op))
+        return out
+
+    monkeypatch.setattr(qkclip, "screened_max_logits", measured)
+    torch.manual_seed(0)
+    if name == "vit_digits":
+        model, x = attnlab.build_model(name, **TINY_VIT, attn="qkclip(tau=0.001)"), _images(4)
+    else:
+        # two stages of a regular and a shifted-window block; 16 then 4 windows of 16 tokens per image
+        model = attnlab.build_model(name, depths=(2, 2), num_heads=(2, 4), embed_dim=64, attn="qkclip(tau=0.001)")
+        x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    mods = _modules(model)
+    outputs = []
+    handles = [m.qkv.register_forward_hook(lambda mod, args, out: outputs.append(out.detach())) for m in mods]
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        model(x)
+    for h in handles:
+        h.remove()
+    assert len(outputs) == len(mods) == len(largest)
+    assert max(largest)[0] <= 256 * 4, max(largest)
+    for m, out in zip(mods, outputs):
+        assert out.dtype == dtype
+        H, D = m.num_heads, m.head_dim
+        q = out[..., :H * D].unflatten(-1, (H, D))
+        k = out[..., H * D:2 * H * D].unflatten(-1, (H, D))
+        torch.testing.assert_close(m.qk_clip.max_logit.double(), _exact_max(q, k, m.scale), rtol=1e-5, atol=0)
