@@ -1,5 +1,8 @@
 """The `ns` term changes a model only at one place: each head's output right before head merge."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -8,6 +11,9 @@ import attnlab
 from attnlab.attention.base import AttnlabAttention
 from attnlab.ops import ns_transform
 from attnlab.ops.ns_cpu import kernel_error
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import reference as ref  # noqa: E402
 
 
 class Recorder(nn.Module):
@@ -38,8 +44,11 @@ def _literal_ns(o, steps=1, eps=1e-6):
     return out.to(o.dtype)
 
 
-@pytest.mark.parametrize("name,shape", [("vit_cifar", (2, 3, 32, 32)), ("swin_cifar", (2, 3, 32, 32))])
-@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize(
+    "name,shape,steps",
+    [(name, (2, 3, 32, 32), steps) for name in ("vit_cifar", "swin_cifar") for steps in (1, 2)]
+    + [("vit_cifar", (2, 3, 32, 32), 6)],  # many steps once: the literal loop over Swin's windows is slow
+)
 def test_ns_differs_from_standard_only_before_head_merge(name, shape, steps):
     torch.manual_seed(0)
     ns_model = attnlab.build_model(name, attn=f"ns(steps={steps})").eval()
@@ -75,6 +84,27 @@ def test_ns_head_transform_sees_the_premerge_tensor_with_window_layout():
     # in eval without gradient the fused CPU kernel ran: it keeps the attention kernel's (B, N, H, D) layout
     assert kernel_error(seen["inp"]) is None
     assert seen["out"].stride() == seen["inp"].stride() and seen["out"].transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("name", ["vit_cifar", "swin_cifar"])
+def test_ns_many_steps_in_bf16_autocast_training(name):
+    # What GPU training runs (the fast path with a gradient, under bf16 autocast), on the CPU: every head output
+    # of ns(steps=8) against the float64 SVD reference of the head output it received.
+    torch.manual_seed(0)
+    model = attnlab.build_model(name, attn="ns(steps=8)").train()
+    seen = []
+    for m in model.modules():
+        if isinstance(m, AttnlabAttention):
+            m.head_transform.register_forward_hook(lambda mod, inp, out: seen.append((inp[0].detach(), out.detach())))
+    x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().sum().backward()
+    assert seen and all(o.grad_fn is None for _, o in seen)
+    for inp, out in seen:
+        assert out.dtype == inp.dtype
+        want = torch.from_numpy(ref.ns_svd_reference(inp.double().numpy(), steps=8))
+        err = (out.double() - want).abs().amax(dim=(-2, -1)) / want.abs().amax(dim=(-2, -1))
+        assert err.max() <= (8e-3 if inp.dtype == torch.bfloat16 else 1e-4), (inp.dtype, err.max().item())
 
 
 def test_ns_spec_options():
