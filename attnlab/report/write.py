@@ -68,7 +68,8 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     out = Path(out_dir) if out_dir is not None else runs_dir
     runs, unreadable = scan_runs(runs_dir)
     if not runs:
-        raise AttnlabError(f"no run under '{runs_dir}' has a readable result.json ({unreadable[0]['problem']}).")
+        bad = unreadable[0]
+        raise AttnlabError(f"no run under '{runs_dir}' has a readable result.json ({bad['run_dir']}: {bad['problem']})")
     rows = summarize(runs, baseline=baseline)
     unfinished = find_unfinished(runs_dir)
 

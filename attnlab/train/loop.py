@@ -311,7 +311,7 @@ def load_run(run_dir: str | Path, map_location: str | torch.device = "cpu") -> t
 def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     from attnlab import parse_spec
     from attnlab.data import build_dataset, dataset_info
-    from attnlab.reparam import qkclip
+    from attnlab.variants import training_hooks
 
     spec = str(parse_spec(cfg.attn))
     name = run_name(cfg, spec)
@@ -328,6 +328,8 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
         _check_same_run(run_dir, resolved)
         if (run_dir / RESULT).exists():
             return _read_result(run_dir)
+    # read before anything is built, so that a run with no intact checkpoint stops at once
+    found = find_checkpoint(run_dir, map_location="cpu") if resuming else None
 
     # Model and data. Seeding first makes the initial weights a function of the seed.
     seed_everything(cfg.seed)
@@ -366,14 +368,15 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
         criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.optimizer, cfg.momentum)
-    qkclip.attach_optimizer_hooks(model, optimizer)  # QK-clip rescales W_q, W_k after each step (no-op otherwise)
+    hooks = training_hooks()  # terms that act during training (QK-clip's clip after each step), from the registry
+    for hook in hooks:
+        hook.attach(model, optimizer)  # a no-op on models without the term
     scheduler = build_scheduler(optimizer, epochs=cfg.epochs, steps_per_epoch=steps_per_epoch,
                                 warmup_epochs=cfg.warmup_epochs, warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr)
 
     start_epoch, num_updates, history = 0, 0, []
     previous = None  # the checkpoint pair the first new checkpoint keeps as the previous one
-    if resuming:
-        found = find_checkpoint(run_dir, map_location="cpu")
+    if found is not None:
         if found.note:
             print(f"{name}: {found.note}", file=sys.stderr, flush=True)
         weights, state, previous = found.weights, found.state, found.files
@@ -415,7 +418,9 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
         test = evaluate(forward, test_loader, device=device, amp_dtype=amp_dtype, num_classes=info.num_classes)
         record = {"epoch": epoch, "train_loss": stats["train_loss"], "train_acc": stats["train_acc"], **test,
                   "lr": optimizer.param_groups[0]["lr"], "epoch_seconds": time.perf_counter() - epoch_start,
-                  "img_per_s": stats["img_per_s"], **qkclip.clip_stats(model)}
+                  "img_per_s": stats["img_per_s"]}
+        for hook in hooks:
+            record.update(hook.stats(model))
         if probes:
             record["probes"] = list(probes)
         history.append(record)
