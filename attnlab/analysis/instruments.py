@@ -1,27 +1,53 @@
-"""The instruments `attnlab analyze` and the demo can run by name, each ``fn(model, images, batch_size) -> dict``
-with a flat ``summary`` of floats (what report tables show) and a ``detail`` (what analysis.json keeps)."""
+"""The instruments `attnlab analyze` and the demo can run by name, each ``fn(model, images, batch_size, ctx) ->
+dict`` with a flat ``summary`` of floats (what report tables show), a ``detail`` (what analysis.json keeps) and
+optionally ``figures`` (paths written into ``ctx.out_dir``). ``ctx`` carries the images' labels and where figures
+go. An instrument that does not apply to a model raises UnsupportedModelError, which :func:`analyze_model` can
+record and pass over."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
+from ..errors import UnsupportedModelError
 from .dna import branch_instruments
 from .entropy import attention_entropy, max_logits, qk_spectral_norms
 from .jacobian import jacobian_conditioning
+from .redundancy import head_redundancy, plot_redundancy, redundancy_summary
+from .relevance import plot_relevance, relevance_maps
+from .robustness import plot_robustness, representational_robustness, robustness_summary
 from .spectra import head_output_spectra, plot_spectra
 
+RELEVANCE_IMAGES = 4  # images drawn with their relevance overlays per run
 
-def _spectra(model: nn.Module, images: torch.Tensor, batch_size: int) -> dict:
+
+@dataclass
+class Context:
+    """What an instrument may use besides the model and images: ``labels`` (n,) or None, ``out_dir`` for per-run
+    figures (None: write none) and ``prefix`` for their file names."""
+
+    labels: torch.Tensor | None = None
+    out_dir: Path | None = None
+    prefix: str = ""
+
+    def figure(self, name: str) -> Path | None:
+        if self.out_dir is None:
+            return None
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        return self.out_dir / f"{self.prefix}{name}"
+
+
+def _spectra(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Context) -> dict:
     s = head_output_spectra(model, images, batch_size=batch_size).summary()
     return {"summary": {"p1": s["p1"], "eff_rank": s["eff_rank"]}, "detail": s}
 
 
-def _entropy(model: nn.Module, images: torch.Tensor, batch_size: int) -> dict:
+def _entropy(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Context) -> dict:
     layers = attention_entropy(model, images, batch_size=batch_size)
     logits = max_logits(model, images, batch_size=batch_size)
     detail = [{"layer": e["layer"], "entropy_mean": e["mean"].tolist(), "entropy_low": e["low"].tolist(),
@@ -32,20 +58,20 @@ def _entropy(model: nn.Module, images: torch.Tensor, batch_size: int) -> dict:
     return {"summary": summary, "detail": detail}
 
 
-def _qk_norms(model: nn.Module, images: torch.Tensor, batch_size: int) -> dict:
+def _qk_norms(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Context) -> dict:
     norms = qk_spectral_norms(model)
     flat = torch.cat([n["norm"] for n in norms])
     return {"summary": {"qk_norm_max": flat.max().item(), "qk_norm_mean": flat.mean().item()},
             "detail": [{"layer": n["layer"], "norm": n["norm"].tolist()} for n in norms]}
 
 
-def _branches(model: nn.Module, images: torch.Tensor, batch_size: int) -> dict:
+def _branches(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Context) -> dict:
     summary = branch_instruments(model, images, batch_size=batch_size).summary()
     flat = {k: v for k, v in summary.items() if k.endswith("_mean") and isinstance(v, float)}
     return {"summary": flat, "detail": summary}
 
 
-def _jacobian(model: nn.Module, images: torch.Tensor, batch_size: int) -> dict:
+def _jacobian(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Context) -> dict:
     # one sequence (image or window) per block and head, float64 SVD: seconds per block on a CPU
     result = jacobian_conditioning(model, images[:1])
     per_block = result.log10_mean()
@@ -53,22 +79,84 @@ def _jacobian(model: nn.Module, images: torch.Tensor, batch_size: int) -> dict:
             "detail": {**result.to_dict(), "log10_kappa_per_block": per_block.tolist()}}
 
 
-INSTRUMENTS: dict[str, Callable[[nn.Module, torch.Tensor, int], dict]] = {
+def _redundancy(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Context) -> dict:
+    layers = head_redundancy(model, images, batch_size=batch_size)
+    return {"summary": redundancy_summary(layers), "detail": layers}
+
+
+def _robustness(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Context) -> dict:
+    result = representational_robustness(model, images, labels=ctx.labels, batch_size=batch_size)
+    return {"summary": robustness_summary(result), "detail": result}
+
+
+def _relevance(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Context) -> dict:
+    shown = images[:RELEVANCE_IMAGES]
+    rel = relevance_maps(model, shown, batch_size=min(batch_size, RELEVANCE_IMAGES))
+    detail = {"classes": rel.classes.tolist(), "prefix": rel.prefix,
+              "maps": {b: m.tolist() for b, m in rel.maps.items()}}
+    path = ctx.figure("relevance.png")
+    if path is not None:
+        plot_relevance(shown, rel, path, title=ctx.prefix.rstrip("-"))
+    return {"summary": {}, "detail": detail, "figures": [str(path)] if path is not None else []}
+
+
+def _curves(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Context) -> dict:
+    raise UnsupportedModelError("training curves are read from run directories (metrics.jsonl), not measured on a "
+                                "model; give run directories to attnlab analyze or call analysis.training_curves.")
+
+
+INSTRUMENTS: dict[str, Callable[[nn.Module, torch.Tensor, int, Context], dict]] = {
     "spectra": _spectra,    # NS-Attn Sec. 3.4: p1 and effective rank of head outputs
     "entropy": _entropy,    # sigma-Reparam: attention entropy per layer/head, max scaled logit per head
     "qk": _qk_norms,        # sigma-Reparam note Thm 3.1: ||W_Q,h W_K,h^T||_2 per head
     "branches": _branches,  # DnA Sec. 4.4 / App. C.5: intruders, C(V+, V-), branch cosine (dna and diff models)
     "jacobian": _jacobian,  # spectral conditioning Figs. 2-4: log10 condition number of the attention Jacobian
+    "redundancy": _redundancy,  # DnA App. C.5 (C), Fig. 12: mean 1 - cos between heads' maps, per layer and branch
+    "robustness": _robustness,  # DnA Sec. 4.5, Fig. 9: token cosine distance per block, clean and noisy; top-1 drop
+    "relevance": _relevance,    # DnA Sec. 4.3, App. C.5 (E): Chefer et al.'s signed relevance per branch
+    "curves": _curves,          # train/test loss and top-1 per epoch per variant (run directories only)
 }
 
 
-def analyze_model(model: nn.Module, images: torch.Tensor, what: list[str], batch_size: int = 32) -> dict:
-    """Run the instruments ``what`` on ``model``; returns ``{"summary": {...}, name: detail, ...}``."""
+def analyze_model(model: nn.Module, images: torch.Tensor, what: list[str], batch_size: int = 32, *,
+                  labels: torch.Tensor | None = None, out_dir: str | Path | None = None, prefix: str = "",
+                  skip_unsupported: bool = False, progress: bool = False) -> dict:
+    """Run the instruments ``what`` on ``model``; returns ``{"summary": {...}, name: detail, ..., "figures": [...]}``.
+
+    ``labels`` (one per image) feed the instruments that need them (robustness's top-1); per-run figures go to
+    ``out_dir`` (file names start with ``prefix``). With ``skip_unsupported`` an instrument that does not apply to
+    the model is recorded under ``"skipped"`` (name -> the one-line reason) and the others run. ``progress`` shows
+    a bar over the instruments and one over the images each forward pass feeds.
+    """
+    from tqdm.auto import tqdm
+
+    ctx = Context(labels=labels, out_dir=None if out_dir is None else Path(out_dir), prefix=prefix)
     out: dict = {"summary": {}}
-    for name in what:
-        result = INSTRUMENTS[name](model, images, batch_size)
-        out["summary"].update(result["summary"])
-        out[name] = result["detail"]
+    outer = tqdm(what, desc="instruments", unit="instrument", disable=not progress, leave=False)
+    inner = tqdm(desc="images", unit="img", disable=not progress, leave=False)
+
+    def tick(module, args):
+        inner.update(args[0].shape[0])
+
+    ticker = model.register_forward_pre_hook(tick)
+    try:
+        for name in outer:
+            outer.set_postfix_str(name)
+            inner.reset()
+            try:
+                result = INSTRUMENTS[name](model, images, batch_size, ctx)
+            except UnsupportedModelError as err:
+                if not skip_unsupported:
+                    raise
+                out.setdefault("skipped", {})[name] = str(err)
+                continue
+            out["summary"].update(result["summary"])
+            out[name] = result["detail"]
+            out.setdefault("figures", []).extend(result.get("figures", []))
+    finally:
+        ticker.remove()
+        inner.close()
+        outer.close()
     return out
 
 
@@ -86,6 +174,14 @@ def plot_results(results: dict[str, dict], out_dir: str | Path) -> list[Path]:
         mean = {(f"{attn} (D={n})" if mixed else attn): torch.tensor(c).mean(0).tolist()
                 for (attn, n), c in curves.items()}
         paths.append(Path(plot_spectra(mean, out_dir / "spectra.png")))
+    redundancy = {label: r["redundancy"] for label, r in results.items() if r.get("redundancy")}
+    if redundancy:  # DnA Figure 12: one line per run and branch
+        plot_redundancy(redundancy, out_dir / "redundancy.png")
+        paths.append(out_dir / "redundancy.png")
+    robustness = {label: r["robustness"] for label, r in results.items() if r.get("robustness")}
+    if robustness:  # DnA Figure 9: one panel per sigma
+        plot_robustness(robustness, out_dir / "robustness.png")
+        paths.append(out_dir / "robustness.png")
     return paths
 
 

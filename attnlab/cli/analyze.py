@@ -8,7 +8,12 @@ Examples:
   attnlab analyze runs/demo/vit_digits-digits-ns-s0 --what spectra
   attnlab analyze runs/ns_attn_table1/vit_cifar-cifar100-* --what spectra --out figures/   # Figure 2, per variant
   attnlab analyze --model vit_cifar --attn ns --dataset synthetic --what spectra,entropy
-  attnlab analyze runs/demo/vit_digits-digits-ns-s0 --what jacobian --device cuda:1"""
+  attnlab analyze runs/demo/vit_digits-digits-ns-s0 --what jacobian --device cuda:1
+  attnlab analyze runs/demo/vit_digits-digits-dna-s0 --what redundancy,robustness,relevance
+  attnlab analyze runs/demo/* --what curves --out figures/   # train/test loss and top-1 per variant
+
+An instrument that does not apply to a model (relevance on Swin, entropy on DnA...) is reported in one line on
+stderr and the others go on. A progress bar over instruments and images shows on a terminal."""
 
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ def run(args) -> int:
 
     import torch
 
+    import sys
+
     from ..analysis.instruments import INSTRUMENTS, analyze_model, plot_results
     from ..data import build_dataset, dataset_info
     from ..errors import ConfigError
@@ -52,8 +59,14 @@ def run(args) -> int:
         raise ConfigError("give run directories to analyse, or --model (with --attn and --dataset) for a fresh model.")
     device = resolve_device(args.device)
 
+    out = Path(args.out) if args.out else (Path(args.runs[0]) if len(args.runs) == 1 and not args.model
+                                           else Path("analysis"))
+    model_what = [w for w in what if w != "curves"]
     targets = []  # (label, attn, model, dataset, data_dir)
-    if args.model:
+    if args.model and "curves" in what:
+        print(f"{args.model}: curves does not apply to a fresh model (no metrics.jsonl); give run directories.",
+              file=sys.stderr)
+    if args.model and model_what:
         from ..models import build_model
 
         info = dataset_info(args.dataset, data_dir=args.data_dir or "data")
@@ -64,25 +77,40 @@ def run(args) -> int:
                         args.data_dir or "data"))
     from ..train import load_run
 
-    for run_dir in args.runs:
+    for run_dir in args.runs if model_what else []:
         model, cfg = load_run(run_dir, map_location=device)
         targets.append((Path(run_dir).name, cfg.attn, model, cfg.dataset, args.data_dir or cfg.data_dir))
 
-    out = Path(args.out) if args.out else (Path(args.runs[0]) if len(args.runs) == 1 and not args.model
-                                           else Path("analysis"))
-    out.mkdir(parents=True, exist_ok=True)
     results = {}
     image_cache = {}
+    progress = sys.stderr.isatty()
     for label, attn, model, dataset, data_dir in targets:
         key = (dataset, data_dir)
         if key not in image_cache:
             test = build_dataset(dataset, False, data_dir=data_dir)
             n = min(args.images, len(test))
-            image_cache[key] = torch.stack([test[i][0] for i in range(n)]).to(device)
-        results[label] = {"attn": attn, **analyze_model(model, image_cache[key], what, batch_size=args.batch_size)}
+            samples = [test[i] for i in range(n)]
+            image_cache[key] = (torch.stack([s[0] for s in samples]).to(device),
+                                torch.as_tensor([int(s[1]) for s in samples]))
+        images, labels = image_cache[key]
+        results[label] = {"attn": attn, **analyze_model(
+            model, images, model_what, batch_size=args.batch_size, labels=labels, out_dir=out,
+            prefix="" if len(targets) == 1 else f"{label}-", skip_unsupported=True, progress=progress)}
+        for name, why in results[label].get("skipped", {}).items():
+            print(f"{label}: {name} does not apply: {why}", file=sys.stderr)
         print(f"{label}: " + ", ".join(f"{k} {v:.4g}" for k, v in results[label]["summary"].items()))
+    out.mkdir(parents=True, exist_ok=True)
+    if "curves" in what and args.runs:
+        from ..analysis.curves import plot_training_curves, training_curves
+
+        curves = training_curves(args.runs)
+        plot_training_curves(curves, out / "curves.png")
+        results["curves"] = curves
+        print(f"wrote {out / 'curves.png'}")
     (out / "analysis.json").write_text(json.dumps(results, indent=2))
-    for path in plot_results(results, out):
+    for path in plot_results({k: v for k, v in results.items() if k != "curves"}, out):
+        print(f"wrote {path}")
+    for path in (p for r in results.values() for p in r.get("figures", [])):
         print(f"wrote {path}")
     print(f"wrote {out / 'analysis.json'}")
     return 0

@@ -1,0 +1,120 @@
+"""Training curves of a comparison (as the DnA paper's loss and accuracy curves, Appendix C, Figure 8): train loss,
+test loss and top-1 per epoch for every run, grouped by variant, as the mean over seeds and a band of +- one
+sample SD (no band for one seed).
+
+Runs are read from their files alone: ``config.yaml`` (the variant, model and dataset) and ``metrics.jsonl`` (one
+JSON object per epoch with ``epoch``, ``train_loss``, ``test_loss``, ``top1``). ``metrics.jsonl`` is untrusted
+input: it is parsed with ``json`` line by line and anything else is a ConfigError naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from ..errors import ConfigError
+
+METRICS = ("train_loss", "test_loss", "top1")
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The epochs of one ``metrics.jsonl``: ``[{"epoch": int, "train_loss", "test_loss", "top1": float}]``."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist; training curves need each run's metrics.jsonl.") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path} cannot be read as UTF-8 text ({type(err).__name__}); rerun the training.") from None
+    epochs = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):
+            obj = None
+        epoch = obj.get("epoch") if isinstance(obj, dict) else None
+        values = [obj.get(k) for k in METRICS] if isinstance(obj, dict) else []
+        if (type(epoch) is not int or epoch < 0 or len(values) != len(METRICS)
+                or any(type(v) not in (int, float) for v in values)):
+            raise ConfigError(f"{path} line {number} is not a JSON object with an integer epoch and numbers "
+                              f"{', '.join(METRICS)}; rerun the training or remove the run.")
+        epochs.append({"epoch": epoch, **{k: float(v) for k, v in zip(METRICS, values)}})
+    return epochs
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return mean, sd
+
+
+def aggregate(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
+    """{variant: [epochs of each run]} -> {variant: {"runs": n, "epochs": [...], metric: {"mean", "low", "high",
+    "n"}}}: per epoch the mean over the runs that reached it, low / high = mean -+ sample SD."""
+    out = {}
+    for variant, histories in runs.items():
+        epochs = sorted({e["epoch"] for h in histories for e in h})
+        entry: dict = {"runs": len(histories), "epochs": epochs}
+        for metric in METRICS:
+            series = {"mean": [], "low": [], "high": [], "n": []}
+            for epoch in epochs:
+                values = [e[metric] for h in histories for e in h if e["epoch"] == epoch]
+                mean, sd = _mean_sd(values)
+                for key, v in (("mean", mean), ("low", mean - sd), ("high", mean + sd), ("n", len(values))):
+                    series[key].append(v)
+            entry[metric] = series
+        out[variant] = entry
+    return out
+
+
+def training_curves(run_dirs: list[str | Path]) -> dict[str, dict]:
+    """:func:`aggregate` over the runs in ``run_dirs``, grouped by variant (the run's ``attn``; prefixed with
+    model and dataset when the runs span several). Runs with no epoch logged yet are left out."""
+    from ..train.config import load_config
+
+    found = []
+    for run_dir in map(Path, run_dirs):
+        config = run_dir / "config.yaml"
+        if not config.is_file():
+            raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give directories written by "
+                              f"attnlab train or compare.")
+        cfg = load_config(config)
+        found.append(((cfg.model, cfg.dataset), cfg.attn, read_metrics(run_dir / "metrics.jsonl")))
+    if not found:
+        raise ConfigError("training curves need at least one run directory.")
+    mixed = len({group for group, _, _ in found}) > 1
+    runs: dict[str, list[list[dict]]] = {}
+    for (model, dataset), attn, epochs in found:
+        if epochs:
+            runs.setdefault(f"{model}/{dataset}/{attn}" if mixed else attn, []).append(epochs)
+    return aggregate(runs)
+
+
+def plot_training_curves(curves: dict[str, dict], path: str | Path | None = None):
+    """Train loss, test loss and top-1 per epoch, one line (mean) and one band (+- SD) per variant in each panel;
+    written to ``path`` when given. Returns the matplotlib Figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(13, 3.8))
+    FigureCanvasAgg(fig)
+    for j, (metric, label) in enumerate((("train_loss", "train loss"), ("test_loss", "test loss"),
+                                         ("top1", "test top-1 (%)"))):
+        ax = fig.add_subplot(1, 3, j + 1)
+        for c, (variant, entry) in enumerate(curves.items()):
+            series = entry[metric]
+            ax.plot(entry["epochs"], series["mean"], color=f"C{c}", label=f"{variant} ({entry['runs']} runs)")
+            ax.fill_between(entry["epochs"], series["low"], series["high"], color=f"C{c}", alpha=0.2, linewidth=0)
+        ax.set(xlabel="epoch", ylabel=label, title=label)
+        if j == 0:
+            ax.legend(fontsize="x-small")
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+__all__ = ["aggregate", "plot_training_curves", "read_metrics", "training_curves"]

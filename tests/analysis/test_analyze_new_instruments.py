@@ -1,0 +1,33 @@
+"""attnlab analyze end to end on a tiny trained digits run with the DnA paper's instruments and the curves."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from attnlab.cli import main
+from attnlab.train import RECIPES, train
+
+
+@pytest.mark.slow
+def test_analyze_trained_dna_run(tmp_path, capsys):
+    cfg = dataclasses.replace(RECIPES["demo"], epochs=2, attn="dna", runs_dir=str(tmp_path / "runs"), progress=False)
+    run = tmp_path / "runs" / train(cfg)["name"]
+    out = tmp_path / "out"
+    assert main(["analyze", str(run), "--what", "redundancy,entropy,robustness,relevance,curves", "--images", "16",
+                 "--batch-size", "8", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    # entropy does not apply to DnA: one line says so, and the other instruments ran
+    assert [line for line in captured.err.splitlines() if "does not apply" in line] == [
+        line for line in captured.err.splitlines() if line.startswith(f"{run.name}: entropy does not apply")]
+    data = json.loads((out / "analysis.json").read_text())
+    result = data[run.name]
+    assert set(result["skipped"]) == {"entropy"}
+    assert 0 <= result["summary"]["head_distance_pos"] <= 1 and 0 <= result["summary"]["head_distance_neg"] <= 1
+    assert len(result["redundancy"]) == 2 and len(result["robustness"]["clean"]) == 2
+    assert all(math.isfinite(r["psnr"]) and "top1_drop" in r for r in result["robustness"]["noisy"])
+    assert set(result["relevance"]["maps"]) == {"pos", "neg"}
+    assert data["curves"]["dna"]["epochs"] == [1, 2] and data["curves"]["dna"]["runs"] == 1
+    for name in ("redundancy.png", "robustness.png", "relevance.png", "curves.png"):
+        assert (out / name).stat().st_size > 1000, name
