@@ -8,6 +8,10 @@ Kinds, in the order a spec applies them:
 - ``head``: a transform of each head's output before head merge (``nn.Module`` built from the options);
 - ``qk``: changes to queries/keys or their weights, ``apply(model, modules, **options)``;
 - ``weight``: weight-side reparametrisations, ``apply(model, modules, **options)``.
+
+A term that acts during training as well (QK-clip's clip after each optimizer step) names its
+:class:`TrainingHooks` in ``training=``; the trainer runs every registered term's hooks (each a no-op on models
+without the term) and names no method itself.
 """
 
 from __future__ import annotations
@@ -74,10 +78,29 @@ class Variant:
     options: dict[str, Option] = field(default_factory=dict)
     conflicts: dict[str, str] = field(default_factory=dict)
     demo: bool | str = True  # trained in `make demo` (a string: the spec the demo trains, e.g. with options)
+    training: str | None = None  # "module:attribute" of the term's TrainingHooks, if it acts during training
 
     def load(self) -> Callable[..., Any]:
-        module, _, attr = self.target.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return _resolve(self.target)
+
+
+@dataclass(frozen=True)
+class TrainingHooks:
+    """What a term does during training. ``attach(model, optimizer)`` runs once the optimizer exists (a no-op for
+    models without the term); ``stats(model) -> dict`` is merged into each epoch's metrics line (empty without it)."""
+
+    attach: Callable[[Any, Any], Any]
+    stats: Callable[[Any], dict[str, float]]
+
+
+def _resolve(target: str) -> Any:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def training_hooks() -> list[TrainingHooks]:
+    """The :class:`TrainingHooks` of every registered term that acts during training, in registry order."""
+    return [_resolve(v.training) for v in VARIANTS.values() if v.training]
 
 
 VARIANTS: dict[str, Variant] = {}
@@ -188,7 +211,7 @@ register(Variant(
 ))
 register(Variant(
     "qkclip", "qk", "after each optimizer step, rescale W_q, W_k of heads whose max logit exceeded tau",
-    "Kimi Team 2025 (Kimi K2, MuonClip)", "attnlab.reparam.qkclip:apply",
+    "Kimi Team 2025 (Kimi K2, MuonClip)", "attnlab.reparam.qkclip:apply", training="attnlab.reparam.qkclip:TRAINING",
     options={
         "tau": Option(100.0, float, minimum=0.0, help="largest allowed per-head logit q.k/sqrt(D)"),
         "alpha": Option(0.5, float, minimum=0.0, help="share of the rescaling on W_q (W_k takes 1 - alpha)"),

@@ -32,13 +32,12 @@ import math
 import torch
 from torch import nn
 
-from ..attention.standard import StandardAttention
 from ..errors import UnsupportedModelError
 from ..models.convert import attention_modules
 
 
 def _is_softmax(module: nn.Module) -> bool:
-    return isinstance(module, StandardAttention) and type(module).attend is StandardAttention.attend
+    return getattr(module, "plain_softmax", False)
 
 
 def _why_unsupported(name: str, module: nn.Module) -> str:

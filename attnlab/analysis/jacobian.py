@@ -27,8 +27,6 @@ import torch
 from torch import nn
 from torch.func import jacrev
 
-from ..attention.base import AttnlabAttention
-from ..attention.standard import StandardAttention
 from ..errors import ConfigError, UnsupportedModelError
 from ..models import attention_modules
 
@@ -98,7 +96,7 @@ class JacobianConditioning:
 
 
 def _check(module: nn.Module, name: str) -> None:
-    if not isinstance(module, AttnlabAttention) or type(module).attend is not StandardAttention.attend:
+    if not getattr(module, "plain_softmax", False):
         raise UnsupportedModelError(
             f"the attention Jacobian is defined for softmax attention, but {name} is {type(module).__name__}; "
             f"measure a model built with a softmax kernel (standard, optionally with ns, sigma, speccond, qknorm).")

@@ -13,7 +13,7 @@ is set; a forward hook on it sees exactly the tensor right before head merge, wh
 
 from __future__ import annotations
 
-from typing import Final
+from typing import ClassVar, Final
 
 import torch
 from torch import nn
@@ -48,6 +48,15 @@ class AttnlabAttention(nn.Module):
 
     fused_attn: Final[bool]
     adopts_wide_qkv = False  # True for mechanisms that know how to read a wider fused projection (DnA)
+    #: capability: the weights are one row-stochastic softmax(q k^T / sqrt(D) + bias) per head, with q and k from
+    #: :meth:`project` (the first two blocks of ``qkv``). Entropy, the attention Jacobian and QK-clip act only on
+    #: modules that have it; a subclass that overrides ``attend`` loses it unless it declares it again.
+    plain_softmax: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "attend" in cls.__dict__ and "plain_softmax" not in cls.__dict__:
+            cls.plain_softmax = False
 
     def __init__(
         self,
@@ -202,14 +211,21 @@ class AttnlabAttention(nn.Module):
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (B, N, dim). ``mask`` is Swin's shifted-window mask (num_windows, N, N); ``attn_mask`` a ViT mask."""
-        if is_causal:  # timm's blocks pass the flag; vision models leave it False
-            if attn_mask is not None:
-                raise ValueError("pass either attn_mask or is_causal=True, not both")
-            N = x.shape[1]
-            attn_mask = torch.ones(N, N, dtype=torch.bool, device=x.device).tril()
+        attn_mask = self.causal_mask(x, attn_mask, is_causal)
         q, k, v = self.project(x)
         o = self.attend(q, k, v, mask=mask, attn_mask=attn_mask)
         return self.merge(self.head_transform(o), x)
+
+    @staticmethod
+    def causal_mask(x: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor | None:
+        """``attn_mask``, or the (N, N) lower-triangular bool mask when ``is_causal`` (timm's blocks pass the flag;
+        vision models leave it False)."""
+        if not is_causal:
+            return attn_mask
+        if attn_mask is not None:
+            raise ValueError("pass either attn_mask or is_causal=True, not both")
+        N = x.shape[1]
+        return torch.ones(N, N, dtype=torch.bool, device=x.device).tril()
 
     def extra_repr(self) -> str:
         win = f", window_size={self.window_size}" if self.window_size is not None else ""

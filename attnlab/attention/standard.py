@@ -18,6 +18,8 @@ from .base import AttnlabAttention
 class StandardAttention(AttnlabAttention):
     """Softmax attention; the reference every other mechanism is compared against. Arguments as AttnlabAttention."""
 
+    plain_softmax = True
+
     def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:
         if self.fused_attn:
             return F.scaled_dot_product_attention(

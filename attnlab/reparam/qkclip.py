@@ -43,8 +43,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..attention.standard import StandardAttention
 from ..errors import SpecError
+from ..variants import TrainingHooks
 from .qknorm import has_qk_norm
 
 #: the most float32 elements any intermediate of the logit pass holds (64 MiB): a tile of logits, or the float32
@@ -182,7 +182,7 @@ def _check(module: nn.Module, index: int) -> None:
         raise SpecError(
             f"qkclip cannot act on attention module {index}: it normalises q and k after the projection (QK-norm), "
             f"which divides out any rescaling of W_q and W_k, so the clip would have no effect; use qknorm or qkclip.")
-    if not isinstance(module, StandardAttention) or type(module).attend is not StandardAttention.attend:
+    if not getattr(module, "plain_softmax", False):
         raise SpecError(
             f"qkclip needs softmax attention (the standard kernel, optionally with ns), but attention module {index} "
             f"is {type(module).__name__}, whose logits are not q_h k_h^T / sqrt(D) of the fused projection.")
@@ -283,5 +283,8 @@ def clip_stats(model: nn.Module) -> dict[str, float]:
     }
 
 
-__all__ = ["QKClip", "apply", "attach_optimizer_hooks", "clip_", "clip_stats", "clipped_modules", "max_scaled_logits",
+#: how the trainer runs QK-clip (through the variant registry): the clip after each step, and its metrics
+TRAINING = TrainingHooks(attach=attach_optimizer_hooks, stats=clip_stats)
+
+__all__ = ["QKClip", "TRAINING", "apply", "attach_optimizer_hooks", "clip_", "clip_stats", "clipped_modules", "max_scaled_logits",
            "screened_max_logits"]

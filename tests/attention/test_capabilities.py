@@ -1,0 +1,66 @@
+"""Capabilities instead of class identity: which mechanisms form one plain softmax per head (what QK-clip, entropy
+and the attention Jacobian need), and terms that act during training plug into the trainer through the registry."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.analysis import entropy, jacobian
+from attnlab.attention import CogAttention, DiffAttention, DnAAttention, DnACrossAttention
+from attnlab.attention.standard import StandardAttention
+from attnlab.errors import SpecError, UnsupportedModelError
+from attnlab.reparam import qkclip
+from attnlab.variants import VARIANTS, training_hooks
+
+
+class OwnAttend(StandardAttention):
+    def attend(self, q, k, v, mask=None, attn_mask=None):
+        return v  # not softmax attention any more
+
+
+class DeclaredSoftmax(StandardAttention):
+    plain_softmax = True
+
+    def attend(self, q, k, v, mask=None, attn_mask=None):
+        return super().attend(q, k, v, mask=mask, attn_mask=attn_mask)
+
+
+def test_plain_softmax_is_declared_by_standard_only_and_lost_by_overriding_attend():
+    assert StandardAttention.plain_softmax and DeclaredSoftmax.plain_softmax
+    for cls in (DnAAttention, DiffAttention, CogAttention, OwnAttend):
+        assert not cls.plain_softmax, cls
+    assert not getattr(DnACrossAttention, "plain_softmax", False)
+
+
+def _model_with(cls):
+    model = attnlab.build_model("vit_cifar", num_classes=10, attn="standard", depth=1)
+    block = model.blocks[0]
+    block.attn = cls.from_module(block.attn)
+    return model
+
+
+@pytest.mark.parametrize("cls,ok", [(OwnAttend, False), (DeclaredSoftmax, True)])
+def test_qkclip_entropy_and_jacobian_follow_the_capability(cls, ok):
+    model = _model_with(cls)
+    modules = [model.blocks[0].attn]
+    images = torch.randn(1, 3, 32, 32)
+    if ok:
+        qkclip.apply(model, modules)
+        assert entropy.attention_entropy(model, images)
+        jacobian._check(modules[0], "blocks.0.attn")
+    else:
+        with pytest.raises(SpecError, match="softmax"):
+            qkclip.apply(model, modules)
+        with pytest.raises(UnsupportedModelError):
+            entropy.attention_entropy(model, images)
+        with pytest.raises(UnsupportedModelError):
+            jacobian._check(modules[0], "blocks.0.attn")
+
+
+def test_the_trainer_names_no_method_and_gets_qkclip_from_the_registry():
+    loop = (Path(attnlab.__file__).parent / "train" / "loop.py").read_text()
+    for name in VARIANTS:
+        assert f"reparam.{name}" not in loop and f"import {name}" not in loop, name
+    assert qkclip.TRAINING in training_hooks()
