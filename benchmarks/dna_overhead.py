@@ -35,17 +35,10 @@ from torch import nn
 
 import attnlab
 from attnlab.analysis.cost import _input_shape
-from attnlab.attention.dna import DnAAttention, combine
+from attnlab.attention.dna import DnAAttention
 from attnlab.bench import DTYPES, Autocast, measure_latency, resolve_device
 from attnlab.models.convert import attention_modules
 from attnlab.spec import split_specs
-
-
-class SDPAOnly(DnAAttention):
-    """attnlab's dna as it runs where the fused CPU kernel does not: two SDPA calls, then alpha mul + add."""
-
-    def attend(self, q, k, v, mask=None, attn_mask=None):
-        return combine(*self.branches(q, k, v, mask, attn_mask), self.alpha)
 
 
 class Straightforward(DnAAttention):
@@ -116,9 +109,11 @@ def build(model_name: str, specs: list[str], seed: int = 0) -> dict[str, nn.Modu
         kind, _, impl = spec.partition("[")
         torch.manual_seed(seed + 1)  # new parameters (Q-, V-, alpha) drawn identically for every layout
         m = attnlab.convert(copy.deepcopy(base), kind)
-        if impl:
-            cls = {"sdpa]": SDPAOnly, "straightforward]": Straightforward, "one-sdpa]": OneSDPA,
-                   "triton]": TritonKernel}[impl]
+        if impl == "sdpa]":  # attnlab's dna as it runs where the fused CPU kernel does not
+            for _, attn in attention_modules(m):
+                attn.backend = "sdpa"
+        elif impl:
+            cls = {"straightforward]": Straightforward, "one-sdpa]": OneSDPA, "triton]": TritonKernel}[impl]
             for _, attn in attention_modules(m):
                 attn.__class__ = cls
                 if cls is Straightforward:

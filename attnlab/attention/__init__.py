@@ -1,3 +1,4 @@
 from .diff import DiffAttention  # noqa: F401
 from .cog import CogAttention  # noqa: F401
-from .dna import DnAAttention, DnACrossAttention  # noqa: F401
+from .dna import DnAAttention  # noqa: F401
+from .dna_cross import DnACrossAttention  # noqa: F401

@@ -27,14 +27,14 @@ authors' order Q+, Q-, K, V+, V- (width 5*dim for ``qv``; Q+, Q-, K, V for ``q``
 for ``shared`` / ``sum``). State dicts that keep Q- and V- as separate ``q_neg`` / ``v_neg`` Linears next to a
 3*dim ``qkv`` are fused on load.
 
-Speed. For CPU forward passes without gradient (eval, analyses, benchmarks) both branches run in ONE fused C kernel
-(:mod:`attnlab.ops.dna_cpu`): one pass over K per head, the combined output written in head-merge layout, the
-projection a bias-free GEMM whose Q/V bias the kernel adds as it copies each head (:meth:`DnAAttention.forward`).
-Elsewhere (training, GPU, other dtypes, torch.compile) the fused path runs two SDPA calls; the softmin branch is
-SDPA with a negated scale on CPU (free), or with -Q- elsewhere (CUDA flash kernels take the row maximum before
-scaling, so a negative scale is not safe there). Stacking both branches into one SDPA call (along heads or batch)
-needs copies of K and the stacked q, v, and measured slower on CPU (see docs/perf.md), as it does on GPU
-(REFERENCES.md).
+Backends. :func:`dna_attention` is the one place a backend is picked, for the self- and the cross-attention
+module alike (their ``attend``; ``fused_attn=False`` runs the explicit path instead, the readable definition):
+``kernel``, the fused CPU kernel (:mod:`attnlab.ops.dna_cpu`, the custom op ``attnlab::dna_fused``) for float32
+forwards without gradient or dropout; ``triton``, the opt-in CUDA kernel (:mod:`attnlab.ops.dna_triton`,
+``ATTNLAB_DNA_TRITON=1``); else ``sdpa``, two SDPA calls and :func:`combine`. All compute the formula above. On the
+CPU the projection is one bias-free GEMM whose bias the kernel adds as it copies each head (the other backends add
+it first). The softmin branch is SDPA with a negated scale on CPU (free), or with -Q- elsewhere (CUDA flash kernels
+take the row maximum before scaling, so a negative scale is not safe there). Measurements: docs/perf.md.
 
 Two-branch convention (shared with ``diff``, used by :mod:`attnlab.analysis.dna`): ``branch_outputs(x, mask=None,
 attn_mask=None) -> (o_pos, o_neg)``, each (B, H, N, D), the two branches before alpha; ``branch_values(x) ->
@@ -50,17 +50,15 @@ import torch.nn.functional as F
 from torch import nn
 from timm.layers import trunc_normal_
 
-from ..errors import SpecError
-from ..ops.dna_cpu import dna_attention
-from ..ops.dna_cpu import kernel_error as dna_kernel_error
-from ..ops.dna_cpu import runs_error as dna_runs_error
-from ..ops.dna_triton import dna_attention_triton
-from ..ops.dna_triton import triton_error as dna_triton_error
+from ..errors import ConfigError, SpecError
+from ..ops import dna_cpu
+from ..ops.dna_triton import dna_attention_triton, triton_error
 from .base import AttnlabAttention
 
 VARIANTS = ("qv", "q", "v", "shared", "sum")
 SCALES = ("both", "neg_only")
 INITS = ("random", "copy")
+BACKENDS = ("auto", "kernel", "triton", "sdpa")
 
 
 def block_names(variant: str) -> tuple[str, ...]:
@@ -127,25 +125,75 @@ def combine(o_pos: torch.Tensor, o_neg: torch.Tensor, alpha: torch.Tensor | None
     return torch.addcmul(o_pos, alpha.to(o_pos.dtype).view(-1, 1, 1), o_neg)
 
 
-def _fused(q_pos, q_neg, k, v_pos, v_neg, alpha, *, scale_pos, scale_neg, bias_pos, bias_neg, dropout_p):
-    """The combined output of both branches, (B, H, N, D): the fused CPU kernel (:mod:`attnlab.ops.dna_cpu`) where it
-    applies (CPU float32 forward without gradient or dropout), the opt-in Triton kernel on CUDA
-    (:mod:`attnlab.ops.dna_triton`, ``ATTNLAB_DNA_TRITON=1``, no bias or mask), else two SDPA calls and
-    :func:`combine`."""
-    if dropout_p == 0.0 and dna_kernel_error(q_pos, k, q_neg, v_pos, v_neg, alpha, bias_pos, bias_neg) is None:
-        return dna_attention(q_pos, q_neg, k, v_pos, v_neg, alpha, scale_pos=scale_pos, scale_neg=scale_neg,
-                             bias_pos=bias_pos, bias_neg=bias_neg)
-    biased = bias_pos is not None or bias_neg is not None
-    if dropout_p == 0.0 and dna_triton_error(q_pos, k, q_neg, v_pos, v_neg, alpha, bias=biased) is None:
+def backend_error(backend: str, q_pos, q_neg, k, v_pos, v_neg, alpha, *, bias_pos=None, bias_neg=None,
+                  input_bias=None, dropout_p: float = 0.0) -> str | None:
+    """Why ``backend`` (``kernel``, ``triton`` or ``sdpa``) cannot compute this call, or None when it can."""
+    if backend == "sdpa":
+        return None
+    if dropout_p:
+        return f"the {backend} backend has no attention dropout"
+    if backend == "kernel":
+        return dna_cpu.kernel_error(q_pos, k, q_neg, v_pos, v_neg, alpha, bias_pos, bias_neg, *(input_bias or ()))
+    if backend == "triton":
+        return triton_error(q_pos, k, q_neg, v_pos, v_neg, alpha, bias=bias_pos is not None or bias_neg is not None)
+    raise ConfigError(f"the DnA backend {backend!r} does not exist; use one of: {', '.join(BACKENDS)}.")
+
+
+def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_pos: torch.Tensor,
+                  v_neg: torch.Tensor, alpha: torch.Tensor | None, *, scale_pos: float, scale_neg: float,
+                  bias_pos: torch.Tensor | None = None, bias_neg: torch.Tensor | None = None,
+                  input_bias: tuple[torch.Tensor | None, ...] | None = None, dropout_p: float = 0.0,
+                  backend: str = "auto") -> torch.Tensor:
+    """A_h = softmax(scale_pos q+ k^T + bias_pos) v+ + alpha_h softmin(scale_neg q- k^T - bias_neg) v-, (B, H, N, D).
+
+    q_*: (B, H, N, D), k and v_*: (B, H, M, D); alpha (H,) or None (= 1); ``bias_neg`` in negated-logit form
+    (:func:`negative_bias`); ``input_bias``: None or five (H, D) tensors (or None) added to q+, q-, k, v+, v- first
+    (a projection's bias). ``backend="auto"`` takes the first of ``kernel``, ``triton``, ``sdpa`` that can run
+    the call; a named backend that cannot raises ConfigError with the reason.
+    """
+    args = (q_pos, q_neg, k, v_pos, v_neg, alpha)
+    if backend == "auto":
+        backend = next(b for b in ("kernel", "triton", "sdpa") if backend_error(
+            b, *args, bias_pos=bias_pos, bias_neg=bias_neg, input_bias=input_bias, dropout_p=dropout_p) is None)
+    else:
+        why = backend_error(backend, *args, bias_pos=bias_pos, bias_neg=bias_neg, input_bias=input_bias,
+                            dropout_p=dropout_p)
+        if why:
+            raise ConfigError(f"DnA's {backend} backend cannot run this call: {why}; use backend='auto'.")
+    if backend == "kernel":
+        return dna_cpu.dna_attention(*args, scale_pos=scale_pos, scale_neg=scale_neg, bias_pos=bias_pos,
+                                     bias_neg=bias_neg, input_bias=input_bias)
+    q_pos, q_neg, k, v_pos, v_neg = add_input_bias((q_pos, q_neg, k, v_pos, v_neg), input_bias)
+    if backend == "triton":
         return dna_attention_triton(q_pos, q_neg, k, v_pos, v_neg, alpha, scale_pos=scale_pos, scale_neg=scale_neg)
     return combine(*dna_branches(q_pos, q_neg, k, v_pos, v_neg, scale_pos=scale_pos, scale_neg=scale_neg,
                                  bias_pos=bias_pos, bias_neg=bias_neg, dropout_p=dropout_p), alpha)
 
 
+def add_input_bias(heads: tuple[torch.Tensor, ...], input_bias) -> tuple[torch.Tensor, ...]:
+    """Each (B, H, ., D) tensor of ``heads`` plus its (H, D) bias (None: unchanged); a tensor passed twice (a
+    shared query or value) with the same bias stays one tensor."""
+    if input_bias is None:
+        return tuple(heads)
+    out: list[torch.Tensor] = []
+    for i, (t, b) in enumerate(zip(heads, input_bias)):
+        prev = next((out[j] for j in range(i) if heads[j] is t and input_bias[j] is b), None)
+        if prev is not None:
+            out.append(prev)
+        else:
+            out.append(t if b is None else t + b.to(t.dtype).reshape(1, t.shape[1], 1, t.shape[-1]))
+    return tuple(out)
+
+
 # ---- parameters shared by the self- and cross-attention modules --------------------------------------------------
 class _DnAParams:
     """Options, alpha and the fused-projection bookkeeping common to :class:`DnAAttention` and
-    :class:`DnACrossAttention`."""
+    :class:`attnlab.attention.dna_cross.DnACrossAttention`.
+
+    ``backend`` (attribute, default ``auto``): what :func:`dna_attention` runs when ``fused_attn`` is on; ``kernel``,
+    ``triton`` or ``sdpa`` pin one (a benchmark's row, a test)."""
+
+    backend: str = "auto"
 
     def _setup_dna(self, variant: str, alpha_init: float, scale: str, init: str, neg_init: float) -> None:
         _check_options(variant, alpha_init, scale, init, neg_init)
@@ -300,10 +348,33 @@ class DnAAttention(_DnAParams, AttnlabAttention):
 
         Q and K are normalised per head when qk_norm is on (each query branch by the same ``q_norm``).
         """
-        q_pos, q_neg, k, v_pos, v_neg = self._slots(self._project_blocks(x))
-        q_pos = self.q_norm(q_pos)
-        q_neg = self.q_norm(q_neg) if q_neg is not q_pos else q_pos
-        return (q_pos, q_neg), self.k_norm(k), (v_pos, v_neg)
+        q, k, v, input_bias = self._project(x)
+        q_pos, q_neg, k, v_pos, v_neg = add_input_bias((*q, k, *v), input_bias)
+        return (q_pos, q_neg), k, (v_pos, v_neg)
+
+    def _project(self, x: torch.Tensor):
+        """:meth:`project`'s result and the projection bias still to be added (five (H, D) tensors or None, see
+        :func:`dna_attention`). On the CPU without QK-norm the projection is one bias-free GEMM and the bias is
+        left to the backend: the kernel adds it as it copies each head, which spares a pass over the (B, N, 5*dim)
+        output (docs/perf.md); forward hooks on ``qkv`` do not see this GEMM. ``qkv.weight`` is read once (a
+        parametrisation such as sigma's power iteration runs on each read)."""
+        B, N, _ = x.shape
+        H, D, nb = self.num_heads, self.head_dim, len(self.qkv_blocks)
+        defer = x.device.type == "cpu" and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm,
+                                                                                              nn.Identity)
+        if defer:
+            w, b = self.qkv.weight, self.qkv.bias
+            y = F.linear(x, w)
+        else:
+            y, b = self.qkv(x), None
+        blocks = y.view(B, N, nb, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+        q_pos, q_neg, k, v_pos, v_neg = self._slots(blocks)
+        input_bias = None if b is None else self._slots(b.view(nb, H, D).unbind(0))
+        if not defer:
+            shared_q = q_neg is q_pos
+            q_pos, k = self.q_norm(q_pos), self.k_norm(k)
+            q_neg = q_pos if shared_q else self.q_norm(q_neg)
+        return (q_pos, q_neg), k, (v_pos, v_neg), input_bias
 
     def _slots(self, blocks):
         """(q_pos, q_neg, k, v_pos, v_neg) from one item per block of ``qkv_blocks``; a shared query or value (the
@@ -314,54 +385,12 @@ class DnAAttention(_DnAParams, AttnlabAttention):
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """As :meth:`AttnlabAttention.forward`. Where the fused CPU kernel runs (float32 forward without gradient or
-        dropout, no QK-norm) the projection is one bias-free GEMM and the kernel adds ``qkv.bias`` as it copies
-        each head: adding it to the (B, N, 5*dim) output took a pass over it (docs/perf.md). Forward hooks on ``qkv``
-        do not see this path, nor does a subclass's own ``project`` or ``attend`` (the frame runs those)."""
-        B, N, _ = x.shape
-        H, D = self.num_heads, self.head_dim
-        cls = type(self)
-        if (is_causal or not self.fused_attn or (self.training and self.attn_drop.p > 0)
-                or cls.project is not DnAAttention.project or cls.attend is not DnAAttention.attend
-                or x.device.type != "cpu" or torch.is_autocast_enabled("cpu")
-                or not isinstance(self.q_norm, nn.Identity) or not isinstance(self.k_norm, nn.Identity)
-                or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
-                or dna_runs_error((x, self.alpha), head_dim=D, keys=N)):
-            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal, mask=mask)
-        bias_pos, bias_neg = self._biases(B, N, mask, attn_mask, like=x)
-        if dna_runs_error((bias_pos, bias_neg), head_dim=D, keys=N):
-            return super().forward(x, attn_mask=attn_mask, mask=mask)
-        # qkv.weight is read once per forward, as on every other path (a parametrisation such as sigma's power
-        # iteration runs on each read)
-        w, b, nb = self.qkv.weight, self.qkv.bias, len(self.qkv_blocks)
-        y = F.linear(x, w).view(B, N, nb, H, D).permute(2, 0, 3, 1, 4)
-        bias = None
-        if b is not None:  # K's bias adds q . b_k to a whole row of logits, which softmax(min) ignores
-            q_pos_b, q_neg_b, _, v_pos_b, v_neg_b = self._slots(b.view(nb, H, D).unbind(0))
-            bias = (q_pos_b, q_neg_b, None, v_pos_b, v_neg_b)
-        q_pos, q_neg, k, v_pos, v_neg = self._slots(y.unbind(0))
-        o = dna_attention(q_pos, q_neg, k, v_pos, v_neg, self.alpha, scale_pos=self.scale_pos,
-                          scale_neg=self.scale_neg, bias_pos=bias_pos, bias_neg=bias_neg, input_bias=bias)
+        """As :meth:`AttnlabAttention.forward`; the projection bias goes to :meth:`attend` unapplied where
+        :meth:`_project` leaves it."""
+        attn_mask = self.causal_mask(x, attn_mask, is_causal)
+        q, k, v, input_bias = self._project(x)
+        o = self.attend(q, k, v, mask=mask, attn_mask=attn_mask, input_bias=input_bias)
         return self.merge(self.head_transform(o), x)
-
-    def _project_blocks(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x @ qkv.weight^T + qkv.bias, one (B, H, N, D) view per block of ``qkv_blocks``.
-
-        On CPU the fused weight is applied as two Linears over contiguous row slices, the query blocks and the
-        key / value blocks (no weight copy): the two narrower outputs measured faster than one 5*dim-wide output,
-        both for the GEMM and for the SDPA calls that read them (docs/perf.md). Forward hooks on ``qkv`` do not
-        see this path; elsewhere ``qkv`` is called once.
-        """
-        B, N, _ = x.shape
-        H, D = self.num_heads, self.head_dim
-        if x.device.type != "cpu":
-            groups = [(self.qkv(x), len(self.qkv_blocks))]
-        else:
-            nq = sum(name.startswith("q") for name in self.qkv_blocks)  # blocks are ordered queries, K, values
-            w, b, split = self.qkv.weight, self.qkv.bias, nq * self.attn_dim
-            groups = [(F.linear(x, w[:split], None if b is None else b[:split]), nq),
-                      (F.linear(x, w[split:], None if b is None else b[split:]), len(self.qkv_blocks) - nq)]
-        return tuple(blk for y, n in groups for blk in y.view(B, N, n, H, D).permute(2, 0, 3, 1, 4).unbind(0))
 
     def _biases(self, B: int, N: int, mask, attn_mask, like: torch.Tensor):
         """(bias_pos, bias_neg): the standard fused bias, and the softmin branch's in negated-logit form (its masks
@@ -409,26 +438,31 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         w_pos, w_neg = self.weights(q, k, mask, attn_mask)
         return self.attn_drop(w_pos) @ v_pos, self.attn_drop(w_neg) @ v_neg
 
-    def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:
-        """A_h = softmax(s^+) V^+ + alpha_h softmin(s^-) V^-, (B, H, N, D); q = (q_pos, q_neg), v = (v_pos, v_neg).
+    def attend(self, q, k, v, mask=None, attn_mask=None, input_bias=None) -> torch.Tensor:
+        """A_h = softmax(s^+) V^+ + alpha_h softmin(s^-) V^-, (B, H, N, D); q = (q_pos, q_neg), v = (v_pos, v_neg),
+        ``input_bias`` as :func:`dna_attention`. The one place this module's backend is chosen: the explicit path
+        when ``fused_attn`` is off, else :func:`dna_attention` with ``self.backend``.
 
         The explicit path with a shared V (variants q, shared, sum) forms [softmax(s^+) + alpha softmin(s^-)] V,
         one product with V, as Table 12 writes it.
         """
+        (q_pos, q_neg), (v_pos, v_neg) = q, v
+        dropout_p = self.attn_drop.p if self.training else 0.0
         if self.fused_attn:
-            (q_pos, q_neg), (v_pos, v_neg) = q, v
             bias_pos, bias_neg = self._biases(q_pos.shape[0], q_pos.shape[2], mask, attn_mask, like=q_pos)
-            return _fused(q_pos, q_neg, k, v_pos, v_neg, self.alpha, scale_pos=self.scale_pos,
-                          scale_neg=self.scale_neg, bias_pos=bias_pos, bias_neg=bias_neg,
-                          dropout_p=self.attn_drop.p if self.training else 0.0)
-        if v[0] is not v[1]:
+            return dna_attention(q_pos, q_neg, k, v_pos, v_neg, self.alpha, scale_pos=self.scale_pos,
+                                 scale_neg=self.scale_neg, bias_pos=bias_pos, bias_neg=bias_neg,
+                                 input_bias=input_bias, dropout_p=dropout_p, backend=self.backend)
+        q_pos, q_neg, k, v_pos, v_neg = add_input_bias((q_pos, q_neg, k, v_pos, v_neg), input_bias)
+        q, v = (q_pos, q_neg), (v_pos, v_neg)
+        if v_pos is not v_neg:
             return combine(*self.branches(q, k, v, mask, attn_mask), self.alpha)
         w_pos, w_neg = self.weights(q, k, mask, attn_mask)
         if self.alpha is None:
             w = w_pos + w_neg
         else:
             w = torch.addcmul(w_pos, self.alpha.to(w_pos.dtype).view(-1, 1, 1), w_neg)
-        return self.attn_drop(w) @ v[0]
+        return self.attn_drop(w) @ v_pos
 
     # ---- the two-branch convention (analysis) --------------------------------------------------------------------
     def branch_outputs(self, x: torch.Tensor, mask: torch.Tensor | None = None,
@@ -455,123 +489,5 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         return f"{super().extra_repr()}, variant={self.variant}, scale={self.scale_mode}"
 
 
-class DnACrossAttention(_DnAParams, nn.Module):
-    """DnA cross-attention (Sec. 3.3, the visual-probe adapter): queries from ``x``, keys and values from ``context``.
-
-        P' = softmax(P W_{Q+} (X W_K)^T / sqrt(d)) X W_{V+} + alpha * softmin(P W_{Q-} (X W_K)^T / sqrt(d)) X W_{V-}
-
-    followed by the output projection. Projections: ``q`` (rows Q+, Q- or Q) on ``x``, ``kv`` (rows K, V+, V- or K,
-    V) on ``context``; options as :class:`DnAAttention` (``init=copy`` derives Q-, V- from Q+, V+ at construction and
-    in :meth:`copy_from`).
-
-    Args:
-        dim: query token width (and output width).
-        num_heads: heads H.
-        kv_dim: context token width (default ``dim``).
-        head_dim: features per head D (default ``dim // num_heads``).
-        qkv_bias, proj_bias, attn_drop, proj_drop, fused_attn: as :class:`AttnlabAttention`.
-        variant, alpha_init, scale, init, neg_init: as :class:`DnAAttention`.
-    """
-
-    def __init__(self, dim: int, num_heads: int = 8, kv_dim: int | None = None, *, head_dim: int | None = None,
-                 qkv_bias: bool = False, proj_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0,
-                 fused_attn: bool = True, variant: str = "qv", alpha_init: float = 0.5, scale: str = "both",
-                 init: str = "random", neg_init: float = 1e-4) -> None:
-        super().__init__()
-        self.dim = dim
-        self.kv_dim = kv_dim or dim
-        self.num_heads = num_heads
-        self.head_dim = head_dim or dim // num_heads
-        self.attn_dim = num_heads * self.head_dim
-        self.fused_attn = fused_attn
-        self._setup_dna(variant, alpha_init, scale, init, neg_init)
-        self.q_blocks = tuple(b for b in self.qkv_blocks if b.startswith("q"))
-        self.kv_blocks = tuple(b for b in self.qkv_blocks if not b.startswith("q"))
-        self.q = nn.Linear(dim, len(self.q_blocks) * self.attn_dim, bias=qkv_bias)
-        self.kv = nn.Linear(self.kv_dim, len(self.kv_blocks) * self.attn_dim, bias=qkv_bias)
-        self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = nn.Linear(self.attn_dim, dim, bias=proj_bias)
-        self.proj_drop = nn.Dropout(proj_drop)
-        if init == "copy":
-            with torch.no_grad():
-                self._init_negative(self._all_rows())
-
-    def _all_rows(self) -> dict:
-        rows = {**_rows(self.q, self.q_blocks, self.attn_dim), **_rows(self.kv, self.kv_blocks, self.attn_dim)}
-        return _canonical(rows)
-
-    @torch.no_grad()
-    def copy_from(self, q: nn.Linear, k: nn.Linear, v: nn.Linear, proj: nn.Linear | None = None) -> "DnACrossAttention":
-        """Warm start from a pretrained softmax cross-attention: Q+, K, V+ (and the output projection) copied, the
-        negative branch filled according to ``init`` (``copy``: the paper's scaled-down copies). Returns self."""
-        rows = self._all_rows()
-        for name, src in (("q_pos", q), ("k", k), ("v_pos", v)):
-            w, b = rows[name]
-            w.copy_(src.weight)
-            if b is not None:
-                b.copy_(src.bias) if src.bias is not None else b.zero_()
-        self._init_negative(rows)
-        if proj is not None:
-            self.proj.load_state_dict(proj.state_dict())
-        return self
-
-    def project(self, x: torch.Tensor, context: torch.Tensor):
-        """((q_pos, q_neg), k, (v_pos, v_neg)): queries (B, H, N, D) from x, keys / values (B, H, M, D) from context."""
-        B, N, _ = x.shape
-        M = context.shape[1]
-        qs = self.q(x).view(B, N, len(self.q_blocks), self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        kvs = self.kv(context).view(B, M, len(self.kv_blocks), self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        named = {**dict(zip(self.q_blocks, qs.unbind(0))), **dict(zip(self.kv_blocks, kvs.unbind(0)))}
-        q_pos = named.get("q_pos", named.get("q"))
-        v_pos = named.get("v_pos", named.get("v"))
-        return (q_pos, named.get("q_neg", q_pos)), named["k"], (v_pos, named.get("v_neg", v_pos))
-
-    def branches(self, q, k, v, attn_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-        (q_pos, q_neg), (v_pos, v_neg) = q, v
-        bias_neg = negative_bias(None, attn_mask, q_pos) if attn_mask is not None else None
-        if self.fused_attn:
-            return dna_branches(q_pos, q_neg, k, v_pos, v_neg, scale_pos=self.scale_pos, scale_neg=self.scale_neg,
-                                bias_pos=attn_mask, bias_neg=bias_neg,
-                                dropout_p=self.attn_drop.p if self.training else 0.0)
-        kt = k.transpose(-2, -1)
-        pos_logits = (q_pos * self.scale_pos) @ kt
-        if attn_mask is not None:
-            pos_logits = pos_logits.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
-                else pos_logits + attn_mask
-        neg_logits = -((q_neg * self.scale_neg) @ kt)
-        if bias_neg is not None:
-            neg_logits = neg_logits + bias_neg
-        return (self.attn_drop(pos_logits.softmax(-1)) @ v_pos, self.attn_drop(neg_logits.softmax(-1)) @ v_neg)
-
-    def branch_outputs(self, x: torch.Tensor, context: torch.Tensor, attn_mask: torch.Tensor | None = None):
-        """(o_pos, o_neg), each (B, H, N, D), before alpha."""
-        return self.branches(*self.project(x, context), attn_mask=attn_mask)
-
-    def branch_values(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(V^+_h, V^-_h) of ``context`` (B, M, kv_dim), each (B, H, M, D)."""
-        B, M, _ = context.shape
-        kvs = self.kv(context).view(B, M, len(self.kv_blocks), self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        named = dict(zip(self.kv_blocks, kvs.unbind(0)))
-        v_pos = named.get("v_pos", named.get("v"))
-        return v_pos, named.get("v_neg", v_pos)
-
-    def forward(self, x: torch.Tensor, context: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (B, N, dim) queries, context: (B, M, kv_dim); ``attn_mask`` broadcastable to (B, H, N, M), bool
-        (True = attend) or additive. Returns (B, N, dim)."""
-        if self.fused_attn:
-            (q_pos, q_neg), k, (v_pos, v_neg) = self.project(x, context)
-            bias_neg = negative_bias(None, attn_mask, q_pos) if attn_mask is not None else None
-            o = _fused(q_pos, q_neg, k, v_pos, v_neg, self.alpha, scale_pos=self.scale_pos, scale_neg=self.scale_neg,
-                       bias_pos=attn_mask, bias_neg=bias_neg, dropout_p=self.attn_drop.p if self.training else 0.0)
-        else:
-            o = combine(*self.branch_outputs(x, context, attn_mask), self.alpha)
-        B, _, N, _ = o.shape
-        return self.proj_drop(self.proj(o.transpose(1, 2).reshape(B, N, self.attn_dim)))
-
-    def extra_repr(self) -> str:
-        return (f"dim={self.dim}, kv_dim={self.kv_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-                f"variant={self.variant}, scale={self.scale_mode}")
-
-
-__all__ = ["DnAAttention", "DnACrossAttention", "dna_branches", "combine", "negative_bias", "block_names",
-           "VARIANTS"]
+__all__ = ["BACKENDS", "DnAAttention", "add_input_bias", "backend_error", "block_names", "combine", "dna_attention",
+           "dna_branches", "negative_bias", "VARIANTS"]

@@ -6,6 +6,12 @@ name that hashes the source, the flags and the CPU (``-march=native``), then loa
 (no compiler, read-only cache) is remembered and reported by :func:`load_error`; callers then use their torch
 path. ``ATTNLAB_KERNELS=0`` switches every kernel off.
 
+Safety. The cache directory is created private (mode 0700) and refused when another user could write to it (a
+library loaded from there runs in this process). Every kernel exports ``attnlab_abi()``, its interface version, and
+the sizes of the structs it reads (``abi_sizes``); :func:`load` checks both against what the Python side was written
+for, so a kernel and its ctypes declarations can never drift apart silently. Kernels keep their per-thread working
+memory on the heap, not in stack arrays: threads with small stacks (macOS's 512 KiB secondary threads) stay safe.
+
 Threads: a kernel is built with ``-fopenmp`` when the compiler can, and then parallelises inside C over the
 process's OpenMP runtime. Its ``libgomp.so.1`` dependency resolves to the one torch has already loaded, so the
 kernel runs on torch's own worker threads; a separate Python thread pool would compete with those workers, which
@@ -28,7 +34,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["disabled", "load", "load_error", "run_split"]
+__all__ = ["available", "disabled", "load", "load_error", "run_split"]
 
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu99")
 _OPENMP = "-fopenmp"
@@ -51,6 +57,17 @@ def _cache_dir() -> Path:
     if os.environ.get("ATTNLAB_CACHE"):
         return Path(os.environ["ATTNLAB_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnlab"
+
+
+def _private_dir(path: Path) -> Path:
+    """``path``, created with mode 0700 if missing; OSError when another user owns it or could write into it."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise OSError(f"the kernel cache {path} belongs to another user; set ATTNLAB_CACHE to a directory of yours")
+    if st.st_mode & 0o022:  # ours, but group- or world-writable: anyone could plant a library there
+        os.chmod(path, 0o700)
+    return path
 
 
 def _cpu_id() -> str:
@@ -78,9 +95,8 @@ def _build_with(source: Path, defines: tuple[str, ...]) -> ctypes.CDLL:
     compiler = os.environ.get("CC", "cc")
     flags = (*_FLAGS, *defines)
     key = hashlib.sha256("\0".join([source.read_text(), compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{source.stem}_{key}.so"
+    target = _private_dir(_cache_dir()) / f"{source.stem}_{key}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # unique name: concurrent builds do not clash
         os.close(fd)
         try:
@@ -94,23 +110,57 @@ def _build_with(source: Path, defines: tuple[str, ...]) -> ctypes.CDLL:
     return ctypes.CDLL(str(target))
 
 
-def load(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The compiled ``attnlab/ops/<name>`` with ``-D`` ``defines``; None when it cannot be built (see
-    :func:`load_error`). Built once per process."""
+def _handshake(lib: ctypes.CDLL, name: str, abi: int, abi_sizes: dict[str, int]) -> None:
+    """OSError unless ``lib`` reports interface version ``abi`` and, from each ``abi_sizes`` function, the size
+    (in bytes) the Python side declares for that struct."""
+    try:
+        version = lib.attnlab_abi
+    except AttributeError:
+        raise OSError(f"{name} exports no attnlab_abi(); it predates the version handshake") from None
+    version.restype = ctypes.c_int64
+    if version() != abi:
+        raise OSError(f"{name} has interface version {version()}, the Python side expects {abi}")
+    for fn_name, size in abi_sizes.items():
+        fn = getattr(lib, fn_name)
+        fn.restype = ctypes.c_int64
+        if fn() != size:
+            raise OSError(f"{name}: {fn_name}() is {fn()} bytes, the Python side declares {size}")
+
+
+def load(name: str, defines: tuple[str, ...] = (), *, abi: int, abi_sizes: dict[str, int] | None = None
+         ) -> ctypes.CDLL | None:
+    """The compiled ``attnlab/ops/<name>`` with ``-D`` ``defines``, checked to report interface version ``abi``
+    and the struct sizes ``abi_sizes`` (exported function name -> bytes); None when it cannot be built or fails
+    the check (see :func:`load_error`). Built once per process."""
     key = (name, defines)
     if key in _libs:
         return _libs[key]
     with _lock:
         if key not in _libs and key not in _errors:
             try:
-                _libs[key] = _build(Path(__file__).with_name(name), defines)
-            except OSError as err:  # no compiler, read-only cache, failed build or load
+                lib = _build(Path(__file__).with_name(name), defines)
+                _handshake(lib, name, abi, abi_sizes or {})
+                _libs[key] = lib
+            except OSError as err:  # no compiler, private cache refused, failed build, load or handshake
                 _errors[key] = f"the fused CPU kernel could not be built ({err})"
     return _libs.get(key)
 
 
 def load_error(name: str, defines: tuple[str, ...] = ()) -> str | None:
     return _errors.get((name, defines))
+
+
+def available(name: str, defines: tuple[str, ...], loader: Callable[[], object]) -> str | None:
+    """Why kernel ``name`` cannot run in this process (switched off, or ``loader()`` returned None), or None.
+
+    The answer is fixed for the process, so code that ``torch.compile`` traces asks it once at trace time (the
+    ctypes build and load stay outside the graph)."""
+    off = disabled()
+    if off:
+        return off
+    if loader() is None:
+        return load_error(name, defines) or f"the fused CPU kernel {name} could not be loaded"
+    return None
 
 
 def run_split(lib: ctypes.CDLL, fn: Callable[..., int], args: tuple, total: int, min_per_thread: int = 1) -> None:

@@ -8,20 +8,30 @@ Two SDPA calls read K twice, write two (B, H, N, D) outputs and need a third pas
 the fused kernel takes about 0.75 of their time (vit_cifar and ViT-B/16 shapes; docs/perf.md).
 
 float32, CPU, head dim 16 / 32 / 48 / 64, at most 1024 keys, no dropout, no gradient; everything else goes to
-SDPA (:func:`attnlab.attention.dna.dna_branches`). Building: :mod:`attnlab.ops.ckernel`.
+SDPA (:func:`attnlab.attention.dna.dna_attention` picks). Building: :mod:`attnlab.ops.ckernel`.
+
+The kernel is the ``torch.library`` custom op ``attnlab::dna_fused`` (the ctypes call inside it), with a fake
+implementation (output shape and strides, so FakeTensor and ``torch.compile`` trace it without a graph break) and a
+FLOP formula: the two SDPA calls it replaces, 2 x 4 B H N M D, so ``FlopCounterMode`` counts a model the same with
+and without gradient.
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import Optional, Sequence
 
 import torch
+from torch.utils.flop_counter import register_flop_formula, sdpa_flop_count
 
 from attnlab.ops import ckernel
 
-__all__ = ["dna_attention", "kernel_error", "runs_error"]
+__all__ = ["dna_attention", "kernel_error", "runs_error", "supports"]
 
 _SOURCE = "dna_kernel.c"
+_ABI = 2  # ATTNLAB_DNA_ABI in dna_kernel.c
+_HEAD_DIMS = (16, 32, 48, 64)  # attnlab_dna_supports in dna_kernel.c (a test checks that the two agree)
+_MAX_KEYS = 1024
 _NT = 8  # QP, QN, K, VP, VN, OUT, BP, BN in dna_kernel.c
 
 
@@ -42,7 +52,7 @@ _funcs: tuple | None = None
 def _load():
     global _funcs
     if _funcs is None:
-        lib = ckernel.load(_SOURCE)
+        lib = ckernel.load(_SOURCE, abi=_ABI, abi_sizes={"attnlab_dna_args_size": ctypes.sizeof(_Args)})
         if lib is None:
             return None
         fn, supports = lib.attnlab_dna_f32, lib.attnlab_dna_supports
@@ -72,17 +82,21 @@ def runs_error(tensors, *, head_dim: int, keys: int) -> str | None:
         return "the fused DnA kernel takes float32"
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return "the fused DnA kernel is forward-only; this call needs a gradient"
-    if torch.compiler.is_compiling():
-        return "the fused DnA kernel is opaque to torch.compile"
-    off = ckernel.disabled()
-    if off:
-        return off
-    funcs = _load()
-    if funcs is None:
-        return ckernel.load_error(_SOURCE)
-    if not funcs[1](head_dim, keys):
+    if not supports(head_dim, keys):
         return f"the fused DnA kernel takes head dim 16, 32, 48 or 64 and <= 1024 keys, got {head_dim}, {keys}"
-    return None
+    return unavailable()
+
+
+def supports(head_dim: int, keys: int) -> bool:
+    """Whether the kernel has an instance for this head dim and number of keys (``attnlab_dna_supports``)."""
+    return head_dim in _HEAD_DIMS and 1 <= keys <= _MAX_KEYS
+
+
+@torch.compiler.assume_constant_result
+def unavailable() -> str | None:
+    """Why the kernel cannot run in this process (switched off, no compiler, failed build), or None. Fixed for
+    the process: ``torch.compile`` evaluates it once while tracing, outside the graph."""
+    return ckernel.available(_SOURCE, (), _load)
 
 
 def _additive(bias: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -125,7 +139,7 @@ def _check_layout(q_pos, q_neg, k, v_pos, v_neg, alpha, bias_pos, bias_neg, inpu
 def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_pos: torch.Tensor,
                   v_neg: torch.Tensor, alpha: torch.Tensor | None, *, scale_pos: float, scale_neg: float,
                   bias_pos: torch.Tensor | None = None, bias_neg: torch.Tensor | None = None,
-                  input_bias: tuple[torch.Tensor | None, ...] | None = None) -> torch.Tensor:
+                  input_bias: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
     """softmax(scale_pos q+ k^T + bias_pos) v+ + alpha_h softmin(scale_neg q- k^T - bias_neg) v-, (B, H, N, D).
 
     q_*: (B, H, N, D); k, v_*: (B, H, M, D); alpha: (H,) or None (= 1); biases broadcastable to (B, H, N, M),
@@ -136,14 +150,23 @@ def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_p
     (B, N, H, D) buffer. The caller has checked :func:`kernel_error`; tensors the kernel would misread (another
     dtype or device, mismatched shapes) raise ValueError here.
     """
+    return torch.ops.attnlab.dna_fused(q_pos, q_neg, k, v_pos, v_neg, alpha, scale_pos, scale_neg, bias_pos,
+                                       bias_neg, list(input_bias or ()))
+
+
+@torch.library.custom_op("attnlab::dna_fused", mutates_args=(), device_types="cpu")
+def _dna_fused(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_pos: torch.Tensor, v_neg: torch.Tensor,
+               alpha: Optional[torch.Tensor], scale_pos: float, scale_neg: float, bias_pos: Optional[torch.Tensor],
+               bias_neg: Optional[torch.Tensor], input_bias: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    input_bias = input_bias or None
+    _check_layout(q_pos, q_neg, k, v_pos, v_neg, alpha, bias_pos, bias_neg, input_bias)
     fn, _, lib = _load()
     B, H, N, D = q_pos.shape
     M = k.shape[-2]
-    _check_layout(q_pos, q_neg, k, v_pos, v_neg, alpha, bias_pos, bias_neg, input_bias)
     ts = [t if t.stride(-1) == 1 else t.contiguous() for t in (q_pos, q_neg, k, v_pos, v_neg)]
-    if q_neg is q_pos:
+    if _same(q_neg, q_pos):
         ts[1] = ts[0]
-    if v_neg is v_pos:
+    if _same(v_neg, v_pos):
         ts[4] = ts[3]
     out = torch.empty(B, N, H, D, dtype=q_pos.dtype).transpose(1, 2)
     ts.append(out)
@@ -164,3 +187,21 @@ def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_p
     args.scale_pos, args.scale_neg = scale_pos, -scale_neg
     ckernel.run_split(lib, fn, (ctypes.byref(args),), B * H, min_per_thread=max(1, 2**16 // (N * M)))
     return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """One tensor passed twice (a shared query or value): the same memory with the same layout."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())
+
+
+@_dna_fused.register_fake
+def _(q_pos, q_neg, k, v_pos, v_neg, alpha, scale_pos, scale_neg, bias_pos, bias_neg, input_bias):
+    _check_layout(q_pos, q_neg, k, v_pos, v_neg, alpha, bias_pos, bias_neg, input_bias or None)
+    B, H, N, D = q_pos.shape
+    return q_pos.new_empty(B, N, H, D).transpose(1, 2)
+
+
+@register_flop_formula(torch.ops.attnlab.dna_fused)
+def _flops(q_shape, q_neg_shape, k_shape, v_pos_shape, *args, **kwargs) -> int:
+    """The two SDPA calls the kernel replaces (each q k^T and weights @ v), so counts agree across backends."""
+    return 2 * sdpa_flop_count(q_shape, k_shape, v_pos_shape)

@@ -28,6 +28,7 @@
 #include <immintrin.h>
 #endif
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define L 16      /* floats per vector */
@@ -268,7 +269,17 @@ INLINE float *copy_rows(float *dst, const float *src, int64_t stride, const floa
     return dst;
 }
 
-INLINE void dna_head(const dna_args *a, int64_t bi, int64_t h, const int D) {
+/* Query rows per register block (see above) and the floats of one head's working memory, for head dim D and M
+ * keys: K^T, V+, V-, both rows of logits, the biased query rows and a spare output row. Up to ~800 KiB (D = 64,
+ * M = 1024), so it lives on the heap, once per thread, never on a (possibly small) thread stack. */
+static int rows_per_block(int64_t D) { return D == L ? 8 : 4; }
+
+static int64_t workspace_floats(int64_t D, int64_t M) {
+    const int64_t row = (M + L - 1) / L * L, R = rows_per_block(D);
+    return D * row + 2 * M * D + 2 * R * row + 2 * R * D + D;
+}
+
+INLINE void dna_head(const dna_args *a, int64_t bi, int64_t h, float *work, const int D) {
     const int64_t N = a->N, M = a->M;
     const int blocks = (int)((M + L - 1) / L), row = blocks * L, R = D == L ? 8 : 4;
     const float *p[NT], *ib[VN + 1];
@@ -277,7 +288,7 @@ INLINE void dna_head(const dna_args *a, int64_t bi, int64_t h, const int D) {
     for (int t = 0; t <= VN; t++) ib[t] = a->in_bias[t] ? a->in_bias[t] + h * D : NULL;
 
     /* dense local copies (input bias added): the inputs are rows of a wide projection output, one page apart */
-    float kt[D * row], vp[M * D], vn[M * D];
+    float *kt = work, *vp = kt + D * row, *vn = vp + M * D;
     ivec lane;
     for (int l = 0; l < L; l++) lane[l] = (blocks - 1) * L + l;
     for (int b = 0; b < blocks; b++) transpose_keys(kt, p[K], ib[K], a->stride[K][2], b, M, row, D);
@@ -285,7 +296,8 @@ INLINE void dna_head(const dna_args *a, int64_t bi, int64_t h, const int D) {
     copy_rows(vn, p[VN], a->stride[VN][2], ib[VN], M, D);
     const head c = {kt, vp, vn, lane < (ivec){0} + (int32_t)M, M, blocks, row, a->scale_pos, a->scale_neg, a->alpha[h]};
 
-    float pos[R * row], neg[R * row], spare[D], q_pos[R * D], q_neg[R * D];
+    float *pos = vn + M * D, *neg = pos + R * row, *q_pos = neg + R * row, *q_neg = q_pos + R * D,
+          *spare = q_neg + R * D;
     const float *qp[R], *qn[R], *bp[R], *bn[R];
     float *out[R];
     for (int64_t i = 0; i < N; i += R) {
@@ -303,24 +315,39 @@ INLINE void dna_head(const dna_args *a, int64_t bi, int64_t h, const int D) {
     }
 }
 
+/* The handshake with attnlab/ops/dna_cpu.py: bump ATTNLAB_DNA_ABI whenever an entry point or dna_args changes. */
+#define ATTNLAB_DNA_ABI 2
+int64_t attnlab_abi(void) { return ATTNLAB_DNA_ABI; }
+int64_t attnlab_dna_args_size(void) { return (int64_t)sizeof(dna_args); }
+
 /* 1 when a head dim D and M keys are supported, else 0 */
 int attnlab_dna_supports(int64_t D, int64_t M) {
     return (D == 16 || D == 32 || D == 48 || D == 64) && M >= 1 && M <= MAX_M;
 }
 
 /* Heads [start, end) of the (B, H) grid over `threads` OpenMP threads; head m is (b, h) = (m / H, m % H).
- * Returns 0, or -1 if unsupported. */
+ * Returns 0, -1 if unsupported, -2 if a thread's working memory could not be allocated. */
 int attnlab_dna_f32(const dna_args *a, int64_t start, int64_t end, int threads) {
     if (!attnlab_dna_supports(a->D, a->M)) return -1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t m = start; m < end; m++) {
-        const int64_t b = m / a->H, h = m % a->H;
-        switch (a->D) { /* a constant D per case: unrolled, vectorised loops */
-        case 16: dna_head(a, b, h, 16); break;
-        case 32: dna_head(a, b, h, 32); break;
-        case 48: dna_head(a, b, h, 48); break;
-        default: dna_head(a, b, h, 64); break;
+    const size_t bytes = (size_t)workspace_floats(a->D, a->M) * sizeof(float);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        void *work_mem = NULL;
+        failed = posix_memalign(&work_mem, 64, bytes) != 0;
+        float *work = work_mem;
+#pragma omp for schedule(static)
+        for (int64_t m = start; m < end; m++) {
+            if (!work) continue;
+            const int64_t b = m / a->H, h = m % a->H;
+            switch (a->D) { /* a constant D per case: unrolled, vectorised loops */
+            case 16: dna_head(a, b, h, work, 16); break;
+            case 32: dna_head(a, b, h, work, 32); break;
+            case 48: dna_head(a, b, h, work, 48); break;
+            default: dna_head(a, b, h, work, 64); break;
+            }
         }
+        free(work);
     }
-    return 0;
+    return failed ? -2 : 0;
 }

@@ -6,8 +6,11 @@ The C kernel reads each head matrix once from wherever it lies, does the Gram-sp
 cache, and writes the result with the input's strides, so the head merge after it is a free view.
 
 It serves forward passes that need no gradient (eval, ``torch.no_grad`` / ``inference_mode``) on float32 and
-float64 CPU tensors; autograd, ``torch.compile`` tracing and other devices use the torch formulation. Building
-and loading: :mod:`attnlab.ops.ckernel`. Without a compiler, or with ``ATTNLAB_KERNELS=0``, ``impl="auto"``
+float64 CPU tensors; autograd and other devices use the torch formulation. Building and loading:
+:mod:`attnlab.ops.ckernel`. The kernel is the ``torch.library`` custom op ``attnlab::ns_fused`` (the ctypes call
+inside it) with a fake implementation (shape and strides, for FakeTensor and ``torch.compile``, which traces it
+without a graph break) and a FLOP formula: what ``FlopCounterMode`` counts for the fast path on the same shape, so a
+model counts the same with and without gradient. Without a compiler, or with ``ATTNLAB_KERNELS=0``, ``impl="auto"``
 quietly uses the torch formulation and ``impl="kernel"`` raises :class:`~attnlab.errors.ConfigError` with the
 reason.
 """
@@ -15,14 +18,19 @@ reason.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 from attnlab.ops import ckernel
 
-__all__ = ["kernel_error", "ns_kernel"]
+__all__ = ["kernel_error", "ns_kernel", "supports", "unavailable"]
 
 _SOURCE = "ns_kernel.c"
+_ABI = 2  # ATTNLAB_NS_ABI in ns_kernel.c
+# (min(N, D), D) pairs with a compiled instance: NS_SHAPES in ns_kernel.c (a test checks that the two agree)
+_SHAPES = {(16, 16), (32, 32), (48, 48), (64, 64), (16, 32), (16, 48), (16, 64), (32, 48), (32, 64), (48, 64)}
 _DTYPES = {torch.float32: ("f32", ctypes.c_float, ()), torch.float64: ("f64", ctypes.c_double, ("-DNS_DOUBLE",))}
 _funcs: dict[torch.dtype, tuple[object, object, object]] = {}  # dtype -> (transform, supports, library)
 
@@ -31,7 +39,7 @@ def _load(dtype: torch.dtype):
     """(transform, supports, library) for ``dtype``, built on first use; None when the build failed."""
     if dtype not in _funcs:
         suffix, ctype, defines = _DTYPES[dtype]
-        lib = ckernel.load(_SOURCE, defines)
+        lib = ckernel.load(_SOURCE, defines, abi=_ABI, abi_sizes={"attnlab_ns_real_size": ctypes.sizeof(ctype)})
         if lib is None:
             return None
         fn, supports = getattr(lib, f"attnlab_ns_{suffix}"), getattr(lib, f"attnlab_ns_supports_{suffix}")
@@ -53,32 +61,70 @@ def kernel_error(x: torch.Tensor) -> str | None:
         return f"the fused kernel takes float32 or float64, not {x.dtype}"
     if torch.is_grad_enabled() and x.requires_grad:
         return "the fused kernel is forward-only; this call needs a gradient"
-    if torch.compiler.is_compiling():
-        return "the fused kernel is opaque to torch.compile; compiled code uses the torch formulation"
     if x.ndim < 2:
         return f"the fused kernel takes (..., N, D) head matrices, got shape {tuple(x.shape)}"
-    off = ckernel.disabled()
-    if off:
-        return off
-    funcs = _load(x.dtype)
-    if funcs is None:
-        return ckernel.load_error(_SOURCE, _DTYPES[x.dtype][2])
-    if not funcs[1](*x.shape[-2:]):
+    if not supports(*x.shape[-2:]):
         return (f"the fused kernel has no instance for {x.shape[-2]} x {x.shape[-1]} head matrices (it takes "
                 f"min(N, D) in 16, 32, 48, 64 and, when N < D, D in 32, 48, 64)")
-    return None
+    return unavailable(x.dtype == torch.float64)
+
+
+def supports(N: int, D: int) -> bool:
+    """Whether the kernel has an instance for N x D head matrices (``attnlab_ns_supports_*``)."""
+    return (min(N, D), D) in _SHAPES
+
+
+@torch.compiler.assume_constant_result
+def unavailable(double: bool = False) -> str | None:
+    """Why the float32 (``double``: float64) kernel cannot run in this process, or None. Fixed for the process:
+    ``torch.compile`` evaluates it once while tracing, outside the graph."""
+    dtype = torch.float64 if double else torch.float32
+    return ckernel.available(_SOURCE, _DTYPES[dtype][2], lambda: _load(dtype))
 
 
 def ns_kernel(x: torch.Tensor, steps: int, eps: float, coeffs: tuple[float, float, float]) -> torch.Tensor:
     """T(x) by the fused kernel; the caller has checked :func:`kernel_error`. Output strides follow the input's
     when it is dense (an attention kernel's (B, N, H, D) buffer stays (B, N, H, D)), else it is contiguous."""
-    fn, _, lib = _load(x.dtype)
+    return torch.ops.attnlab.ns_fused(x, steps, eps, *coeffs)
+
+
+def _layout(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x4, y4): ``x`` as (B, H, N, D) with unit feature stride (a view whenever the leading dims allow one, for
+    the kernel's two batch strides) and an empty output of the same strides when dense."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    # (B, H, N, D) for the kernel's two batch strides: a view whenever the leading dims allow one
     x4 = x.reshape(-1, *x.shape[-3:]) if x.ndim >= 4 else x.reshape(*[1] * (4 - x.ndim), *x.shape)
-    y4 = torch.empty_like(x4)  # preserve_format: same strides as a dense input
+    return x4, torch.empty_like(x4)  # preserve_format: same strides as a dense input
+
+
+@torch.library.custom_op("attnlab::ns_fused", mutates_args=(), device_types="cpu")
+def _ns_fused(x: torch.Tensor, steps: int, eps: float, a: float, b: float, c: float) -> torch.Tensor:
+    fn, _, lib = _load(x.dtype)
+    x4, y4 = _layout(x)
     B, H, N, D = x4.shape
-    args = (x4.data_ptr(), y4.data_ptr(), H, N, D, *x4.stride()[:3], *y4.stride()[:3], steps, eps, *coeffs)
+    args = (x4.data_ptr(), y4.data_ptr(), H, N, D, *x4.stride()[:3], *y4.stride()[:3], steps, eps, a, b, c)
     ckernel.run_split(lib, fn, args, B * H, min_per_thread=64)  # a head matrix is ~1 us of work
     return y4.view(x.shape)  # splitting or dropping unit dims is always a view
+
+
+@_ns_fused.register_fake
+def _(x, steps, eps, a, b, c):
+    return _layout(x)[1].view(x.shape)
+
+
+@register_flop_formula(torch.ops.attnlab.ns_fused)
+def _flops(x_shape, steps, *args, **kwargs) -> int:
+    """The fast path's count on the same shape (:func:`attnlab.ops.ns._ns_fast`): the kernel does its algebra."""
+    matrices = 1
+    for s in x_shape[:-2]:
+        matrices *= s
+    return matrices * _fast_flops(x_shape[-2], x_shape[-1], steps)
+
+
+@functools.cache
+def _fast_flops(N: int, D: int, steps: int) -> int:
+    from attnlab.ops.ns import NS_COEFFS, NS_EPS, _ns_fast  # ns imports this module
+
+    with FlopCounterMode(display=False) as counter:
+        _ns_fast(torch.empty(1, N, D, device="meta"), steps, NS_EPS, NS_COEFFS)
+    return counter.get_total_flops()

@@ -13,6 +13,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* compiled once per dtype: -DNS_DOUBLE gives attnlab_ns_f64 on doubles, the default attnlab_ns_f32 on floats */
@@ -81,12 +82,19 @@ INLINE real dot(const real *a, const real *b, const int len) {
     return sum;
 }
 
+/* The working memory of one head matrix, in reals: seven n x n matrices and, in token space, X^T (D x n). Up to
+ * ~250 KiB in double, so it lives on the heap, once per thread, never on a (possibly small) thread stack. */
+static int64_t workspace_reals(int64_t N, int64_t D) {
+    const int64_t n = D <= N ? D : N;
+    return 7 * n * n + (D <= N ? 0 : D * n);
+}
+
 INLINE void ns_one(const real *x, real *y, int64_t N, int64_t sxn, int64_t syn, int steps, real eps, real ca,
-                   real cb, real cc, const int n, const int D) {
+                   real cb, real cc, real *work, const int n, const int D) {
     /* one head matrix X (N x D, rows sxn apart); n = min(N, D); n and D are constants after inlining */
-    real g[n * n], cur_buf[n * n], sq[n * n], p[n * n], pt_a[n * n], pt_b[n * n], p_sq[n * n];
+    real *g = work, *cur_buf = g + n * n, *sq = cur_buf + n * n, *p = sq + n * n, *pt_a = p + n * n,
+         *pt_b = pt_a + n * n, *p_sq = pt_b + n * n, *xt_buf = p_sq + n * n;
     const int features = D <= N;
-    real xt_buf[features ? 1 : D * n];
 
     /* Gram of the smaller side. Token space (N < D): X X^T is the feature Gram of X^T, so copy X^T (D x n) */
     if (features) {
@@ -172,9 +180,10 @@ INLINE void ns_one(const real *x, real *y, int64_t N, int64_t sxn, int64_t syn, 
 #define NS_SHAPES(X) X(16, 16) X(32, 32) X(48, 48) X(64, 64) X(16, 32) X(16, 48) X(16, 64) X(32, 48) X(32, 64) X(48, 64)
 
 static int ns_any(const real *x, real *y, int64_t N, int64_t D, int64_t sxn, int64_t syn, int steps, real eps,
-                  real ca, real cb, real cc) {
+                  real ca, real cb, real cc, real *work) {
     const int64_t n = D <= N ? D : N;
-#define NS_CALL(nv, dv) if (n == nv && D == dv) { ns_one(x, y, N, sxn, syn, steps, eps, ca, cb, cc, nv, dv); return 0; }
+#define NS_CALL(nv, dv) \
+    if (n == nv && D == dv) { ns_one(x, y, N, sxn, syn, steps, eps, ca, cb, cc, work, nv, dv); return 0; }
     NS_SHAPES(NS_CALL)
 #undef NS_CALL
     return -1;
@@ -189,17 +198,32 @@ int NS_SUPPORTS(int64_t N, int64_t D) {
     return 0;
 }
 
+/* The handshake with attnlab/ops/ns_cpu.py: bump ATTNLAB_NS_ABI whenever an entry point's arguments change. */
+#define ATTNLAB_NS_ABI 2
+int64_t attnlab_abi(void) { return ATTNLAB_NS_ABI; }
+int64_t attnlab_ns_real_size(void) { return (int64_t)sizeof(real); }
+
 /* Transforms matrices [start, end) of a (B, H, N, D) tensor, over `threads` OpenMP threads; matrix m is
- * (b, h) = (m / H, m % H). Strides are in
- * elements; the feature stride of x and y must be 1. Returns 0, or -1 for a shape outside the limits above. */
+ * (b, h) = (m / H, m % H). Strides are in elements; the feature stride of x and y must be 1. Returns 0, -1 for a
+ * shape outside the limits above, -2 if a thread's working memory could not be allocated. */
 int NS_ENTRY(const real *x, real *y, int64_t H, int64_t N, int64_t D, int64_t sxb, int64_t sxh,
              int64_t sxn, int64_t syb, int64_t syh, int64_t syn, int steps, real eps, real ca, real cb,
              real cc, int64_t start, int64_t end, int threads) {
     if (!NS_SUPPORTS(N, D)) return -1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t m = start; m < end; m++) {
-        const int64_t b = m / H, h = m % H;
-        ns_any(x + b * sxb + h * sxh, y + b * syb + h * syh, N, D, sxn, syn, steps, eps, ca, cb, cc);
+    const size_t bytes = (size_t)workspace_reals(N, D) * sizeof(real);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        void *work_mem = NULL;
+        failed = posix_memalign(&work_mem, 64, bytes) != 0;
+        real *work = work_mem;
+#pragma omp for schedule(static)
+        for (int64_t m = start; m < end; m++) {
+            if (!work) continue;
+            const int64_t b = m / H, h = m % H;
+            ns_any(x + b * sxb + h * sxh, y + b * syb + h * syh, N, D, sxn, syn, steps, eps, ca, cb, cc, work);
+        }
+        free(work);
     }
-    return 0;
+    return failed ? -2 : 0;
 }

@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("c_compiler")
+
 CODE = textwrap.dedent("""
     import torch
     from attnlab.attention.dna import combine, dna_branches

@@ -10,12 +10,14 @@ import torch
 
 from attnlab.attention import DnAAttention, DnACrossAttention
 from attnlab.attention import dna as dna_module
+from attnlab.errors import ConfigError
+from attnlab.ops import dna_cpu
 from attnlab.ops.dna_cpu import dna_attention, kernel_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference_dna as ref  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("private_kernel_cache")
+pytestmark = pytest.mark.usefixtures("private_kernel_cache", "dna_kernel")
 
 
 def _inputs(B, H, N, M, D, seed=0):
@@ -150,26 +152,46 @@ def test_module_under_cpu_autocast_leaves_the_kernel_out(monkeypatch):
     torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.02 * want.abs().max().item())  # bf16 rounding
 
 
-def test_a_subclass_with_its_own_attend_keeps_it_on_cpu_inference():
-    # the kernel path bypasses project/attend; a subclass that overrides one of them must still see it run
+def test_a_subclass_with_its_own_attend_keeps_it_on_cpu_inference(monkeypatch):
+    # every forward runs through attend, where the backend is chosen: a subclass's attend sees the kernel's calls
     seen = []
 
     class Traced(DnAAttention):
-        def attend(self, q, k, v, mask=None, attn_mask=None):
+        def attend(self, q, k, v, mask=None, attn_mask=None, input_bias=None):
             seen.append(1)
-            return super().attend(q, k, v, mask=mask, attn_mask=attn_mask)
+            return super().attend(q, k, v, mask=mask, attn_mask=attn_mask, input_bias=input_bias)
 
     m = _randomise(Traced(32, 2, qkv_bias=True), seed=12)
+    calls = _spy(monkeypatch)
     with torch.no_grad():
         m(torch.randn(2, 9, 32))
-    assert seen == [1]
+    assert seen == [1] and len(calls) == 1
+
+
+def test_a_pinned_backend_runs_or_says_why_it_cannot(monkeypatch):
+    m = _randomise(DnAAttention(32, 2, qkv_bias=True), seed=13)
+    x = torch.randn(2, 9, 32)
+    calls = _spy(monkeypatch)
+    m.backend = "sdpa"
+    with torch.no_grad():
+        sdpa = m(x)
+    assert not calls
+    m.backend = "kernel"
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), sdpa, rtol=1e-4, atol=1e-5)
+    assert len(calls) == 1
+    with pytest.raises(ConfigError, match="needs a gradient"):
+        m(x.requires_grad_())
+    m.backend = "gpu"
+    with pytest.raises(ConfigError, match="does not exist"):
+        m(x)
 
 
 def _spy(monkeypatch):
     """The keyword arguments of every call into the kernel."""
     calls = []
-    real = dna_module.dna_attention
-    monkeypatch.setattr(dna_module, "dna_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    real = dna_cpu.dna_attention
+    monkeypatch.setattr(dna_cpu, "dna_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     return calls
 
 
@@ -234,8 +256,9 @@ def test_cross_attention_with_kernel_equals_sdpa(monkeypatch):
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_compiled_module_traces_the_torch_path_without_graph_breaks(grad):
-    # under torch.compile the kernel's checks must fold away (is_compiling) instead of breaking the graph
+def test_compiled_module_traces_without_graph_breaks(grad):
+    # the kernel's checks fold away at trace time and the kernel itself is a custom op in the graph (no_grad);
+    # with a gradient the graph holds the SDPA path instead
     import torch._dynamo
 
     m = DnAAttention(32, 2, qkv_bias=True).eval()
@@ -243,3 +266,5 @@ def test_compiled_module_traces_the_torch_path_without_graph_breaks(grad):
     with torch.set_grad_enabled(grad):
         explanation = torch._dynamo.explain(m)(torch.randn(2, 17, 32))
     assert explanation.graph_break_count == 0, explanation.break_reasons
+    code = "\n".join(g.code for g in explanation.graphs)
+    assert ("dna_fused" in code) != grad

@@ -22,7 +22,7 @@ from attnlab.ops.ns_cpu import kernel_error
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference as ref  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("private_kernel_cache")
+pytestmark = pytest.mark.usefixtures("private_kernel_cache", "ns_kernel")
 
 FEATURE_D = (16, 32, 48, 64)  # D <= N: Gram side n = D
 TOKEN_ND = ((16, 32), (16, 64), (32, 48), (32, 64), (48, 64))  # N < D: Gram side n = N
