@@ -41,12 +41,13 @@ def run(args) -> int:
     import json
     from pathlib import Path
 
-    import torch
-
     import sys
+
+    import torch
 
     from ..analysis.instruments import INSTRUMENTS, analyze_model, plot_results
     from ..data import build_dataset, dataset_info
+    from ..errors import UnsupportedModelError
     from ..errors import ConfigError
     from ..spec import parse_spec
     from ..train.loop import resolve_device
@@ -84,6 +85,7 @@ def run(args) -> int:
     results = {}
     image_cache = {}
     progress = sys.stderr.isatty()
+    skipped = []  # (label, instrument, reason)
     for label, attn, model, dataset, data_dir in targets:
         key = (dataset, data_dir)
         if key not in image_cache:
@@ -96,9 +98,12 @@ def run(args) -> int:
         results[label] = {"attn": attn, **analyze_model(
             model, images, model_what, batch_size=args.batch_size, labels=labels, out_dir=out,
             prefix="" if len(targets) == 1 else f"{label}-", skip_unsupported=True, progress=progress)}
-        for name, why in results[label].get("skipped", {}).items():
-            print(f"{label}: {name} does not apply: {why}", file=sys.stderr)
+        skipped += [(label, name, why) for name, why in results[label].get("skipped", {}).items()]
         print(f"{label}: " + ", ".join(f"{k} {v:.4g}" for k, v in results[label]["summary"].items()))
+    if skipped and len(skipped) == len(targets) * len(model_what) and not (args.runs and "curves" in what):
+        raise UnsupportedModelError(skipped[0][2])  # nothing was measured: the reason is the error
+    for label, name, why in skipped:
+        print(f"{label}: {name} does not apply: {why}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     if "curves" in what and args.runs:
         from ..analysis.curves import plot_training_curves, training_curves
