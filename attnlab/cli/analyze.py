@@ -39,16 +39,14 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     import json
-    from pathlib import Path
-
     import sys
+    from pathlib import Path
 
     import torch
 
     from ..analysis.instruments import INSTRUMENTS, analyze_model, plot_results
     from ..data import build_dataset, dataset_info
-    from ..errors import UnsupportedModelError
-    from ..errors import ConfigError
+    from ..errors import ConfigError, UnsupportedModelError
     from ..spec import parse_spec
     from ..train.loop import resolve_device
 
