@@ -209,9 +209,13 @@ def draw_mix(rng: np.random.Generator, height: int, width: int, recipe: AugmentR
     lam = float(rng.beta(alpha, alpha))
     if not cutmix:
         return lam, None
+    return cutmix_box(lam, int(rng.integers(0, height)), int(rng.integers(0, width)), height, width)
+
+
+def cutmix_box(lam: float, cy: int, cx: int, height: int, width: int) -> tuple[float, tuple[int, int, int, int]]:
+    """(lam corrected to the box's area, (yl, yh, xl, xh)): timm's ``rand_bbox`` centred at (cy, cx)."""
     ratio = math.sqrt(1.0 - lam)
     cut_h, cut_w = int(height * ratio), int(width * ratio)
-    cy, cx = int(rng.integers(0, height)), int(rng.integers(0, width))
     yl, yh = min(max(cy - cut_h // 2, 0), height), min(max(cy + (cut_h + 1) // 2, 0), height)
     xl, xh = min(max(cx - cut_w // 2, 0), width), min(max(cx + (cut_w + 1) // 2, 0), width)
     return 1.0 - (yh - yl) * (xh - xl) / float(height * width), (yl, yh, xl, xh)

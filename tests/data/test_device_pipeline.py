@@ -136,6 +136,18 @@ def test_mix_batch_equals_timm(lam, box):
     assert torch.equal(got_x, want_x) and torch.allclose(got_y, want_y, rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("lam", [0.05, 0.3, 0.5, 0.77, 0.99])
+@pytest.mark.parametrize("cy,cx", [(0, 0), (5, 30), (16, 16), (31, 2)])
+def test_cutmix_box_equals_timms(lam, cy, cx):
+    from unittest import mock
+
+    from timm.data.mixup import cutmix_bbox_and_lam
+
+    with mock.patch("numpy.random.randint", side_effect=[cy, cx]):
+        (yl, yh, xl, xh), want = cutmix_bbox_and_lam((8, 3, 32, 32), lam)
+    assert dp.cutmix_box(lam, cy, cx, 32, 32) == (want, (yl, yh, xl, xh))
+
+
 # ---------------------------------------------------------------------------------------------- the whole pipeline
 def test_pipeline_equals_the_recipe_sample_by_sample():
     """Every batch of one epoch equals crop, flip, AutoAugment, normalise, erase, then timm's Mixup/CutMix, image by
