@@ -335,13 +335,16 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     seed_everything(cfg.seed)
     info = dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options)
     model = build_run_model(cfg, info).to(device)
-    # The run directory appears together with its config.yaml, before the data is loaded (or downloaded): from
-    # here on a killed run continues with `train --resume RUN_DIR`.
-    create_dir_with(run_dir, {CONFIG: yaml.safe_dump(resolved, sort_keys=False).encode()})
+    # The run directory appears together with its config.yaml, so that a killed run continues with
+    # `train --resume RUN_DIR`: before a download (minutes), else once the data has loaded (bad input makes none).
+    config_file = {CONFIG: yaml.safe_dump(resolved, sort_keys=False).encode()}
+    if cfg.download:
+        create_dir_with(run_dir, config_file)
     train_set = build_dataset(cfg.dataset, True, data_dir=cfg.data_dir, download=cfg.download, augment=cfg.augment,
                               **cfg.data_options)
     test_set = build_dataset(cfg.dataset, False, data_dir=cfg.data_dir, download=cfg.download, augment="none",
                              **cfg.data_options)
+    create_dir_with(run_dir, config_file)
 
     # One generator drives the sampler and the workers' seeds (the DataLoader draws its base seed from it);
     # it is re-seeded from (seed, epoch) at the start of every epoch. Workers are not persistent so that each
