@@ -409,13 +409,35 @@ class DevicePipeline:
                 yield DeviceBatch(x, targets, y)
 
     def augment(self, index: torch.Tensor, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Steps 1-4 on the images ``index``: (float normalised (m, C, H', W'), labels (m,))."""
+        """Steps 1-4 on the images ``index``: (float normalised (m, C, H', W'), labels (m,)).
+
+        On the CPU the chunk is split among ``torch.get_num_threads()`` Python threads, each running its ops on one
+        intra-op thread: the ops are small, and OpenMP's hand-offs between them cost more than they save.
+        """
+        height, width = self.images.shape[-2:]
+        size = self.out_size or height
+        p = draw_params(rng, len(index), height, width, self.recipe, erase_size=(size, size))
+        threads = torch.get_num_threads()
+        if self.device.type != "cpu" or threads == 1 or len(index) < 2 * threads:
+            return self._augment(index, p)
+        from concurrent.futures import ThreadPoolExecutor
+
+        bounds = np.linspace(0, len(index), threads + 1).astype(int)
+        parts = [(index[a:b], {k: v[a:b] for k, v in p.items()}) for a, b in zip(bounds[:-1], bounds[1:])]
+        torch.set_num_threads(1)
+        try:
+            with ThreadPoolExecutor(threads) as pool:
+                done = list(pool.map(lambda part: self._augment(*part), parts))
+        finally:
+            torch.set_num_threads(threads)
+        return torch.cat([x for x, _ in done]), torch.cat([y for _, y in done])
+
+    def _augment(self, index: torch.Tensor, p: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.recipe
         idx = index.to(self.device, non_blocking=True)
         x, labels = self.images.index_select(0, idx), self.labels.index_select(0, idx)
-        n, _, height, width = x.shape
+        height = x.shape[-2]
         size = self.out_size or height
-        p = draw_params(rng, n, height, width, r, erase_size=(size, size))
         dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)  # noqa: E731
         if r.crop_padding or r.flip:
             x = crop_flip(x, dev(p["crop_i"]), dev(p["crop_j"]), dev(np.flatnonzero(p["flip"])), r.crop_padding,

@@ -291,6 +291,20 @@ def test_same_seed_and_epoch_give_the_same_batches_after_resume():
     assert not torch.equal(_epoch(other_seed, 3)[0][0], epochs[3][0][0])
 
 
+def test_cpu_threads_split_the_chunk_without_changing_it():
+    x, y = images(200, seed=7), torch.arange(200) % 10
+    pipe = dp.DevicePipeline(x, y, num_classes=10, batch_size=20, mean=MEAN, std=STD, recipe=dp.AugmentRecipe(),
+                             seed=1, chunk=100)
+    one = _epoch(pipe, 1)
+    torch.set_num_threads(3)  # the module's fixture restores the count
+    try:
+        three = _epoch(pipe, 1)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(1)
+    assert all(torch.equal(a, b) for ba, bb in zip(one, three) for a, b in zip(ba, bb))
+
+
 def test_float_images_and_no_mixing_give_hard_labels():
     x, y = torch.randn(40, 1, 8, 8), torch.arange(40) % 10
     recipe = dp.AugmentRecipe(crop_padding=1, flip=0.0, auto_augment=False, random_erasing=0.0, mix_prob=0.0)
