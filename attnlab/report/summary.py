@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from attnlab.errors import AttnlabError
+from attnlab.report.page import Table, table_markdown
 
 REQUIRED_KEYS = ("name", "model", "dataset", "attn", "seed", "top1")
 NO_VALUE = "—"
@@ -98,13 +99,13 @@ def load_runs(runs_dir: str | Path) -> list[dict]:
 
 
 def find_unfinished(runs_dir: str | Path) -> list[str]:
-    """Run directories below ``runs_dir`` that have a ``metrics.jsonl`` but no ``result.json`` (relative, sorted)."""
+    """Run directories below ``runs_dir`` that have a ``metrics.jsonl`` or a ``config.yaml`` (a run writes it before
+    its first epoch) but no ``result.json`` (relative, sorted)."""
     root = Path(runs_dir)
     if not root.is_dir():
         return []
-    return sorted(
-        p.parent.relative_to(root).as_posix() for p in root.rglob("metrics.jsonl") if not (p.parent / "result.json").exists()
-    )
+    dirs = {p.parent for name in ("metrics.jsonl", "config.yaml") for p in root.rglob(name)}
+    return sorted(d.relative_to(root).as_posix() for d in dirs if not (d / "result.json").exists())
 
 
 def _mean(xs: list[float]) -> float:
@@ -214,34 +215,35 @@ def format_gain(gain: float | None) -> str:
     return f"{gain if round(gain, 2) != 0 else 0.0:+.2f}"
 
 
-def format_markdown(rows: list[dict]) -> str:
-    """One Markdown table per (model, dataset): Variant | Top-1 (mean ± SD) | Gain (pp) | Wins | n | extras...
-
-    Gains are computed from unrounded means and then rounded, so they can differ by 0.01 from the difference of
-    the rounded means shown beside them (as in the paper).
-    """
-    out: list[str] = []
+def accuracy_tables(rows: list[dict]) -> list[Table]:
+    """One :class:`~attnlab.report.page.Table` per (model, dataset[, tag]): Variant | Top-1 (mean ± SD) | Gain (pp)
+    | Wins | n | extras..., the baseline first (as :func:`summarize` orders the rows)."""
+    tables: list[Table] = []
     groups: dict[tuple[str, str, str], list[dict]] = {}
     for row in rows:
         groups.setdefault((row["model"], row["dataset"], row.get("tag", "")), []).append(row)
     for (model, dataset, tag), group in groups.items():
         extra_names = sorted({name for row in group for name in row.get("extras", {})})
         header = ["Variant", "Top-1 (mean ± SD)", "Gain (pp)", "Wins", "n", *extra_names]
-        if out:
-            out.append("")
-        out.append(f"### {model} / {dataset}" + (f" / {tag}" if tag else ""))
-        out.append("")
-        out.append("| " + " | ".join(header) + " |")
-        out.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
+        cells = []
         for row in group:
             label = f"{row['variant']} (baseline)" if row.get("baseline") else row["variant"]
-            cells = [
+            cells.append([
                 label,
                 format_top1(row["mean"], row["sd"]),
                 format_gain(row["gain_pp"]),
                 row["wins"] or NO_VALUE,
                 str(row["n"]),
                 *(_fmt_extra(row.get("extras", {}).get(name)) for name in extra_names),
-            ]
-            out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out) + "\n"
+            ])
+        tables.append(Table(header, cells, title=f"{model} / {dataset}" + (f" / {tag}" if tag else "")))
+    return tables
+
+
+def format_markdown(rows: list[dict]) -> str:
+    """One Markdown table per (model, dataset): Variant | Top-1 (mean ± SD) | Gain (pp) | Wins | n | extras...
+
+    Gains are computed from unrounded means and then rounded, so they can differ by 0.01 from the difference of
+    the rounded means shown beside them (as in the paper).
+    """
+    return "\n\n".join(table_markdown(t) for t in accuracy_tables(rows)) + "\n"

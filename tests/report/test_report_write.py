@@ -15,8 +15,9 @@ def make_runs(root):
         for seed, top1 in zip([0, 1, 3], tops):
             d = root / f"swin_cifar-cifar100-{attn}-s{seed}"
             d.mkdir(parents=True)
-            (d / "config.yaml").write_text(f"attn: {attn}\nseed: {seed}\n")
-            (d / "metrics.jsonl").write_text(json.dumps({"epoch": 0, "top1": top1}) + "\n")
+            (d / "config.yaml").write_text(f"model: swin_cifar\ndataset: cifar100\nattn: {attn}\nseed: {seed}\n")
+            (d / "metrics.jsonl").write_text("".join(json.dumps(
+                {"epoch": e, "train_loss": 4.0 - e, "test_loss": 3.5 - e, "top1": top1 - 2 + e}) + "\n" for e in (0, 1, 2)))
             (d / "result.json").write_text(json.dumps({
                 "name": d.name, "model": "swin_cifar", "dataset": "cifar100", "attn": attn, "seed": seed,
                 "epochs": 100, "top1": top1, "top5": 95.0, "test_loss": 1.0, "params": 7_000_000,
@@ -24,7 +25,7 @@ def make_runs(root):
     # A run still training: listed as unfinished, not summarised.
     d = root / "swin_cifar-cifar100-ns-s7"
     d.mkdir()
-    (d / "metrics.jsonl").write_text(json.dumps({"epoch": 0, "top1": 10.0}) + "\n")
+    (d / "metrics.jsonl").write_text(json.dumps({"epoch": 0, "train_loss": 4.0, "test_loss": 4.0, "top1": 10.0}) + "\n")
 
 
 def test_write_report_from_files(tmp_path):
@@ -51,18 +52,22 @@ def test_write_report_from_files(tmp_path):
     assert rows["ns"]["seeds"] == [0, 1, 3]
     assert rows["ns"]["wins"] == "3/3"
 
-    assert [p.name for p in result["plots"]] == ["report_swin_cifar_cifar100.png"]
-    png = (out / "report_swin_cifar_cifar100.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in result["plots"]] == ["report_swin_cifar_cifar100.png",
+                                                 "report_curves_swin_cifar_cifar100.png"]
+    for path in result["plots"]:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({path.name})" in md  # linked relative to report.md
+    assert result["html_path"] == out / "report.html" and result["html_path"].read_text() == result["html"]
 
     # Same files in, same report out (no dates or absolute paths), also when written next to the runs.
-    again = write_report(runs, tmp_path / "out2", plots=False)
-    assert (tmp_path / "out2" / "report.md").read_text() == md
-    assert (tmp_path / "out2" / "report.json").read_text() == (out / "report.json").read_text()
-    assert again["plots"] == []
+    again = write_report(runs, tmp_path / "out2")
+    for name in ("report.md", "report.json", "report.html"):
+        assert (tmp_path / "out2" / name).read_text() == (out / name).read_text()
+    no_plots = write_report(runs, tmp_path / "out3", plots=False)
+    assert no_plots["plots"] == [] and "## Figures" not in no_plots["markdown"]
     in_place = write_report(runs, plots=False)
     assert in_place["json"] == runs / "report.json"
-    assert (runs / "report.md").read_text() == md
+    assert (runs / "report.md").read_text() == no_plots["markdown"]
 
 
 @pytest.mark.parametrize("damage", ["{not json", "[1, 2]", '{"name": "x"}', ""])
