@@ -150,8 +150,8 @@ def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_p
     (B, N, H, D) buffer. The caller has checked :func:`kernel_error`; tensors the kernel would misread (another
     dtype or device, mismatched shapes) raise ValueError here.
     """
-    return torch.ops.attnlab.dna_fused(q_pos, q_neg, k, v_pos, v_neg, alpha, scale_pos, scale_neg, bias_pos,
-                                       bias_neg, list(input_bias or ()))
+    return _OP(q_pos, q_neg, k, v_pos, v_neg, alpha, scale_pos, scale_neg, bias_pos, bias_neg,
+               list(input_bias) if input_bias else [])
 
 
 @torch.library.custom_op("attnlab::dna_fused", mutates_args=(), device_types="cpu")
@@ -187,6 +187,9 @@ def _dna_fused(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_pos:
     args.scale_pos, args.scale_neg = scale_pos, -scale_neg
     ckernel.run_split(lib, fn, (ctypes.byref(args),), B * H, min_per_thread=max(1, 2**16 // (N * M)))
     return out
+
+
+_OP = torch.ops.attnlab.dna_fused.default
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -85,7 +85,7 @@ def unavailable(double: bool = False) -> str | None:
 def ns_kernel(x: torch.Tensor, steps: int, eps: float, coeffs: tuple[float, float, float]) -> torch.Tensor:
     """T(x) by the fused kernel; the caller has checked :func:`kernel_error`. Output strides follow the input's
     when it is dense (an attention kernel's (B, N, H, D) buffer stays (B, N, H, D)), else it is contiguous."""
-    return torch.ops.attnlab.ns_fused(x, steps, eps, *coeffs)
+    return _OP(x, steps, eps, *coeffs)
 
 
 def _layout(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +105,9 @@ def _ns_fused(x: torch.Tensor, steps: int, eps: float, a: float, b: float, c: fl
     args = (x4.data_ptr(), y4.data_ptr(), H, N, D, *x4.stride()[:3], *y4.stride()[:3], steps, eps, a, b, c)
     ckernel.run_split(lib, fn, args, B * H, min_per_thread=64)  # a head matrix is ~1 us of work
     return y4.view(x.shape)  # splitting or dropping unit dims is always a view
+
+
+_OP = torch.ops.attnlab.ns_fused.default
 
 
 @_ns_fused.register_fake
