@@ -105,7 +105,8 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
             tables=ablation))
 
     bench_results, bench_json = [], []
-    for path in [*find_bench_files(runs_dir), *map(Path, bench)]:
+    bench_paths = {p.resolve(): p for p in [*find_bench_files(runs_dir), *map(Path, bench)]}  # a file once
+    for path in bench_paths.values():
         name = path.relative_to(runs_dir).as_posix() if path.is_relative_to(runs_dir) else path.name
         try:
             result = read_bench(path)

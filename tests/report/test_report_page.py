@@ -291,6 +291,10 @@ def test_cli_report_with_a_bench_file_elsewhere(tmp_path, capsys):
     assert main(["report", str(runs), "--no-plots", "--bench", str(bench)]) == 0
     printed = capsys.readouterr().out
     assert "| vit_cifar | cuda:0 (NVIDIA H200), fp32, eager" in printed and "report.html" in printed
+    inside = runs / "bench-vit.json"  # found by its name, and given again: one row
+    inside.write_text(json.dumps(BENCH))
+    assert main(["report", str(runs), "--no-plots", "--bench", str(inside)]) == 0
+    assert capsys.readouterr().out.count("| vit_cifar | cuda:0") == 1
     assert main(["report", str(runs), "--bench", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
 
