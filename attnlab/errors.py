@@ -1,5 +1,9 @@
 """Errors a user can cause. Each carries one clear sentence; the CLI prints it and exits with code 2."""
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+
 
 class AttnlabError(Exception):
     """Base class of every error a user can cause (bad spec, model, dataset, config key...)."""
@@ -29,3 +33,11 @@ class NonFiniteLossError(AttnlabError, RuntimeError):
     """Training produced a NaN or infinite loss; raised with the epoch and step."""
 
     exit_code = 3
+
+
+def did_you_mean(name: object, valid: Iterable[str]) -> str:
+    """' (did you mean 'x'?)' for the valid name nearest to ``name``, or '' if none is near enough."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), list(valid), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -1,16 +1,20 @@
 """``attnlab`` command line: train | compare | report | analyze | bench | variants | export.
 
-Each subcommand lives in its own module with ``configure(parser)`` and ``run(args) -> int``. Errors a user can cause
-(:class:`attnlab.AttnlabError`) become one line on stderr and exit code 2, never a traceback.
+Each subcommand lives in its own module with ``configure(parser)`` and ``run(args) -> int``; ``configure`` imports
+nothing heavy (no torch), so that ``--help`` and argument errors answer at once. Errors a user can cause
+(:class:`attnlab.AttnlabError`, a bad flag, a path that cannot be read or written) become one line on stderr and
+exit code 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import re
 import sys
 
-from ..errors import AttnlabError, NonFiniteLossError
+from ..errors import AttnlabError, NonFiniteLossError, did_you_mean
 
 COMMANDS = {
     "train": "train one model with a recipe (the NS-Attn paper's ns_cifar by default)",
@@ -23,10 +27,46 @@ COMMANDS = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with attnlab's error contract: one line on stderr, exit code 2, no abbreviated long flags, and the
+    nearest valid flag or choice suggested for a typo."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, Parser] = {}
+
+    def error(self, message: str):
+        choice = re.match(r"argument (.+?): invalid choice: '(.*?)' \(choose from (.*)\)$", message)
+        if choice:
+            valid = re.findall(r"'([^']*)'", choice[3])
+            message = (f"argument {choice[1]}: invalid choice {choice[2]!r}{did_you_mean(choice[2], valid)}; "
+                       f"choose from {', '.join(valid)}")
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)
+        if argv and argv[0].startswith("--") and self.commands:  # before the command: only attnlab's own flags
+            flags = [o for a in self._actions for o in a.option_strings]
+            if argv[0].split("=", 1)[0] not in flags:
+                self.error(f"unknown option {argv[0]}{did_you_mean(argv[0], flags)}; give a command first, e.g. "
+                           "`attnlab train --help`")
+        args, extras = self.parse_known_args(argv, namespace)
+        if extras:
+            target = self.commands.get(getattr(args, "command", None), self)
+            flag = extras[0].split("=", 1)[0]
+            if flag.startswith("-"):
+                flags = [o for a in target._actions for o in a.option_strings if o.startswith("--")]
+                target.error(f"unknown option {flag}{did_you_mean(flag, flags)}; `{target.prog} --help` lists the "
+                             "options")
+            target.error(f"unexpected argument {extras[0]!r}; `{target.prog} --help` says what it takes")
+        return args
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="attnlab",
         description="Attention variants of four papers (NS-Attn, DnA, spectral conditioning, sigma-Reparam) on timm's "
                     "ViT and Swin: train, compare on matched seeds, analyse, benchmark. A variant is a spec string "
@@ -45,7 +85,29 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.configure(p)
         p.set_defaults(_run=module.run)
+        parser.commands[name] = p
     return parser
+
+
+# What would be right, per errno of an OSError on a path the user named (a flag, a config key, a run directory)
+_PATH_ERRORS = {
+    errno.EACCES: "permission denied; choose a path you can read and write",
+    errno.EPERM: "operation not permitted; choose a path you can read and write",
+    errno.EROFS: "the file system is read-only; choose a writable path",
+    errno.EISDIR: "it is a directory; give a file path",
+    errno.ENOTDIR: "it (or a folder above it) is a file, not a directory; give a directory path",
+    errno.EEXIST: "it already exists as a file; give a directory path",
+    errno.ENOENT: "no such file or directory; check the path (its parent folder must exist)",
+    errno.ENOSPC: "no space left on the device; free some space or choose another path",
+    errno.ENAMETOOLONG: "the name is too long; choose a shorter path",
+}
+
+
+def path_error(err: OSError) -> str | None:
+    """One sentence for an OSError about a named path, or None for any other OSError (left to propagate)."""
+    if err.filename is None or err.errno not in _PATH_ERRORS:
+        return None
+    return f"cannot use {str(err.filename)!r}: {_PATH_ERRORS[err.errno]}."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"attnlab {args.command}: {err}", file=sys.stderr)
         return err.exit_code
     except AttnlabError as err:
-        print(f"attnlab {args.command}: error: {err}", file=sys.stderr)
+        print(f"attnlab {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        message = path_error(err)
+        if message is None:
+            raise
+        print(f"attnlab {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"attnlab {args.command}: interrupted", file=sys.stderr)

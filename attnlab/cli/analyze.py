@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import argparse
 
+from .checks import count
+
+# attnlab.analysis.instruments.INSTRUMENTS by name: that module imports torch, which --help must not wait for
+INSTRUMENTS = ("spectra", "entropy", "qk", "branches", "jacobian", "redundancy", "robustness", "relevance",
+               "curves")
+
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from ..analysis.instruments import INSTRUMENTS
-
     p.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (each with config.yaml and a checkpoint)")
     p.add_argument("--what", default="spectra",
                    help=f"comma-separated instruments: {', '.join(INSTRUMENTS)} (default: spectra)")
@@ -31,8 +35,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="digits", help="dataset whose test images feed the model (with --model)")
     p.add_argument("--data-dir", default=None, help="dataset directory (default: the run's, or data/)")
     p.add_argument("--seed", type=int, default=0, help="seed of the fresh model (with --model)")
-    p.add_argument("--images", type=int, default=160, help="number of test images, taken in order (default 160)")
-    p.add_argument("--batch-size", type=int, default=32, help="images per forward (default 32)")
+    p.add_argument("--images", type=count(1), default=160, help="number of test images, taken in order (default 160)")
+    p.add_argument("--batch-size", type=count(1), default=32, help="images per forward (default 32)")
     p.add_argument("--out", default=None, help="output directory (default: the run directory, or analysis/)")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
 
@@ -42,24 +46,32 @@ def run(args) -> int:
     import sys
     from pathlib import Path
 
+    from ..errors import ConfigError, did_you_mean
+    from .checks import output_dir, run_dir
+
+    what = [w.strip() for w in args.what.split(",") if w.strip()]
+    bad = next((w for w in what if w not in INSTRUMENTS), None) if what else args.what
+    if bad is not None:
+        raise ConfigError(f"unknown instrument {bad!r} in --what{did_you_mean(bad, INSTRUMENTS)}; choose from: "
+                          f"{', '.join(INSTRUMENTS)}.")
+    if not args.runs and not args.model:
+        raise ConfigError("give run directories to analyse, or --model (with --attn and --dataset) for a fresh model.")
+    for path in args.runs:
+        run_dir(path)
+    out = Path(args.out) if args.out else (Path(args.runs[0]) if len(args.runs) == 1 and not args.model
+                                           else Path("analysis"))
+    output_dir(out, "--out")
+
     import torch
 
-    from ..analysis.instruments import INSTRUMENTS, analyze_model, plot_results
+    from ..analysis.instruments import analyze_model, plot_results
     from ..data import build_dataset, dataset_info
-    from ..errors import ConfigError, UnsupportedModelError
+    from ..errors import UnsupportedModelError
     from ..spec import parse_spec
     from ..train.loop import resolve_device
 
-    what = [w.strip() for w in args.what.split(",") if w.strip()]
-    unknown = [w for w in what if w not in INSTRUMENTS]
-    if unknown:
-        raise ConfigError(f"unknown instrument {unknown[0]!r}; choose from: {', '.join(INSTRUMENTS)}.")
-    if not args.runs and not args.model:
-        raise ConfigError("give run directories to analyse, or --model (with --attn and --dataset) for a fresh model.")
     device = resolve_device(args.device)
 
-    out = Path(args.out) if args.out else (Path(args.runs[0]) if len(args.runs) == 1 and not args.model
-                                           else Path("analysis"))
     model_what = [w for w in what if w != "curves"]
     targets = []  # (label, attn, model, dataset, data_dir)
     if args.model and "curves" in what:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from attnlab.cli.checks import count
 from attnlab.cli.train import add_config_flags
 
 _GRID_FLAGS = ("attn", "seeds", "datasets", "models")
@@ -41,7 +42,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="instruments run on each finished run's first 160 test images, their summaries added to "
                              "result.json and shown as report columns (default: spectra, i.e. p1 and effective rank; "
                              "'none' to skip)")
-    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+    parser.add_argument("--jobs", type=count(1), default=None, metavar="N",
                         help="train N runs at a time in worker processes (default 1: one after another; the demo "
                              "preset uses 2, one thread each); results do not depend on N")
     parser.add_argument("--no-report", dest="report", action="store_false",

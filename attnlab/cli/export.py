@@ -17,12 +17,16 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from pathlib import Path
 
+    from .checks import output_file, run_dir
+
+    run_dir(args.run_dir)
+    out = output_file(args.out or Path(args.run_dir) / "folded.safetensors", "--out")
+
     from ..reparam import export_folded
     from ..spec import Spec, parse_spec
     from ..train import load_run
-
     model, cfg = load_run(args.run_dir)
-    path = export_folded(model, args.out or Path(args.run_dir) / "folded.safetensors")
+    path = export_folded(model, out)
     plain = Spec(tuple(t for t in parse_spec(cfg.attn).terms if t.kind != "weight"))
     print(f"wrote {path}; load it into attnlab.build_model({cfg.model!r}, attn={str(plain)!r}, ...)")
     return 0

@@ -8,7 +8,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from attnlab.errors import ConfigError
+from attnlab.errors import AttnlabError, ConfigError, NonFiniteLossError
 
 # TrainConfig keys that `attnlab train` does not expose as --flags (resume has its own flag below)
 _HIDDEN = {"resume"}
@@ -16,6 +16,20 @@ _HIDDEN = {"resume"}
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _converter(key: str):
+    """argparse ``type=`` converting a flag's text as config key ``key`` (so the error names the flag)."""
+    from attnlab.train.config import coerce
+
+    def convert(text: str) -> Any:
+        try:
+            return coerce(key, text)
+        except ConfigError as err:  # "config key 'k' got ..." -> "argument --k: got ..."
+            raise argparse.ArgumentTypeError(str(err).removeprefix(f"config key '{key}' ").rstrip(".")) from None
+
+    convert.__name__ = key
+    return convert
 
 
 def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, only: typing.Iterable[str] | None = None,
@@ -42,14 +56,38 @@ def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
             help_text += " as a YAML mapping, e.g. '{depth: 2}'"
         if default not in (None, {}):
             help_text += f" (ns_cifar: {default})"
-        parser.add_argument(_flag(f.name), dest=f.name, metavar=metavar, default=argparse.SUPPRESS, help=help_text)
+        parser.add_argument(_flag(f.name), dest=f.name, metavar=metavar, default=argparse.SUPPRESS, help=help_text,
+                            type=_converter(f.name))
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The TrainConfig keys given on the command line (values still as text; make_config converts them)."""
+    """The TrainConfig keys given on the command line (converted to the keys' types by the flags)."""
     from attnlab.train.config import config_keys
 
     return {k: getattr(args, k) for k in config_keys() if k not in _HIDDEN and hasattr(args, k)}
+
+
+def _missing_dirs(run_dir: Path) -> list[Path]:
+    """``run_dir`` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    while not run_dir.exists() and run_dir != run_dir.parent:
+        missing.append(run_dir)
+        run_dir = run_dir.parent
+    return missing
+
+
+def _remove_unstarted(made: list[Path]) -> None:
+    """Undo a run that failed before its first epoch: remove the directories it created, if they hold at most
+    its config.yaml (a run with a checkpoint or metrics stays, to be resumed)."""
+    if made and made[0].is_dir() and {p.name for p in made[0].iterdir()} <= {"config.yaml"}:
+        (made[0] / "config.yaml").unlink(missing_ok=True)
+    for directory in made:
+        try:
+            directory.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:  # not empty: keep it and what holds it
+            return
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +110,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnlab.train import load_config, train
+    from attnlab.cli.checks import output_dir
+    from attnlab.train.config import load_config
 
     overrides = config_overrides(args)
     config_path = args.config
@@ -87,10 +126,20 @@ def run(args: argparse.Namespace) -> int:
         overrides.setdefault("name", run_dir.name)
     cfg = load_config(config_path, **overrides)
     cfg = dataclasses.replace(cfg, resume=bool(args.resume))
+    output_dir(cfg.runs_dir, "runs_dir")
+
+    from attnlab.train import run_dir_of, train  # torch loads only once the options are known to be good
+
+    made = _missing_dirs(run_dir_of(cfg))
     probe = None
     if cfg.probe_every > 0:
         from attnlab.analysis import training_probe as probe
-    result = train(cfg, probe)  # NonFiniteLossError -> attnlab.cli.main: one stderr line, exit code 3
+    try:
+        result = train(cfg, probe)  # NonFiniteLossError -> attnlab.cli.main: one stderr line, exit code 3
+    except AttnlabError as err:
+        if not isinstance(err, NonFiniteLossError):
+            _remove_unstarted(made)
+        raise
     print(f"{result['name']}: top-1 {result['top1']:.2f}%  top-5 {result['top5']:.2f}%  test loss "
           f"{result['test_loss']:.4f}  ({result['params'] / 1e6:.2f}M params, {result['seconds']:.1f} s) -> "
           f"{Path(cfg.runs_dir) / result['name']}")

@@ -3,6 +3,8 @@ digits demo, and any timm model by name. Every one can be built with any attenti
 
 from __future__ import annotations
 
+import inspect
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +15,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..attention.base import SUPPORTED_TYPES
-from ..errors import ConfigError, ModelNotFoundError
+from ..errors import ConfigError, ModelNotFoundError, did_you_mean
 from .blocks import PostNormBlock
 from .convert import convert
 
@@ -83,6 +85,12 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
         if norm == "post" and "block_fn" in str(err):
             raise ConfigError(f"norm='post' is available for ViT-family models (timm's VisionTransformer), "
                               f"not {name!r}.") from None
+        bad = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+        if bad and bad[1] in overrides:  # a typo in model_options, not a bug
+            cls = PRESETS[name].cls if name in PRESETS else None
+            valid = inspect.signature(cls).parameters if cls else ()
+            raise ConfigError(f"model option {bad[1]!r} is not an argument of {name}{did_you_mean(bad[1], valid)}; "
+                              f"give keyword arguments of timm's {cls.__name__ if cls else name}.") from None
         raise
     for module in model.modules():
         if type(module) in SUPPORTED_TYPES:

@@ -7,6 +7,7 @@ Every number of the recipe lives here, named as the paper names it. A config is 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -16,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, did_you_mean
 
 
 @dataclass
@@ -114,12 +115,54 @@ _CHOICES = {"amp": ("auto", "bf16", "none"), "augment": ("recipe", "none"), "nor
             "optimizer": ("adamw", "lars")}
 
 
+GRID_KEYS = ("variants", "seeds", "datasets", "models", "runs_dir", "variations", "jobs", "base")
+
+
+def check_grid(grid: dict[str, Any], extra_keys: Any, source: str) -> None:
+    """ConfigError unless the grid's own values (see ``attnlab.train.grid.load_grid``) have their types and
+    ``extra_keys`` (top-level keys left for TrainConfig) are config keys; ``source`` names where they came from."""
+    for key in extra_keys:
+        if key not in config_keys():
+            raise ConfigError(f"unknown key {key!r} in {source}{did_you_mean(key, [*GRID_KEYS, *config_keys()])}; "
+                              f"a grid file holds {', '.join(GRID_KEYS)} and training config keys.")
+    for key in ("variants", "datasets", "models"):
+        value = grid[key]
+        if value is not None and not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+            raise ConfigError(f"{key} in {source} is {value!r}, but it must be a list of names such as [a, b].")
+    if not isinstance(grid["runs_dir"], (str, Path)):
+        raise ConfigError(f"runs_dir in {source} is {grid['runs_dir']!r}, but it must be a directory path.")
+    jobs = grid["jobs"]
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"jobs in {source} is {jobs!r}, but it must be an integer of at least 1.")
+    for tag, overrides in (grid["variations"] or {}).items():
+        if not isinstance(overrides, (dict, type(None))):
+            raise ConfigError(f"variation {tag!r} in {source} is {overrides!r}, but it must map training config "
+                              "keys to values, e.g. no_warmup: {warmup_epochs: 0}.")
+
+
 def config_keys() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainConfig)]
 
 
 def _field_types() -> dict[str, Any]:
     return typing.get_type_hints(TrainConfig)
+
+
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string",
+               dict: "a mapping such as '{depth: 2}'"}
+
+
+def type_words(key: str) -> str:
+    """What config key ``key`` accepts, in words ('an integer', 'a number or null', ...)."""
+    typ = _field_types()[key]
+    args = [a for a in typing.get_args(typ) if a is not type(None)]
+    words = _TYPE_WORDS.get(args[0] if args else typ, getattr(typ, "__name__", str(typ)))
+    return words + (" or null" if len(args) < len(typing.get_args(typ)) else "")
+
+
+def coerce(key: str, value: Any) -> Any:
+    """``value`` (YAML or command-line text) converted to config key ``key``'s type, or ConfigError."""
+    return _coerce(key, value, _field_types()[key])
 
 
 def _coerce(key: str, value: Any, typ: Any) -> Any:
@@ -141,7 +184,7 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
                 raise ValueError
             return int(value)
         if typ is float:
-            if isinstance(value, bool):
+            if isinstance(value, bool) or not math.isfinite(float(value)):
                 raise ValueError
             return float(value)
         if typ is str:
@@ -153,13 +196,20 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
                 value = yaml.safe_load(value) or {}
             if not isinstance(value, dict):
                 raise ValueError
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise ValueError
+                if v is None and ":" in k:  # YAML reads '{depth:2}' as the key 'depth:2' with no value
+                    raise ConfigError(f"config key '{key}' got {{{k}}}, a key without a value; YAML needs a space "
+                                      f"after the colon, as in '{{{k.replace(':', ': ', 1)}}}'.")
             return dict(value)
+    except ConfigError:
+        raise
     except (TypeError, ValueError, yaml.YAMLError):
         pass
     else:
         return value
-    name = getattr(typ, "__name__", str(typ))
-    raise ConfigError(f"config key '{key}' got {value!r}, but it must be a {name}.")
+    raise ConfigError(f"config key '{key}' got {value!r}, but it must be {type_words(key)}.")
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -169,15 +219,19 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"config key '{key}' is {getattr(cfg, key)!r}, but it must be one of {', '.join(allowed)}.")
     if cfg.threads is not None and cfg.threads < 1:
         raise ConfigError(f"config key 'threads' is {cfg.threads}, but it must be at least 1 (or null for torch's default).")
-    for key in ("epochs", "batch_size", "repeated_aug", "log_every"):
+    for key in ("epochs", "batch_size", "repeated_aug", "log_every", "probe_images"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"config key '{key}' is {getattr(cfg, key)}, but it must be at least 1.")
-    for key in ("lr", "weight_decay", "warmup_epochs", "warmup_lr", "min_lr", "mixup", "cutmix", "num_workers"):
+    for key in ("lr", "weight_decay", "warmup_epochs", "warmup_lr", "min_lr", "mixup", "cutmix", "num_workers",
+                "momentum", "probe_every"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"config key '{key}' is {getattr(cfg, key)}, but it must not be negative.")
-    for key in ("label_smoothing", "mixup_prob", "mixup_switch_prob"):
-        if not 0.0 <= getattr(cfg, key) <= 1.0:
+    for key in ("label_smoothing", "mixup_prob", "mixup_switch_prob", "drop_path"):
+        if getattr(cfg, key) is not None and not 0.0 <= getattr(cfg, key) <= 1.0:
             raise ConfigError(f"config key '{key}' is {getattr(cfg, key)}, but it must lie in [0, 1].")
+    if cfg.clip_grad is not None and not cfg.clip_grad > 0:
+        raise ConfigError(f"config key 'clip_grad' is {cfg.clip_grad}, but it must be positive (or null for no "
+                          "clipping).")
     if uses_mixing(cfg) and cfg.batch_size % 2:
         raise ConfigError(f"batch_size is {cfg.batch_size}, but Mixup/CutMix pair each image with the batch "
                           "reversed and need an even batch size.")
@@ -194,21 +248,44 @@ def make_config(base: TrainConfig | str | None = None, **overrides: Any) -> Trai
     Unknown keys raise ConfigError naming the valid keys; values are converted to the field types.
     """
     valid = config_keys()
-    unknown = sorted(set(overrides) - set(valid))
+    unknown = sorted((str(k) for k in set(overrides) - set(valid)), key=str)
     if unknown:
-        raise ConfigError(f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                          f"valid keys are: {', '.join(valid)}.")
+        raise ConfigError(f"unknown config key {unknown[0]!r}{did_you_mean(unknown[0], valid)}; valid keys are: "
+                          f"{', '.join(valid)}.")
     if "recipe" in overrides:
         base = overrides["recipe"]
     if base is None:
         base = "ns_cifar"
     if isinstance(base, str):
         if base not in RECIPES:
-            raise ConfigError(f"unknown recipe {base!r}; valid recipes are: {', '.join(RECIPES)}.")
+            raise ConfigError(f"unknown recipe {base!r}{did_you_mean(base, RECIPES)}; valid recipes are: "
+                              f"{', '.join(RECIPES)}.")
         base = RECIPES[base]
     hints = _field_types()
     values = {k: _coerce(k, v, hints[k]) for k, v in overrides.items()}
     return validate(dataclasses.replace(base, **values))
+
+
+def read_yaml(path: str | Path, what: str) -> Any:
+    """The YAML document in file ``path`` (None if the file is empty), or ConfigError naming ``what`` and the path
+    when it is missing, a directory, unreadable, not text or not YAML."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist; give the path of a YAML file.") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {path} is a directory; give the path of a YAML file in it.") from None
+    except PermissionError:
+        raise ConfigError(f"{what} {path} cannot be read (permission denied); make it readable.") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path} is not a text file; give a YAML file of config keys.") from None
+    except OSError as err:
+        raise ConfigError(f"{what} {path} cannot be read ({err.strerror or err}); give a readable YAML file.") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{what} {path} is not valid YAML ({str(err).splitlines()[0]}).") from None
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
@@ -218,17 +295,15 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig
     """
     data: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist; give the path of a YAML file.") from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path} is not valid YAML ({str(err).splitlines()[0]}).") from None
+        loaded = read_yaml(path, "config file")
         if loaded is None:
-            loaded = {}
+            raise ConfigError(f"config file {path} is empty; write config keys into it, such as 'epochs: 10'.")
         if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of config keys, not a {type(loaded).__name__}.")
+            raise ConfigError(f"config file {path} must hold a mapping of config keys such as 'epochs: 10', not "
+                              f"a {type(loaded).__name__}.")
+        bad = next((k for k in loaded if not isinstance(k, str)), None)
+        if bad is not None:
+            raise ConfigError(f"config file {path} has the key {bad!r}; config keys are names such as 'epochs'.")
         data.update(loaded)
     data.update(overrides)
     return make_config(None, **data)

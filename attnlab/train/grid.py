@@ -8,12 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from attnlab.errors import ConfigError
 from attnlab.spec import split_specs
 
-from .config import GRID_PRESETS, TrainConfig, make_config
+from .config import GRID_PRESETS, TrainConfig, check_grid, make_config, read_yaml
 from .loop import RESULT, check_run, run_dir_of, train
 
 
@@ -146,12 +144,7 @@ def load_grid(path: str | Path | None = None, preset: str | None = None, **overr
         base["recipe"] = p.pop("recipe")
         grid.update(p)
     if path is not None:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"grid file {path} does not exist; give the path of a YAML file.") from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"grid file {path} is not valid YAML ({str(err).splitlines()[0]}).") from None
+        data = read_yaml(path, "grid file") or {}
         if not isinstance(data, dict):
             raise ConfigError(f"grid file {path} must hold a mapping, not a {type(data).__name__}.")
         base_part = data.pop("base", None) or {}
@@ -164,7 +157,8 @@ def load_grid(path: str | Path | None = None, preset: str | None = None, **overr
         if grid["variations"] is not None and not isinstance(grid["variations"], dict):
             raise ConfigError(f"'variations' in grid file {path} must map a tag to training config keys, "
                               "e.g. no_warmup: {warmup_epochs: 0}.")
-        base.update(data)  # remaining top-level keys are TrainConfig keys (unknown ones raise below)
+        check_grid(grid, data, f"grid file {path}")
+        base.update(data)  # remaining top-level keys are TrainConfig keys
     for key in ("variants", "seeds", "datasets", "models", "runs_dir", "jobs"):
         if overrides.get(key) is not None:
             grid[key] = overrides.pop(key)
@@ -180,5 +174,6 @@ def load_grid(path: str | Path | None = None, preset: str | None = None, **overr
         grid["seeds"] = [int(s) for s in grid["seeds"]]
     except (TypeError, ValueError):
         raise ConfigError(f"seeds must be a list of integers such as 0,1,3, not {grid['seeds']!r}.") from None
+    check_grid(grid, (), "the grid")
     grid["base"] = make_config(None, **base)
     return grid
