@@ -160,7 +160,10 @@ def _dna_fused(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_pos:
                bias_neg: Optional[torch.Tensor], input_bias: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     input_bias = input_bias or None
     _check_layout(q_pos, q_neg, k, v_pos, v_neg, alpha, bias_pos, bias_neg, input_bias)
-    fn, _, lib = _load()
+    funcs = _load()
+    if funcs is None:
+        raise RuntimeError(f"attnlab::dna_fused cannot run: {unavailable()}")
+    fn, _, lib = funcs
     B, H, N, D = q_pos.shape
     M = k.shape[-2]
     ts = [t if t.stride(-1) == 1 else t.contiguous() for t in (q_pos, q_neg, k, v_pos, v_neg)]

@@ -99,7 +99,10 @@ def _layout(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.library.custom_op("attnlab::ns_fused", mutates_args=(), device_types="cpu")
 def _ns_fused(x: torch.Tensor, steps: int, eps: float, a: float, b: float, c: float) -> torch.Tensor:
-    fn, _, lib = _load(x.dtype)
+    funcs = _load(x.dtype)
+    if funcs is None:
+        raise RuntimeError(f"attnlab::ns_fused cannot run: {unavailable(x.dtype == torch.float64)}")
+    fn, _, lib = funcs
     x4, y4 = _layout(x)
     B, H, N, D = x4.shape
     args = (x4.data_ptr(), y4.data_ptr(), H, N, D, *x4.stride()[:3], *y4.stride()[:3], steps, eps, a, b, c)
