@@ -290,7 +290,7 @@ def cost_tables(rows: list[dict], runs: list[dict], runs_dir: Path) -> tuple[lis
         if not costs:
             continue
         base = costs[0][1]
-        cells = [[v, f"{c['params'] / 1e6:.3f}", f"{c['macs'] / 1e9:.4f}", f"{2 * c['macs'] / 1e9:.4f}",
+        cells = [[v, f"{c['params'] / 1e6:.3f}", f"{c['macs'] / 1e9:.4g}", f"{2 * c['macs'] / 1e9:.4g}",
                   f"{c['params'] / base['params']:.3f}", f"{c['macs'] / base['macs']:.3f}"] for v, c in costs]
         tables.append(Table(["Variant", "Params (M)", "GMACs", "GFLOPs", "x params", "x GMACs"], cells,
                             title=" / ".join(x for x in (model, dataset, tag) if x)))
