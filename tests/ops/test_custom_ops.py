@@ -35,7 +35,8 @@ def _flops(model, x, grad):
 def test_flop_count_is_the_same_with_and_without_gradient(name, attn, monkeypatch):
     # without gradient the kernels run, with it the torch paths: the count must not depend on which
     torch.manual_seed(0)
-    model = attnlab.build_model(name, num_classes=10, attn=attn).eval()
+    small = {"depth": 2} if name == "vit_cifar" else {}
+    model = attnlab.build_model(name, num_classes=10, attn=attn, **small).eval()
     x = torch.randn(2, 3, 32, 32)
     calls = []
     real = dna_cpu.dna_attention
@@ -86,6 +87,7 @@ def test_compile_fullgraph_of_an_eval_model(attn):
     assert any(op.startswith("attnlab.") for op in ops), sorted(ops)  # the kernel is in the graph
 
 
+@pytest.mark.slow  # inductor's C++ build of the graph: ~30 s on 2 cores
 def test_compile_fullgraph_with_inductor_runs_the_kernel():
     _kernel_or_skip()
     import torch._dynamo
