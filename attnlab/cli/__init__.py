@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import os
 import re
 import sys
 
@@ -110,16 +111,38 @@ def path_error(err: OSError) -> str | None:
     return f"cannot use {str(err.filename)!r}: {_PATH_ERRORS[err.errno]}."
 
 
+def current_rank() -> int:
+    """This process's rank under torchrun (0 outside it)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _quiet(err: BaseException) -> bool:
+    """Under torchrun, an error every rank raised alike is printed by rank 0 alone. The other ranks wait a moment
+    before they exit, since torchrun stops every rank as soon as one exits with an error, and rank 0 must print
+    first. An error of one rank in the middle of the steps (marked by attnlab.train.distributed) is printed by it."""
+    if current_rank() == 0 or getattr(err, "attnlab_local", False):
+        return False
+    import time
+
+    time.sleep(10)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except NonFiniteLossError as err:
-        print(f"attnlab {args.command}: {err}", file=sys.stderr)
+        if not _quiet(err):
+            print(f"attnlab {args.command}: {err}", file=sys.stderr)
         return err.exit_code
     except AttnlabError as err:
-        print(f"attnlab {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        if not _quiet(err):
+            print(f"attnlab {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     except OSError as err:
         message = path_error(err)

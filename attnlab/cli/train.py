@@ -10,8 +10,10 @@ from typing import Any
 
 from attnlab.errors import AttnlabError, ConfigError, NonFiniteLossError
 
+from . import current_rank
+
 # TrainConfig keys that `attnlab train` does not expose as --flags (resume has its own flag below)
-_HIDDEN = {"resume"}
+_HIDDEN = {"resume", "world_size"}  # world_size is recorded from torchrun, not set
 
 
 def _flag(name: str) -> str:
@@ -140,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         if not isinstance(err, NonFiniteLossError):
             _remove_unstarted(made)
         raise
-    print(f"{result['name']}: top-1 {result['top1']:.2f}%  top-5 {result['top5']:.2f}%  test loss "
-          f"{result['test_loss']:.4f}  ({result['params'] / 1e6:.2f}M params, {result['seconds']:.1f} s) -> "
-          f"{Path(cfg.runs_dir) / result['name']}")
+    if not current_rank():  # under torchrun, rank 0 speaks for the run
+        print(f"{result['name']}: top-1 {result['top1']:.2f}%  top-5 {result['top5']:.2f}%  test loss "
+              f"{result['test_loss']:.4f}  ({result['params'] / 1e6:.2f}M params, {result['seconds']:.1f} s) -> "
+              f"{Path(cfg.runs_dir) / result['name']}")
     return 0

@@ -77,13 +77,18 @@ class TrainConfig:
     probe_images: int = field(default=64, metadata={"help": "test images the probe runs on (the first ones, in order)"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar per epoch"})
     resume: bool = field(default=False, metadata={"help": "continue the run from its last completed epoch"})
+    log: str = field(default="none", metadata={"help": "'tensorboard' also writes metrics as TensorBoard scalars into "
+                                                       "RUN_DIR/tensorboard (pip install attnlab[tensorboard]), or 'none'"})
+    # --- recorded, not configured: the trainer writes it into config.yaml
+    world_size: int = field(default=1, metadata={"help": "processes the run trains with (recorded from torchrun's "
+                                                         "WORLD_SIZE; a value given here is replaced)"})
 
 
 # Keys that may differ between a run and its resumption without changing what is computed
 # (device and amp do change rounding; they are allowed so that a run can move machines).
 RUNTIME_KEYS = frozenset({"device", "amp", "compile", "data_dir", "download", "runs_dir", "name",
                           "num_workers", "threads", "log_every", "probe_every", "probe_images", "progress",
-                          "resume"})
+                          "resume", "log", "world_size"})
 
 RECIPES: dict[str, TrainConfig] = {
     # NS-Attn paper Sec. 3.1 (CIFAR-10/100, ViT and Swin).
@@ -112,7 +117,7 @@ GRID_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 _CHOICES = {"amp": ("auto", "bf16", "none"), "augment": ("recipe", "none"), "norm": ("pre", "post"),
-            "optimizer": ("adamw", "lars")}
+            "optimizer": ("adamw", "lars"), "log": ("none", "tensorboard")}
 
 
 GRID_KEYS = ("variants", "seeds", "datasets", "models", "runs_dir", "variations", "jobs", "base")

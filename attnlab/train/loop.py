@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from attnlab.errors import ConfigError, NonFiniteLossError
 
+from . import distributed
 from .checkpoint import (
     STATE,
     WEIGHTS,
@@ -105,12 +106,17 @@ def _read_result(run_dir: Path) -> dict[str, Any]:
         raise ConfigError(f"{run_dir / RESULT} cannot be read ({err}); delete it to train the run again.") from None
 
 
-def _train_sampler(cfg: TrainConfig, train_set, generator: torch.Generator):
+def _train_sampler(cfg: TrainConfig, train_set, generator: torch.Generator,
+                   ranks: distributed.Ranks = distributed.SINGLE):
+    """This rank's share of the epoch's order (the whole order in one process); timm's RepeatAugSampler strides
+    its list over the ranks, and the plain shuffle is strided the same way (``distributed.ShardedSampler``)."""
     if cfg.repeated_aug > 1:
         from timm.data.distributed_sampler import RepeatAugSampler
 
-        return RepeatAugSampler(train_set, num_replicas=1, rank=0, shuffle=True, num_repeats=cfg.repeated_aug)
-    return RandomSampler(train_set, generator=generator)
+        return RepeatAugSampler(train_set, num_replicas=ranks.world_size, rank=ranks.rank, shuffle=True,
+                                num_repeats=cfg.repeated_aug)
+    order = RandomSampler(train_set, generator=generator)
+    return distributed.ShardedSampler(order, ranks.world_size, ranks.rank) if ranks.distributed else order
 
 
 def _check_steps(cfg: TrainConfig, sampled: int) -> int:
@@ -196,10 +202,10 @@ def train_one_epoch(model, loader, optimizer, scheduler, criterion, mixup_fn, *,
             logits = model(images)
         loss = criterion(logits.float(), targets)
         loss_value = loss.item()
-        if not math.isfinite(loss_value):
-            raise NonFiniteLossError(
+        if distributed.any_rank(not math.isfinite(loss_value)):
+            raise distributed.shared(NonFiniteLossError(
                 f"training loss became {loss_value} at epoch {epoch} step {step}; training stopped and the last "
-                f"good checkpoint (epoch {epoch - 1}) was kept, so lower the learning rate or enable clip_grad.")
+                f"good checkpoint (epoch {epoch - 1}) was kept, so lower the learning rate or enable clip_grad."))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if clip_grad:
@@ -219,6 +225,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, criterion, mixup_fn, *,
                             img_s=f"{seen / (time.perf_counter() - start):.0f}",
                             lr=f"{optimizer.param_groups[0]['lr']:.2e}", refresh=False)
     bar.close()
+    loss_sum, correct, seen = (float(v) for v in distributed.reduce_sums(loss_sum, correct, seen))  # all ranks
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
@@ -273,7 +280,11 @@ def train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     # slower; GPUs flush them to zero anyway, so do the same on the CPU.
     flush = torch.set_flush_denormal(True)
     try:
-        return _train(cfg, probe)
+        with distributed.session(resolve_device(cfg.device)) as ranks:
+            try:
+                return _train(cfg, probe, ranks)
+            except Exception as err:
+                raise distributed.settle(err)  # under torchrun: the same error on every rank
     finally:
         torch.set_num_threads(threads)
         if flush:
@@ -308,7 +319,7 @@ def load_run(run_dir: str | Path, map_location: str | torch.device = "cpu") -> t
     return model.to(map_location).eval(), cfg
 
 
-def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
+def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.SINGLE) -> dict[str, Any]:
     from attnlab import parse_spec
     from attnlab.data import build_dataset, dataset_info
     from attnlab.variants import training_hooks
@@ -316,9 +327,15 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     spec = str(parse_spec(cfg.attn))
     name = run_name(cfg, spec)
     run_dir = Path(cfg.runs_dir) / name
-    device = resolve_device(cfg.device)
+    device = distributed.rank_device(resolve_device(cfg.device), ranks)
     amp_dtype = resolve_amp(cfg.amp, device)
+    cfg = dataclasses.replace(cfg, world_size=ranks.world_size)  # recorded in config.yaml
     resolved = _resolved_config(cfg, spec, name)
+    rank_batch = distributed.rank_batch_size(cfg.batch_size, ranks)
+    main = ranks.is_main  # rank 0 alone writes files, prints and logs
+    from .tb import require
+
+    require(cfg.log)
 
     resuming = has_checkpoint(run_dir)
     if resuming and not cfg.resume:
@@ -338,25 +355,32 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     # The run directory appears together with its config.yaml, so that a killed run continues with
     # `train --resume RUN_DIR`: before a download (minutes), else once the data has loaded (bad input makes none).
     config_file = {CONFIG: yaml.safe_dump(resolved, sort_keys=False).encode()}
-    if cfg.download:
+    if cfg.download and main:
         create_dir_with(run_dir, config_file)
+    if cfg.download and ranks.distributed and not main:
+        distributed.agree(None)  # rank 0 downloads first
     train_set = build_dataset(cfg.dataset, True, data_dir=cfg.data_dir, download=cfg.download, augment=cfg.augment,
                               **cfg.data_options)
     test_set = build_dataset(cfg.dataset, False, data_dir=cfg.data_dir, download=cfg.download, augment="none",
                              **cfg.data_options)
-    create_dir_with(run_dir, config_file)
+    if cfg.download and ranks.distributed and main:
+        distributed.agree(None)
+    if main:
+        create_dir_with(run_dir, config_file)
 
     # One generator drives the sampler and the workers' seeds (the DataLoader draws its base seed from it);
     # it is re-seeded from (seed, epoch) at the start of every epoch. Workers are not persistent so that each
     # epoch's workers are seeded anew from it; torch seeds random, numpy and torch in each worker.
-    data_gen = torch.Generator()
-    sampler = _train_sampler(cfg, train_set, data_gen)
+    # The order has a generator of its own, seeded from (seed, epoch) alike on every rank, so that N ranks split
+    # the one-process order; under torchrun data_gen seeds each rank's workers from (seed, epoch, rank).
+    data_gen, order_gen = torch.Generator(), torch.Generator()
+    sampler = _train_sampler(cfg, train_set, order_gen, ranks)
     pin = device.type == "cuda"
-    train_loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+    train_loader = DataLoader(train_set, batch_size=rank_batch, sampler=sampler, drop_last=True,
                               num_workers=cfg.num_workers, pin_memory=pin, generator=data_gen)
     test_loader = DataLoader(test_set, batch_size=2 * cfg.batch_size, shuffle=False, num_workers=cfg.num_workers,
                              pin_memory=pin, generator=torch.Generator().manual_seed(0))
-    steps_per_epoch = _check_steps(cfg, len(sampler))
+    steps_per_epoch = _check_steps(cfg, len(sampler) * ranks.world_size)
 
     mixup_fn = None
     if uses_mixing(cfg):
@@ -380,7 +404,7 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     start_epoch, num_updates, history = 0, 0, []
     previous = None  # the checkpoint pair the first new checkpoint keeps as the previous one
     if found is not None:
-        if found.note:
+        if found.note and main:
             print(f"{name}: {found.note}", file=sys.stderr, flush=True)
         weights, state, previous = found.weights, found.state, found.files
         model.load_state_dict(weights)
@@ -389,18 +413,33 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
         start_epoch, num_updates, history = int(state["epoch"]), int(state["num_updates"]), list(state["history"])
         set_rng_state(state["rng"])
     # metrics.jsonl rewritten from the checkpoint's history (dropping any epoch logged after it)
-    atomic_write_text(run_dir / METRICS, "".join(json.dumps(h) + "\n" for h in history))
+    if main:
+        atomic_write_text(run_dir / METRICS, "".join(json.dumps(h) + "\n" for h in history))
+    tb_log = None
+    if cfg.log == "tensorboard" and main:
+        from .tb import TensorBoardLog
 
-    forward = torch.compile(model) if cfg.compile else model
+        tb_log = TensorBoardLog(run_dir, start_step=num_updates)
+    distributed.agree(None)  # set-up done on every rank (or every rank stops with the first rank's error)
+
+    trained = model
+    if ranks.distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    forward = torch.compile(trained) if cfg.compile else trained
+    # evaluation runs on rank 0 alone, outside DDP, whose forward would wait for the other ranks
+    evaluate_with = forward if not ranks.distributed else torch.compile(model) if cfg.compile else model
     params = count_params(model)
-    if cfg.progress:
+    progress = cfg.progress and main
+    if progress:
         tqdm.write(f"{name}: {params / 1e6:.2f}M parameters, {device.type}"
                    f"{' bf16' if amp_dtype else ' fp32'}, {steps_per_epoch} steps/epoch"
                    + (f", resuming after epoch {start_epoch}" if start_epoch else ""))
 
     probes: list[dict[str, Any]] = []
     on_step = None
-    if cfg.probe_every > 0:
+    if cfg.probe_every > 0 and main:
         probe_images = torch.stack([test_set[i][0] for i in range(min(cfg.probe_images, len(test_set)))]).to(device)
 
         def on_step(step: int) -> None:
@@ -411,14 +450,22 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
         epoch_start = time.perf_counter()
         probes.clear()
+        order_gen.manual_seed(epoch_seed(cfg.seed, epoch))
         data_gen.manual_seed(epoch_seed(cfg.seed, epoch))
+        if ranks.distributed:  # augmentation, mixing and drop-path: each rank its own streams
+            data_gen.manual_seed(distributed.rank_seed(cfg.seed, epoch, ranks.rank))
+            distributed.seed_rank(cfg.seed, epoch, ranks.rank)
         if cfg.repeated_aug > 1:
             sampler.set_epoch(epoch_seed(cfg.seed, epoch))  # timm's sampler shuffles with seed = its "epoch"
-        stats, num_updates = train_one_epoch(
-            forward, train_loader, optimizer, scheduler, criterion, mixup_fn, device=device, amp_dtype=amp_dtype,
-            epoch=epoch, epochs=cfg.epochs, num_updates=num_updates, clip_grad=cfg.clip_grad,
-            log_every=cfg.log_every, progress=cfg.progress, on_step=on_step)
-        test = evaluate(forward, test_loader, device=device, amp_dtype=amp_dtype, num_classes=info.num_classes)
+        with distributed.steps():
+            stats, num_updates = train_one_epoch(
+                forward, train_loader, optimizer, scheduler, criterion, mixup_fn, device=device, amp_dtype=amp_dtype,
+                epoch=epoch, epochs=cfg.epochs, num_updates=num_updates, clip_grad=cfg.clip_grad,
+                log_every=cfg.log_every, progress=progress, on_step=on_step)
+        if not main:
+            distributed.agree(None)  # while rank 0 evaluates and writes the epoch
+            continue
+        test = evaluate(evaluate_with, test_loader, device=device, amp_dtype=amp_dtype, num_classes=info.num_classes)
         record = {"epoch": epoch, "train_loss": stats["train_loss"], "train_acc": stats["train_acc"], **test,
                   "lr": optimizer.param_groups[0]["lr"], "epoch_seconds": time.perf_counter() - epoch_start,
                   "img_per_s": stats["img_per_s"]}
@@ -427,7 +474,7 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
         if probes:
             record["probes"] = list(probes)
         history.append(record)
-        if cfg.progress:
+        if progress:
             tqdm.write(f"epoch {epoch}/{cfg.epochs}  train_loss {record['train_loss']:.4f}  test_loss "
                        f"{record['test_loss']:.4f}  top1 {record['top1']:.2f}  top5 {record['top5']:.2f}  "
                        f"{record['img_per_s']:.0f} img/s")
@@ -438,10 +485,19 @@ def _train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
             "rng": get_rng_state(), "history": history,
         }, previous=previous)
         previous = (WEIGHTS, STATE)
-
+        if tb_log is not None:
+            tb_log.epoch(record, num_updates)
+        distributed.agree(None)
+    if not main:
+        distributed.agree(None)  # while rank 0 writes result.json
+        return distributed.from_main(None)
+    if tb_log is not None:
+        tb_log.close()
     last = history[-1]
     result = {"name": name, "model": cfg.model, "dataset": cfg.dataset, "tag": cfg.tag, "attn": spec, "seed": cfg.seed,
               "epochs": cfg.epochs, "top1": last["top1"], "top5": last["top5"], "test_loss": last["test_loss"],
-              "params": params, "seconds": sum(h["epoch_seconds"] for h in history), "extra": {}}
+              "params": params, "seconds": sum(h["epoch_seconds"] for h in history), "extra": {},
+              "world_size": ranks.world_size}
     atomic_write_json(run_dir / RESULT, result)
-    return result
+    distributed.agree(None)
+    return distributed.from_main(result)

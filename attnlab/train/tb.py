@@ -1,0 +1,65 @@
+"""``--log tensorboard``: each epoch's metrics line as TensorBoard scalars, in ``<run_dir>/tensorboard/``.
+
+``metrics.jsonl`` stays the source of truth; this is a view of it, written by PyTorch's ``SummaryWriter`` (the
+``tensorboard`` package, an optional extra: ``pip install attnlab[tensorboard]``). Every scalar is plotted
+against the optimizer step (``num_updates``), so that the epoch scalars and the ``--probe-every`` instruments
+share one axis: epoch scalars at the step that ends the epoch, probe values at the step they were taken.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+from attnlab.errors import ConfigError
+
+LOG_DIR = "tensorboard"
+# metrics.jsonl key -> TensorBoard tag
+EPOCH_SCALARS = {"train_loss": "train/loss", "train_acc": "train/top1", "test_loss": "test/loss", "top1": "test/top1",
+                 "top5": "test/top5", "lr": "train/lr", "img_per_s": "train/img_per_s"}
+
+
+def require(log: str) -> None:
+    """ConfigError, before any training, when ``log`` asks for a writer whose package is missing."""
+    if log == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("--log tensorboard needs the tensorboard package, which is not installed; run "
+                          "`pip install attnlab[tensorboard]` or drop --log.")
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+class TensorBoardLog:
+    """Writes metrics records (the dicts of ``metrics.jsonl``) as scalars. ``start_step``: when a run resumes
+    after that many optimizer steps, events past it that an earlier attempt wrote are hidden (TensorBoard's
+    ``purge_step``), so the curves show each step once."""
+
+    def __init__(self, run_dir: str | Path, start_step: int = 0, writer_class=None):
+        if writer_class is None:
+            require("tensorboard")
+            from torch.utils.tensorboard import SummaryWriter as writer_class
+        kwargs = {"purge_step": start_step + 1} if start_step > 0 else {}
+        self.writer = writer_class(log_dir=str(Path(run_dir) / LOG_DIR), **kwargs)
+
+    def epoch(self, record: dict[str, Any], step: int) -> None:
+        """One epoch's record: the scalars of ``EPOCH_SCALARS``, hook statistics (any other number) under
+        ``train/``, and each probe's numbers under ``probe/`` at its own step."""
+        for key, value in record.items():
+            number = _number(value)
+            if key in ("epoch", "epoch_seconds") or number is None:
+                continue
+            self.writer.add_scalar(EPOCH_SCALARS.get(key, f"train/{key}"), number, step)
+        for probe in record.get("probes", ()):
+            for key, value in probe.items():
+                number = _number(value)
+                if key != "step" and number is not None:
+                    self.writer.add_scalar(f"probe/{key}", number, int(probe["step"]))
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
