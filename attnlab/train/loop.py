@@ -332,6 +332,10 @@ def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.
     cfg = dataclasses.replace(cfg, world_size=ranks.world_size)  # recorded in config.yaml
     resolved = _resolved_config(cfg, spec, name)
     rank_batch = distributed.rank_batch_size(cfg.batch_size, ranks)
+    if uses_mixing(cfg) and rank_batch % 2:
+        raise ConfigError(f"batch_size {cfg.batch_size} over {ranks.world_size} ranks gives {rank_batch} images per "
+                          f"rank, but Mixup/CutMix pair each rank's images and need an even number; use a multiple "
+                          f"of {2 * ranks.world_size}.")
     main = ranks.is_main  # rank 0 alone writes files, prints and logs
     from .tb import require
 

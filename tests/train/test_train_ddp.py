@@ -70,6 +70,17 @@ def test_global_batch_must_split_over_ranks():
         rank_batch_size(128, Ranks(3, 0, 0))
 
 
+def test_mixing_needs_an_even_batch_on_each_rank(tmp_path):
+    from train_helpers import tiny
+
+    from attnlab.train.loop import _train
+
+    cfg = tiny(tmp_path, batch_size=66, mixup=0.8, mixup_prob=1.0)  # even, but 33 per rank on 2 ranks
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        _train(cfg, None, Ranks(2, 0, 0))  # stops before anything that would need the process group
+    assert list(tmp_path.iterdir()) == []
+
+
 # ----------------------------------------------------------------------------------------------- torchrun runs
 def _free_port() -> int:
     with socket.socket() as s:
