@@ -181,6 +181,9 @@ register(Variant(
                                   "a number: gamma starts there (the note's literal gamma = 1)"),
         "targets": Option("all", str, choices=("all", "attn"),
                           help="all: every Linear and Conv2d; attn: the Linears inside the attention modules"),
+        "estimate": Option("stored", str, choices=("stored", "refresh"),
+                           help="eval-mode sigma: stored = ||W u|| (W_hat = W exactly at conversion, folds "
+                                "as evaluated); refresh = the authors' ||W^T v|| after one unsaved iteration"),
     },
     conflicts={"specnorm": "specnorm is sigma-Reparam with gamma removed, so the two would normalise the same "
                            "weights twice; pick one"},
@@ -189,7 +192,9 @@ register(Variant(
     "specnorm", "weight", "plain spectral normalisation W / sigma(W), no gamma (sigma-Reparam's ablation)",
     "Zhai et al. 2023", "attnlab.reparam.sigma:apply_specnorm",
     options={"targets": Option("all", str, choices=("all", "attn"),
-                               help="all: every Linear and Conv2d; attn: the Linears inside the attention modules")},
+                               help="all: every Linear and Conv2d; attn: the Linears inside the attention modules"),
+             "estimate": Option("stored", str, choices=("stored", "refresh"),
+                                help="eval-mode sigma: ||W u|| (stored) or the authors' ||W^T v|| (refresh)")},
     conflicts={"sigma": "specnorm is sigma-Reparam with gamma removed, so the two would normalise the same "
                         "weights twice; pick one"},
     demo=False,  # an ablation (the note: ViT-B drops from 82.2% to 69.8%); `attnlab compare --attn specnorm`

@@ -9,9 +9,15 @@ power iteration as the authors' vision code does it: the right singular vector u
 
     v = W u / ||W u||,   u <- W^T v / ||W^T v||,   sigma = v^T W u   (gradient d sigma / dW = v u^T)
 
-With the updated u, v^T W u = ||W^T v||, so sigma costs no third product. In eval mode u stays put, v = W u / ||W u||
-and sigma = ||W u||. u starts at the exact top right singular vector (one float64 eigh at conversion), so the estimate is
-exact at step 0 and one iteration per step tracks the slowly moving weights.
+With the updated u, v^T W u = ||W^T v||, so sigma costs no third product. In eval mode u stays put; ``estimate``
+picks sigma there:
+
+    stored   (default)  v = W u / ||W u||,  sigma = ||W u||           (the stored u, one product)
+    refresh  (authors') v = W u / ||W u||,  sigma = ||W^T v||         (one more power-iteration step, not saved)
+
+Both are at most sigma_max and agree once u has converged; ``refresh`` is the larger (closer) of the two while it has
+not (||W^T W u|| >= ||W u||^2 for a unit u). u starts at the exact top right singular vector (one float64 eigh at
+conversion), so both are exact at step 0 and one iteration per step tracks the slowly moving weights.
 
 ``gamma_init="sigma"`` (default) sets gamma = sigma(W0), so W_hat = W at step 0 and converting a model changes none
 of its outputs (the authors' vision code); a number (the note's literal ``gamma = 1``) sets gamma to it.
@@ -38,6 +44,8 @@ from ..errors import SpecError
 
 #: guards the divisions by ||W u|| for an all-zero weight
 _EPS = 1e-12
+#: eval-mode sigma: ||W u|| of the stored u, or the authors' ||W^T v|| after one unsaved step (module docstring)
+ESTIMATES = ("stored", "refresh")
 
 
 class _ScaleBySigma(torch.autograd.Function):
@@ -97,12 +105,18 @@ class SigmaReparam(nn.Module):
             sigma(W0).
         gamma_init: ``"sigma"`` for gamma = sigma(W0) (W_hat = W at step 0) or a number; ignored without gamma.
         learn_gamma: False gives plain spectral normalisation (gamma fixed at 1, not a parameter).
+        estimate: sigma in eval mode, ``"stored"`` (||W u||) or ``"refresh"`` (the authors': ||W^T v|| after one
+            unsaved power-iteration step); training forwards are the same for both.
 
     State (in the state dict): ``u`` (in * kh * kw,) the power-iteration vector; ``gamma`` () when learned.
     """
 
-    def __init__(self, weight: torch.Tensor, gamma_init: float | str = "sigma", learn_gamma: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, gamma_init: float | str = "sigma", learn_gamma: bool = True,
+                 estimate: str = "stored") -> None:
         super().__init__()
+        if estimate not in ESTIMATES:
+            raise SpecError(f"estimate={estimate!r} is not valid; estimate is one of: {', '.join(ESTIMATES)}.")
+        self.estimate = estimate
         with torch.no_grad():
             w = weight.detach().reshape(weight.shape[0], -1)
             self.register_buffer("u", top_right_singular_vector(w))
@@ -120,7 +134,12 @@ class SigmaReparam(nn.Module):
         wu = torch.mv(w, self.u)
         if not self.training:
             sigma = torch.linalg.vector_norm(wu).clamp_min(_EPS)
-            return self.u, wu / sigma, sigma
+            if self.estimate == "stored":
+                return self.u, wu / sigma, sigma
+            v = wu / sigma
+            wtv = torch.mv(w.t(), v)
+            sigma = torch.linalg.vector_norm(wtv).clamp_min(_EPS)  # the refreshed u is used here, never stored
+            return wtv / sigma, v, sigma
         v = wu / torch.linalg.vector_norm(wu).clamp_min(_EPS)
         wtv = torch.mv(w.t(), v)
         sigma = torch.linalg.vector_norm(wtv).clamp_min(_EPS)  # = v^T W u_new
@@ -130,9 +149,12 @@ class SigmaReparam(nn.Module):
 
     @torch.no_grad()
     def sigma_of(self, weight: torch.Tensor) -> torch.Tensor:
-        """sigma(W) = ||W u|| with the current u (what an eval forward divides by); moves nothing."""
-        w = weight.reshape(weight.shape[0], -1)
-        return torch.linalg.vector_norm(torch.mv(w.to(self.u.dtype), self.u)).clamp_min(_EPS)
+        """sigma(W) as an eval forward divides by it (``estimate``), with the current u; moves nothing."""
+        w = weight.reshape(weight.shape[0], -1).to(self.u.dtype)
+        sigma = torch.linalg.vector_norm(torch.mv(w, self.u)).clamp_min(_EPS)
+        if self.estimate == "refresh":
+            sigma = torch.linalg.vector_norm(torch.mv(w.t(), torch.mv(w, self.u) / sigma)).clamp_min(_EPS)
+        return sigma
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         device = weight.device.type
@@ -148,7 +170,7 @@ class SigmaReparam(nn.Module):
         return _ScaleBySigma.apply(weight, self.gamma, u, v, sigma)
 
     def extra_repr(self) -> str:
-        return f"fan_in={self.u.numel()}, learn_gamma={self.learn_gamma}"
+        return f"fan_in={self.u.numel()}, learn_gamma={self.learn_gamma}, estimate={self.estimate}"
 
 
 def _targets(model: nn.Module, modules: list[nn.Module], targets: str) -> list[nn.Module]:
@@ -165,29 +187,31 @@ def _targets(model: nn.Module, modules: list[nn.Module], targets: str) -> list[n
     raise SpecError(f"targets={targets!r} is not valid; targets is one of: all, attn.")
 
 
-def _register(layers: Iterable[nn.Module], gamma_init: float | str, learn_gamma: bool) -> int:
+def _register(layers: Iterable[nn.Module], gamma_init: float | str, learn_gamma: bool,
+              estimate: str = "stored") -> int:
     count = 0
     for layer in layers:
         # initialise from the effective weight, so this composes after another parametrisation (e.g. speccond)
         # unsafe=True skips parametrize's trial forward, which in training mode would move u once
-        parametrize.register_parametrization(layer, "weight", SigmaReparam(layer.weight, gamma_init, learn_gamma),
-                                             unsafe=True)
+        parametrize.register_parametrization(layer, "weight", SigmaReparam(layer.weight, gamma_init, learn_gamma,
+                                                                            estimate), unsafe=True)
         count += 1
     return count
 
 
 def apply_sigma(model: nn.Module, modules: list[nn.Module], gamma_init: float | str = "sigma",
-                targets: str = "all") -> nn.Module:
+                targets: str = "all", estimate: str = "stored") -> nn.Module:
     """Give every targeted layer the parametrisation W_hat = gamma * W / sigma(W) (registry entry ``sigma``)."""
     if gamma_init != "sigma" and not isinstance(gamma_init, (int, float)):
         raise SpecError(f"sigma(gamma_init={gamma_init}) is not valid; gamma_init is 'sigma' or a number.")
-    _register(_targets(model, modules, targets), gamma_init, learn_gamma=True)
+    _register(_targets(model, modules, targets), gamma_init, learn_gamma=True, estimate=estimate)
     return model
 
 
-def apply_specnorm(model: nn.Module, modules: list[nn.Module], targets: str = "all") -> nn.Module:
+def apply_specnorm(model: nn.Module, modules: list[nn.Module], targets: str = "all",
+                   estimate: str = "stored") -> nn.Module:
     """Give every targeted layer W_hat = W / sigma(W), plain spectral normalisation (registry entry ``specnorm``)."""
-    _register(_targets(model, modules, targets), "sigma", learn_gamma=False)
+    _register(_targets(model, modules, targets), "sigma", learn_gamma=False, estimate=estimate)
     return model
 
 

@@ -257,3 +257,45 @@ def test_specnorm_function_direct():
     model = nn.Sequential(nn.Linear(6, 4))
     apply_specnorm(model, [])
     assert not _param(model[0]).learn_gamma
+
+
+# ---- eval-mode sigma estimate: stored ||W u|| (default) or the authors' refreshed ||W^T v|| (issue 14) ----------
+def _eval_sigma_reference(w: torch.Tensor, u: torch.Tensor, estimate: str) -> float:
+    """float64, from the formulas: v = W u / ||W u||; stored: ||W u||; refresh: ||W^T v||."""
+    w, u = w.double(), u.double()
+    wu = w @ u
+    if estimate == "stored":
+        return float(wu.norm())
+    return float((w.T @ (wu / wu.norm())).norm())
+
+
+@pytest.mark.parametrize("estimate", ["stored", "refresh"])
+def test_eval_sigma_estimate_follows_its_formula_and_saves_nothing(estimate):
+    torch.manual_seed(0)
+    layer = nn.Linear(12, 9)
+    model = nn.Sequential(layer)
+    apply_sigma(model, [], estimate=estimate)
+    p = layer.parametrizations.weight[0]
+    w = layer.parametrizations.weight.original.detach()
+    with torch.no_grad():  # an unconverged u, as after a few training steps
+        p.u.add_(0.3 * torch.randn_like(p.u)).div_(p.u.norm())
+    u_before = p.u.clone()
+    layer.eval()
+    w_hat = layer.weight.detach()
+    expected = float(p.gamma.detach()) / _eval_sigma_reference(w, u_before, estimate)
+    torch.testing.assert_close(w_hat.double(), w.double() * expected, rtol=1e-5, atol=1e-7)
+    assert torch.equal(p.u, u_before)  # the refreshed step is not saved
+    assert float(p.sigma_of(w)) == pytest.approx(_eval_sigma_reference(w, u_before, estimate), rel=1e-5)
+
+
+def test_eval_sigma_estimates_differ_while_u_has_not_converged_and_refresh_is_closer():
+    torch.manual_seed(1)
+    w = torch.randn(9, 12)
+    u = torch.randn(12)
+    u = u / u.norm()
+    stored, refresh = _eval_sigma_reference(w, u, "stored"), _eval_sigma_reference(w, u, "refresh")
+    exact = float(torch.linalg.matrix_norm(w.double(), 2))
+    assert stored < refresh <= exact + 1e-9
+    assert str(attnlab.parse_spec("sigma(estimate=refresh)")) == "sigma(estimate=refresh)"
+    with pytest.raises(SpecError, match="estimate"):
+        attnlab.parse_spec("sigma(estimate=fresh)")
