@@ -80,7 +80,10 @@ def env_ranks() -> Ranks:
 
 def rank_device(device: torch.device, ranks: Ranks) -> torch.device:
     """Each local rank on its own GPU: ``cuda`` means ``cuda:LOCAL_RANK`` under torchrun."""
-    if ranks.distributed and device.type == "cuda" and device.index is None:
+    if ranks.distributed and device.type == "cuda":
+        if device.index is not None:
+            raise ConfigError(f"device {device} was asked for, but under torchrun each rank trains on "
+                              f"cuda:LOCAL_RANK; use --device cuda (or auto) and CUDA_VISIBLE_DEVICES to pick GPUs.")
         return torch.device("cuda", ranks.local_rank)
     return device
 

@@ -70,6 +70,16 @@ def test_global_batch_must_split_over_ranks():
         rank_batch_size(128, Ranks(3, 0, 0))
 
 
+def test_each_rank_takes_its_local_gpu():
+    from attnlab.train.distributed import rank_device
+
+    assert rank_device(torch.device("cuda"), Ranks(4, 3, 1)) == torch.device("cuda", 1)
+    assert rank_device(torch.device("cpu"), Ranks(4, 3, 1)) == torch.device("cpu")
+    assert rank_device(torch.device("cuda", 2), Ranks(1, 0, 0)) == torch.device("cuda", 2)
+    with pytest.raises(ConfigError, match="cuda:LOCAL_RANK"):
+        rank_device(torch.device("cuda", 0), Ranks(2, 1, 1))
+
+
 def test_mixing_needs_an_even_batch_on_each_rank(tmp_path):
     from train_helpers import tiny
 
