@@ -18,6 +18,7 @@ from ..attention.base import SUPPORTED_TYPES
 from ..errors import ConfigError, ModelNotFoundError, did_you_mean
 from .blocks import PostNormBlock
 from .convert import convert
+from .pretrained import create_pretrained, load_strict, read_state_dict
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def _fix_drop_path(model: nn.Module, rate: float) -> None:
 
 
 def build_model(name: str, num_classes: int | None = None, attn: str | None = "standard", norm: str = "pre",
-                **overrides) -> nn.Module:
+                pretrained: bool = False, pretrained_file: str | None = None, **overrides) -> nn.Module:
     """Build a backbone with the attention variant ``attn`` (a spec string; ``None`` leaves timm's modules untouched).
 
     ``name`` is a preset (``vit_cifar``, ``swin_cifar``, ``vit_digits``) or any timm model name (random init).
@@ -74,13 +75,16 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
     ``norm="post"`` builds ViT-family models with post-LN blocks (:class:`~attnlab.models.blocks.PostNormBlock`).
     Attention modules run fused SDPA (timm's Swin leaves it off by default); the model's weights are drawn before the
     conversion, so the same seed gives the same shared weights whatever the variant.
+    ``pretrained=True`` loads timm's weights (hub cache, or ``pretrained_file``: safetensors or a weights-only torch
+    file) before the conversion, so ``attn="dna(init=copy)"`` warm-starts from them; a preset takes
+    ``pretrained_file`` alone (its own state dict, loaded strictly).
     """
     if norm not in ("pre", "post"):
         raise ConfigError(f"norm must be 'pre' or 'post', not {norm!r}.")
     if norm == "post":
         overrides["block_fn"] = PostNormBlock
     try:
-        model = _build(name, num_classes, overrides)
+        model = _build(name, num_classes, overrides, pretrained, pretrained_file)
     except TypeError as err:
         if norm == "post" and "block_fn" in str(err):
             raise ConfigError(f"norm='post' is available for ViT-family models (timm's VisionTransformer), "
@@ -101,7 +105,11 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
     return model
 
 
-def _build(name: str, num_classes: int | None, overrides: dict) -> nn.Module:
+def _build(name: str, num_classes: int | None, overrides: dict, pretrained: bool = False,
+           pretrained_file: str | None = None) -> nn.Module:
+    if name in PRESETS and pretrained and pretrained_file is None:
+        raise ConfigError(f"the preset {name} has no published weights; give pretrained_file (--pretrained-file), "
+                          f"or a timm model name.")
     if name in PRESETS:
         preset = PRESETS[name]
         kwargs = {**preset.kwargs, **overrides}
@@ -109,6 +117,13 @@ def _build(name: str, num_classes: int | None, overrides: dict) -> nn.Module:
         model = preset.cls(**kwargs)
         if preset.fixed_drop_path:
             _fix_drop_path(model, kwargs.get("drop_path_rate", 0.0))
+        if pretrained_file is not None:
+            model.attnlab_model = name
+            load_strict(model, read_state_dict(pretrained_file), f"pretrained file {pretrained_file}")
+    elif pretrained or pretrained_file is not None:
+        if num_classes is not None:
+            overrides = {**overrides, "num_classes": num_classes}
+        model = create_pretrained(name, overrides, pretrained_file)
     elif timm.is_model(name):
         kwargs = dict(overrides)
         if num_classes is not None:

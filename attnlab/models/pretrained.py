@@ -1,0 +1,229 @@
+"""Weights from elsewhere: timm's pretrained checkpoints (the hub cache, or a file the user brings) and the DnA
+authors' state dicts ("DnA: Denoising Attention for Visual Tasks"), loaded by meaning into attnlab's modules.
+
+Files are read without running code: safetensors, or ``torch.load(weights_only=True)`` (tensors and plain
+containers only; a pickle that would construct anything else is refused).
+
+The DnA authors' formats (per attention module, ``H`` heads, ``dim`` features):
+
+    forward   ``qqkvv`` (5*dim, dim): rows Q+, Q-, K, V+, V-, the order their forward splits them (their
+              registered ViT's own state dict); ``neg_scalers``: alpha, H values
+    legacy    ``qqkvv`` (5*dim, dim): rows Q+, K, V+, Q-, V-, what their legacy-checkpoint converter writes (it
+              concatenates a 3*dim ``qkv`` with Q-, V-); their forward reads it as Q+, Q-, K, V+, V- and so
+              scrambles it. Same shape as ``forward``: it is never guessed, name it
+    separate  ``qkv`` (3*dim: Q+, K, V+) plus ``q_neg`` and ``v_neg`` Linears (their video transformer)
+
+attnlab's own DnA layout is one ``qkv`` with rows Q+, Q-, K, V+, V- and ``alpha`` (H,). ``sign="-"`` reads files
+whose forward subtracts the softmin branch (their ``vit/dna.py``): that equals the "+" form with V- negated (alpha
+negated when V is shared).
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
+
+from ..errors import ConfigError, ModelNotFoundError
+
+DNA_LAYOUTS = ("auto", "forward", "legacy", "separate")
+_LEGACY_ORDER = ("q_pos", "k", "v_pos", "q_neg", "v_neg")
+_CONTAINER_KEYS = ("state_dict", "model", "module", "state_dict_ema", "model_ema")
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file or a weights-only torch file (a bare state dict, or one under
+    ``state_dict`` / ``model`` / ``module``), on the CPU; ConfigError for a missing, damaged or hostile file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"pretrained file {path} does not exist; give a .safetensors or a weights-only torch file.")
+    with path.open("rb") as f:
+        head = f.read(8)
+    try:
+        if path.suffix == ".safetensors" or not (zipfile.is_zipfile(path) or head[:1] == b"\x80"):
+            state = load_file(str(path), device="cpu")
+        else:  # torch.save's zip archive, or its legacy pickle format
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except (SafetensorError, pickle.UnpicklingError, RuntimeError, ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError,
+            AttributeError, TypeError) as err:
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"pretrained file {path} cannot be read as safetensors or a weights-only torch file "
+                          f"({why[:120]}); give a state dict saved with safetensors or torch.save.") from None
+    if isinstance(state, Mapping):
+        for key in _CONTAINER_KEYS:
+            if isinstance(state.get(key), Mapping):
+                state = state[key]
+                break
+    if not isinstance(state, Mapping) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"pretrained file {path} holds no state dict of tensors; give a file written from "
+                          f"model.state_dict().")
+    return {re.sub(r"^module\.", "", str(k)): v for k, v in state.items()}
+
+
+def load_strict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], source: str) -> nn.Module:
+    """``model.load_state_dict(state_dict)`` that names the first missing, unexpected or mismatching key in a
+    ConfigError (a state dict for another model) instead of torch's multi-line RuntimeError."""
+    own = model.state_dict()
+    for name, tensor in own.items():
+        if name not in state_dict:
+            raise ConfigError(f"{source} lacks {name!r} that {_model_name(model)} needs; give weights of the same "
+                              f"architecture.")
+        if tuple(state_dict[name].shape) != tuple(tensor.shape):
+            raise ConfigError(f"{source} holds {name!r} with shape {tuple(state_dict[name].shape)} where "
+                              f"{_model_name(model)} has {tuple(tensor.shape)}; give weights of the same architecture.")
+    extra = next((k for k in state_dict if k not in own), None)
+    if extra is not None:
+        raise ConfigError(f"{source} holds {extra!r}, which {_model_name(model)} does not have; give weights of the "
+                          f"same architecture.")
+    model.load_state_dict(state_dict)
+    return model
+
+
+def _model_name(model: nn.Module) -> str:
+    return getattr(model, "attnlab_model", None) or type(model).__name__
+
+
+def create_pretrained(name: str, kwargs: dict[str, Any], file: str | Path | None = None) -> nn.Module:
+    """timm's ``create_model(name, pretrained=True, **kwargs)``: its own loading (checkpoint filter, input-channel
+    adaptation, a new classifier when ``num_classes`` differs), from the hub cache or from ``file``."""
+    import timm
+
+    if not timm.is_model(name):
+        raise ModelNotFoundError(f"--pretrained needs a timm model name with weights, not {name!r}; see "
+                                 f"timm.list_pretrained(), or give a preset with --pretrained-file alone.")
+    overlay: dict[str, Any] = {}
+    if file is not None:
+        state = read_state_dict(file)
+        overlay["state_dict"] = state
+        cfg = timm.models.get_pretrained_cfg(name)
+        classifier = getattr(cfg, "classifier", None) if cfg is not None else None
+        for head in (classifier,) if isinstance(classifier, str) else (classifier or ()):
+            if f"{head}.weight" in state:  # the file's own head size: kept when the model asks for it
+                overlay["num_classes"] = state[f"{head}.weight"].shape[0]
+    try:
+        return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay or None, **kwargs)
+    except RuntimeError as err:
+        text = str(err)
+        bad = re.search(r"size mismatch for ([\w.]+)", text) or re.search(r'(?:Missing|Unexpected) key\(s\) in '
+                                                                         r'state_dict: "([\w.]+)"', text)
+        source = f"pretrained file {file}" if file is not None else f"timm's weights for {name}"
+        if bad:
+            raise ConfigError(f"{source} does not fit {name}: first mismatching key {bad[1]!r}; give weights of the "
+                              f"same architecture and options.") from None
+        if file is None:
+            raise ConfigError(f"timm has no pretrained weights for {name} ({text.splitlines()[0][:100]}); give "
+                              f"--pretrained-file.") from None
+        raise
+    except (OSError, ValueError) as err:  # offline, no cached file (huggingface_hub's errors derive from these)
+        if file is not None:
+            raise
+        raise ConfigError(f"cannot fetch timm's weights for {name} ({type(err).__name__}: offline and not in the "
+                          f"hub cache?); give --pretrained-file PATH.") from None
+
+
+# ---- the DnA authors' state dicts ----------------------------------------------------------------------------------
+def dna_authors_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], layout: str = "auto",
+                           sign: str = "+") -> dict[str, torch.Tensor]:
+    """``state_dict`` in one of the DnA authors' formats (module docstring) rewritten in attnlab's names for
+    ``model``, a model converted to ``dna``: their fused ``qqkvv`` (or ``qkv`` + ``q_neg`` + ``v_neg``) becomes
+    ``qkv`` with rows in this module's order, ``neg_scalers`` becomes ``alpha``; every other key is kept.
+
+    ``layout``: ``forward``, ``legacy``, ``separate``, or ``auto`` (``separate`` when ``q_neg`` / ``v_neg`` keys
+    exist, else ``forward``; ``legacy`` has the same shapes as ``forward`` and is never inferred).
+    """
+    from ..attention.dna import DnAAttention
+
+    if layout not in DNA_LAYOUTS:
+        raise ConfigError(f"DnA authors' layout {layout!r} is not valid; use one of: {', '.join(DNA_LAYOUTS)}.")
+    if sign not in ("+", "-"):
+        raise ConfigError(f"sign {sign!r} is not valid; use '+' (softmin branch added) or '-' (subtracted).")
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, DnAAttention)]
+    if not modules:
+        raise ConfigError("the model has no DnA attention module; build it with attn='dna' (the variant the "
+                          "checkpoint holds) before loading the DnA authors' weights.")
+    out = dict(state_dict)
+    for name, module in modules:
+        p = f"{name}." if name else ""
+        A, H = module.attn_dim, module.num_heads
+        kind = layout
+        if kind == "auto":
+            kind = "separate" if f"{p}q_neg.weight" in out or f"{p}v_neg.weight" in out else "forward"
+        rows = {"weight": {}, "bias": {}}
+        for part in ("weight", "bias"):
+            if kind == "separate":
+                qkv = out.pop(f"{p}qkv.{part}", None)
+                if qkv is None:
+                    continue
+                rows[part].update(zip(("q_pos", "k", "v_pos"), qkv.split(A)))
+                for neg in ("q_neg", "v_neg"):
+                    t = out.pop(f"{p}{neg}.{part}", None)
+                    if t is not None:
+                        rows[part][neg] = t
+            else:
+                fused = out.pop(f"{p}qqkvv.{part}", None)
+                if fused is None:
+                    fused = out.pop(f"{p}qkv.{part}", None)
+                if fused is None:
+                    continue
+                if fused.shape[0] % A:
+                    raise ConfigError(f"{p}qqkvv.{part} has {fused.shape[0]} rows, not a multiple of {A}; give the "
+                                      f"weights of a model with the same width.")
+                order = _LEGACY_ORDER if kind == "legacy" else ("q_pos", "q_neg", "k", "v_pos", "v_neg")
+                blocks = fused.split(A)
+                if kind == "legacy" and len(blocks) != 5:
+                    raise ConfigError(f"the legacy layout holds the five blocks Q+, K, V+, Q-, V-, but {p}qqkvv has "
+                                      f"{len(blocks)}; use layout='forward' for the shared-value module.")
+                if kind == "forward" and len(blocks) != 5:
+                    order = tuple(module.qkv_blocks)  # Q+, Q-, K, V (shared value): their forward's order
+                rows[part].update(zip(order, blocks))
+        if not rows["weight"]:
+            raise ConfigError(f"the checkpoint has no {p}qqkvv.weight (nor {p}qkv.weight) for the DnA module "
+                              f"{name!r}; give a state dict of the same model in the authors' naming.")
+        alpha = out.pop(f"{p}neg_scalers", None)
+        if alpha is None:
+            alpha = out.pop(f"{p}alpha", None)
+        if sign == "-":
+            if "v_neg" in rows["weight"]:
+                rows = {part: {k: (-t if k == "v_neg" else t) for k, t in r.items()} for part, r in rows.items()}
+            elif alpha is not None:
+                alpha = -alpha
+        for part, named in rows.items():
+            if not named:
+                continue
+            aliases = {"q": "q_pos", "v": "v_pos"}
+            missing = [b for b in module.qkv_blocks if aliases.get(b, b) not in named]
+            if missing:
+                raise ConfigError(f"the checkpoint lacks the {missing[0]} rows of {p}{part} that dna(variant="
+                                  f"{module.variant}) needs; build the model with the variant the checkpoint holds.")
+            extra = [b for b in named if b not in {aliases.get(b, b) for b in module.qkv_blocks}]
+            if extra:
+                raise ConfigError(f"the checkpoint holds {extra[0]} rows in {p}{part} that dna(variant="
+                                  f"{module.variant}) has no place for; build the model with the variant the "
+                                  f"checkpoint holds (qv for five blocks).")
+            out[f"{p}qkv.{part}"] = torch.cat([named[aliases.get(b, b)] for b in module.qkv_blocks])
+        if alpha is not None:
+            if alpha.numel() != H:
+                raise ConfigError(f"{p}neg_scalers has {alpha.numel()} values for {H} heads; give the weights of a "
+                                  f"model with the same heads.")
+            out[f"{p}alpha"] = alpha.reshape(H)
+    return out
+
+
+def load_dna_authors(model: nn.Module, source: str | Path | Mapping[str, torch.Tensor], layout: str = "auto",
+                     sign: str = "+") -> nn.Module:
+    """Load a DnA authors' checkpoint (a path or a state dict, module docstring for ``layout`` and ``sign``) into
+    ``model`` (built with ``attn="dna"`` of the checkpoint's variant) by meaning, and return it."""
+    name = f"checkpoint {source}" if isinstance(source, (str, Path)) else "the checkpoint"
+    state = read_state_dict(source) if isinstance(source, (str, Path)) else source
+    return load_strict(model, dna_authors_state_dict(model, state, layout, sign), name)
+
+
+__all__ = ["DNA_LAYOUTS", "create_pretrained", "dna_authors_state_dict", "load_dna_authors", "load_strict",
+           "read_state_dict"]
