@@ -16,9 +16,10 @@ from (seed, epoch, rank): it differs from a one-process run, by design, so that 
 Errors. A user error either happens on every rank alike (options, data, a run to resume; a non-finite loss, read
 from a flag all-reduced at the same check point on every rank) or is exchanged: at the points where no other
 collective can be pending (the end of set-up, the end of each epoch) every rank calls :func:`agree` with its error
-or None, and all of them raise the same error. Such an error is marked shared: the command line prints it on rank
-0 alone, and every rank exits with its exit code. An error on one rank in the middle of the steps, where the others
-wait inside DDP's gradient all-reduce, is printed by that rank, which exits; torchrun then stops the others.
+or None, and all of them raise the same error. The command line prints such an error on rank 0 alone, which
+exits with its code first (the other ranks wait a moment; torchrun then stops them). An error on one rank in the
+middle of the steps, where the others wait inside DDP's gradient all-reduce, is marked local: that rank prints it
+and exits, and torchrun stops the others.
 """
 
 from __future__ import annotations
