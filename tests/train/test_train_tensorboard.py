@@ -13,10 +13,9 @@ from train_helpers import STEPS_PER_EPOCH_64, tiny
 from attnlab.errors import ConfigError
 from attnlab.train import train
 
-pytest.importorskip("tensorboard")
-
 
 def _scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
+    pytest.importorskip("tensorboard")  # in the test extra; the missing-package tests below need no package
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
