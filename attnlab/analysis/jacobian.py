@@ -9,7 +9,8 @@ QK-norm when it has one, and the head's output transform (``ns``) applied when o
 
     J = d vec(O_h) / d [vec(W_Q), vec(W_K), vec(W_V)]        (N * D rows, 3 * D * C columns; row-major vec)
 
-is computed with ``torch.func.jacrev`` (reverse mode: N * D outputs are fewer than 3 * D * C inputs), and its
+(XCiT's and DaViT's channel attentions: O_h from the module's own D x D map, ``head_output``) is computed with
+``torch.func.jacrev`` (reverse mode: N * D outputs are fewer than 3 * D * C inputs), and its
 condition number is kappa(J) = sigma_max / sigma_min over its min(N * D, 3 * D * C) singular values
 (``torch.linalg.svdvals``), in float64 by default: the paper reports kappa up to 1e10, beyond float32's reach.
 The weights are the ones the forward uses: under ``sigma`` gamma W / sigma(W), under ``speccond`` W + lam I_k.
@@ -53,10 +54,11 @@ def head_attention(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: t
 
 
 def attention_jacobian(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
-                       **kwargs) -> torch.Tensor:
-    """J = d vec(O) / d [vec(W_Q), vec(W_K), vec(W_V)] of :func:`head_attention`, shape (N * D, 3 * D * C)."""
+                       head_fn: Callable[..., torch.Tensor] = head_attention, **kwargs) -> torch.Tensor:
+    """J = d vec(O) / d [vec(W_Q), vec(W_K), vec(W_V)] of ``head_fn`` (default :func:`head_attention`), shape
+    (N * D, 3 * D * C)."""
     def f(wq, wk, wv):
-        return head_attention(x, wq, wk, wv, **kwargs)
+        return head_fn(x, wq, wk, wv, **kwargs)
 
     parts = jacrev(f, argnums=(0, 1, 2))(w_q, w_k, w_v)  # each (N, D, D, C)
     rows = parts[0].shape[0] * parts[0].shape[1]
@@ -95,8 +97,16 @@ class JacobianConditioning:
                 "sigma_min": self.sigma_min.tolist()}
 
 
+def _channel_head(module: nn.Module, head: int, head_transform=None) -> Callable[..., torch.Tensor]:
+    """One head of a channel map (XCiT, DaViT) as a function of x and its weights, with the head transform."""
+    def f(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None):
+        o = module.head_output(x, w_q, w_k, w_v, b_q, b_k, b_v, head=head)
+        return o if head_transform is None else head_transform(o[None, None])[0, 0]
+    return f
+
+
 def _check(module: nn.Module, name: str) -> None:
-    if not getattr(module, "plain_softmax", False):
+    if not getattr(module, "plain_softmax", False) and not hasattr(module, "head_output"):
         raise UnsupportedModelError(
             f"the attention Jacobian is defined for softmax attention, but {name} is {type(module).__name__}; "
             f"measure a model built with a softmax kernel (standard, optionally with ns, sigma, speccond, qknorm).")
@@ -169,8 +179,12 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
                     bias = None
                     if bias_all is not None:
                         bias = bias_all.expand(B, module.num_heads, N, N)[s, h].to(dtype)
-                    j = attention_jacobian(x_all[s].to(dtype), w_q, w_k, w_v, b_q=b_q, b_k=b_k, b_v=b_v,
-                                           scale=module.scale, bias=bias, head_transform=transform, **norms)
+                    if hasattr(module, "head_output"):  # XCiT's / DaViT's channel map: the module's own formula
+                        j = attention_jacobian(x_all[s].to(dtype), w_q, w_k, w_v, b_q=b_q, b_k=b_k, b_v=b_v,
+                                               head_fn=_channel_head(module, h, transform))
+                    else:
+                        j = attention_jacobian(x_all[s].to(dtype), w_q, w_k, w_v, b_q=b_q, b_k=b_k, b_v=b_v,
+                                               scale=module.scale, bias=bias, head_transform=transform, **norms)
                     per_seq.append(torch.stack(condition_number(j)))
                 per_head.append(torch.stack(per_seq))
             results.append((head_list, torch.stack(per_head)))  # (heads, sequences, 3)

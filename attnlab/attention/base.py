@@ -19,8 +19,12 @@ import torch
 from torch import nn
 
 from timm.layers import Attention as TimmAttention
+from timm.models.davit import ChannelAttention as DaViTChannelAttention
+from timm.models.davit import ChannelAttentionV2 as DaViTChannelAttentionV2
+from timm.models.davit import WindowAttention as DaViTWindowAttention
 from timm.models.swin_transformer import WindowAttention as TimmWindowAttention
 from timm.models.swin_transformer import get_relative_position_index
+from timm.models.xcit import XCA
 
 from ..errors import UnsupportedModelError
 
@@ -111,7 +115,7 @@ class AttnlabAttention(nn.Module):
     def geometry(module: nn.Module) -> dict:
         """Constructor arguments that rebuild ``module`` (timm Attention, WindowAttention, or an attnlab one)."""
         qkv = module.qkv
-        num_heads = module.num_heads
+        num_heads = getattr(module, "num_heads", None) or module.groups  # DaViT's ChannelAttentionV2: groups
         # attnlab's fused projections may be wider than 3 blocks (DnA); timm's modules hold exactly q, k, v
         head_dim = module.head_dim if isinstance(module, AttnlabAttention) else qkv.out_features // 3 // num_heads
         geo = dict(
@@ -120,8 +124,9 @@ class AttnlabAttention(nn.Module):
             head_dim=head_dim,
             qkv_bias=qkv.bias is not None,
             proj_bias=module.proj.bias is not None,
-            attn_drop=module.attn_drop.p,
-            proj_drop=module.proj_drop.p,
+            # DaViT's attentions have no dropout modules
+            attn_drop=module.attn_drop.p if hasattr(module, "attn_drop") else 0.0,
+            proj_drop=module.proj_drop.p if hasattr(module, "proj_drop") else 0.0,
             fused_attn=bool(getattr(module, "fused_attn", True)),
         )
         if isinstance(module, TimmWindowAttention):
@@ -146,9 +151,7 @@ class AttnlabAttention(nn.Module):
                 f"which needs {3 * self.attn_dim}; build the model afresh with the new spec.")
         self.qkv = module.qkv
         self.proj = module.proj
-        self.attn_drop = module.attn_drop
-        self.proj_drop = module.proj_drop
-        for name in ("q_norm", "k_norm", "norm", "gate"):
+        for name in ("attn_drop", "proj_drop", "q_norm", "k_norm", "norm", "gate"):
             if hasattr(module, name):
                 setattr(self, name, getattr(module, name))
         if self.window_size is not None:
@@ -232,8 +235,10 @@ class AttnlabAttention(nn.Module):
         return f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}{win}, fused_attn={self.fused_attn}"
 
 
-#: module types that :func:`attnlab.convert` replaces (exact types: subclasses may change the forward)
-SUPPORTED_TYPES: tuple[type, ...] = (TimmAttention, TimmWindowAttention)
+#: module types that :func:`attnlab.convert` replaces (exact types: subclasses may change the forward); DaViT's window
+#: attention is token softmax attention without a bias; XCA and the channel attentions go to ``attention.channel``
+SUPPORTED_TYPES: tuple[type, ...] = (TimmAttention, TimmWindowAttention, DaViTWindowAttention, XCA,
+                                     DaViTChannelAttention, DaViTChannelAttentionV2)
 
 
 def is_supported(module: nn.Module) -> bool:

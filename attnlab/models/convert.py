@@ -8,6 +8,7 @@ import re
 from torch import nn
 
 from ..attention.base import AttnlabAttention, is_supported
+from ..attention.channel import channel_mechanism
 from ..errors import SpecError, UnsupportedModelError
 from ..spec import Spec, parse_spec
 
@@ -22,7 +23,7 @@ def _unsupported(model: nn.Module) -> UnsupportedModelError:
     found = f"attention-like modules found: {', '.join(seen)}" if seen else "no attention-like module found"
     return UnsupportedModelError(
         f"{type(model).__name__} has no attention module attnlab can replace ({found}); supported are timm's "
-        f"Attention (ViT, DeiT and other models built from it) and WindowAttention (Swin).")
+        f"Attention (ViT, DeiT and other models built from it), WindowAttention (Swin), XCA (XCiT) and DaViT's.")
 
 
 def _head_transform(spec: Spec) -> nn.Module:
@@ -30,6 +31,19 @@ def _head_transform(spec: Spec) -> nn.Module:
     if not heads:
         return nn.Identity()
     return heads[0] if len(heads) == 1 else nn.Sequential(*heads)
+
+
+def refusal(module: nn.Module, spec: Spec, name: str = "") -> str | None:
+    """Why ``spec`` cannot act on ``module`` (a channel map refuses token-attention terms), or None when it can."""
+    mechanism = channel_mechanism(module)
+    if mechanism is None:
+        return None
+    for term in spec.terms:
+        reason = mechanism.refusal(term.name, term.kind)
+        if reason:
+            where = f" ({name})" if name else ""
+            return f"{term.name} does not apply to {mechanism.family}{where}: {reason}"
+    return None
 
 
 def convert(model: nn.Module, spec: str | Spec) -> nn.Module:
@@ -47,12 +61,19 @@ def convert(model: nn.Module, spec: str | Spec) -> nn.Module:
     found = attention_modules(model)
     if not found:
         raise _unsupported(model)
+    for name, old in found:
+        reason = refusal(old, spec, name)
+        if reason:
+            raise SpecError(f"{reason}; `attnlab variants --support MODEL` lists the terms each module takes.")
     kernel = spec.kernel
     cls = kernel.variant.load()
     options = kernel.resolved()
     modules = []
     for index, (name, old) in enumerate(found):
-        new: AttnlabAttention = cls.from_module(old, layer_index=index, num_layers=len(found), **options)
+        # a channel map keeps its own formula under the standard kernel (the only kernel it takes)
+        mechanism = channel_mechanism(old) or cls
+        new: AttnlabAttention = mechanism.from_module(old, layer_index=index, num_layers=len(found),
+                                                      **({} if mechanism is not cls else options))
         new.head_transform = _head_transform(spec)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
@@ -62,3 +83,41 @@ def convert(model: nn.Module, spec: str | Spec) -> nn.Module:
             term.variant.load()(model, modules, **term.resolved())
     model.attnlab_spec = str(spec)
     return model
+
+
+def term_support(model: nn.Module) -> list[dict]:
+    """Which registered spec terms act on which of ``model``'s attention modules, grouped by module type.
+
+    One dict per group: ``type`` (the module's class), ``family`` (what it computes), ``modules`` (names),
+    ``applies`` (term names) and ``refused`` ({term: reason}); attention-like modules convert leaves alone (XCiT's
+    class-attention layers) are one last group with ``family`` "left as built" and no terms.
+    """
+    from ..variants import VARIANTS
+
+    groups: dict[str, dict] = {}
+    found = attention_modules(model)
+    if not found:
+        raise _unsupported(model)
+    for name, module in found:
+        mechanism = channel_mechanism(module)
+        group = groups.setdefault(type(module).__name__, {
+            "type": type(module).__name__,
+            "family": mechanism.family if mechanism else "token softmax attention",
+            "modules": [], "applies": [], "refused": {}})
+        group["modules"].append(name)
+        if len(group["modules"]) == 1:
+            for term, variant in VARIANTS.items():
+                reason = mechanism.refusal(term, variant.kind) if mechanism else None
+                if reason:
+                    group["refused"][term] = reason
+                else:
+                    group["applies"].append(term)
+    converted = {id(m) for _, m in found}
+    inner = {id(sub) for _, m in found for sub in m.modules()}
+    left = [(n, m) for n, m in model.named_modules() if id(m) not in converted and id(m) not in inner
+            and re.search(r"(attn|attention)$", type(m).__name__, re.I)]
+    if left:
+        groups["(left)"] = {"type": ", ".join(sorted({type(m).__name__ for _, m in left})),
+                            "family": "left as built (not an attention attnlab converts)",
+                            "modules": [n for n, _ in left], "applies": [], "refused": {}}
+    return list(groups.values())

@@ -150,6 +150,10 @@ CASES = [
          slow=True),
     case("bench-model-typo", "bench --model vit_digit", "unknown model 'vit_digit'", slow=True),
     case("variants-cost-model", "variants --cost nomodel", "unknown model 'nomodel'", slow=True),
+    # ---- variants --support (issue 14 item 1)
+    case("variants-support-model", "variants --support nomodel", "unknown model 'nomodel'", slow=True),
+    case("variants-support-no-attention", "variants --support resnet18",
+         "ResNet has no attention module attnlab can replace", slow=True),
 ]
 
 

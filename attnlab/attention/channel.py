@@ -1,0 +1,126 @@
+"""Channel attention: a D x D softmax map over each head's features, built from sums over tokens.
+
+DaViT's channel attention (Ding et al., "DaViT: Dual Attention Vision Transformers", arXiv:2204.03645, Sec. 3.2),
+as timm computes it; timm and the authors' code name the projections so that k and v form the map and q is mixed:
+
+    A_h = softmax(s * k_h^T v_h)     (D x D, softmax over the last index),   o_h = q_h A_h^T     (N x D)
+
+with s = 1/sqrt(D) (``ChannelAttention``) or s = 1/sqrt(N) on q instead of k (``ChannelAttentionV2``, the Florence-2
+models, whose map is softmax(s q^T k) mixing v). XCiT's cross-covariance attention (``attnlab.attention.xca``)
+is the same family with q and k L2-normalised along tokens and a learned temperature.
+
+Which terms carry over (the reasons are the refusals' text, see docs/methods.md):
+- weight terms (``sigma``, ``specnorm``, ``speccond``) act on the fused qkv weight exactly as on token attention;
+- ``ns`` acts on each head's N x D output before head merge, which these modules still produce;
+- token-attention kernels (``dna``, ``diff``, ``cog`` and any other) and the q/k terms ``qknorm`` and ``qkclip``
+  are defined on a token-by-token map q k^T / sqrt(D); on a feature-by-feature map their papers give no form.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from timm.models.davit import ChannelAttention as TimmChannelAttention
+from timm.models.davit import ChannelAttentionV2 as TimmChannelAttentionV2
+from timm.models.xcit import XCA as TimmXCA
+
+from .base import AttnlabAttention
+
+
+#: why a term does not apply to a channel map, by term; a kernel term missing here gets the generic sentence
+CHANNEL_REFUSALS: dict[str, str] = {
+    "dna": "DnA's softmin branch is defined on the token-by-token map (it down-weights tokens, Sec. 3.2 of the DnA "
+           "paper), and the paper gives no meaning for it on a feature-by-feature map",
+    "diff": "Differential attention subtracts two token-by-token maps, and its paper gives no form for a "
+            "feature-by-feature map",
+    "cog": "Cog attention signs the weights of a token-by-token map, and its paper gives no form for a "
+           "feature-by-feature map",
+    "qknorm": "QK-norm normalises each token's q and k over the D features a token-attention logit sums, but a "
+              "channel map's logits sum over tokens (XCiT's L2 normalisation along tokens is that analogue)",
+    "qkclip": "QK-clip caps the token logits q k^T / sqrt(D) by rescaling W_q and W_k, which a channel map's "
+              "logits are not",
+}
+
+
+class ChannelMapAttention(AttnlabAttention):
+    """Base of the mechanisms whose map is D x D over features; declares which spec terms they accept.
+
+    ``family`` names the module kind in messages and in ``attnlab variants --support``.
+    """
+
+    family: ClassVar[str] = "channel attention"
+
+    @classmethod
+    def refusal(cls, term: str, kind: str) -> str | None:
+        """Why ``term`` (of ``kind``) cannot act on this module, or None when it can."""
+        if kind == "kernel" and term != "standard":
+            return CHANNEL_REFUSALS.get(term, f"{term} is a token-attention kernel, and {cls.family}'s map is "
+                                              f"D x D over features, for which it has no form")
+        if term in CHANNEL_REFUSALS:
+            return CHANNEL_REFUSALS[term]
+        return None
+
+    @staticmethod
+    def geometry(module) -> dict:
+        geo = AttnlabAttention.geometry(module)
+        geo.pop("window_size", None)
+        return geo
+
+    def head_output(self, x: torch.Tensor, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
+        """One head's output (N, D) from x (N, C) and its rows of the qkv weight: the Jacobian instrument's function."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+
+class DaViTChannelAttention(ChannelMapAttention):
+    """DaViT's channel attention, ``o_h = q_h softmax(k_h^T v_h / sqrt(D))^T`` (timm ``ChannelAttention``), or with
+    ``dynamic_scale`` ``o_h = softmax(q_h^T k_h / sqrt(N)) v_h^T`` transposed (timm ``ChannelAttentionV2``).
+
+    Args: as :class:`AttnlabAttention`, plus ``v2`` (timm's ChannelAttentionV2 layout) and ``dynamic_scale``.
+    """
+
+    family = "DaViT's channel attention"
+
+    def __init__(self, *args, v2: bool = False, dynamic_scale: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.v2 = v2
+        self.dynamic_scale = dynamic_scale
+
+    @staticmethod
+    def geometry(module) -> dict:
+        geo = ChannelMapAttention.geometry(module)
+        if isinstance(module, DaViTChannelAttention):
+            geo.update(v2=module.v2, dynamic_scale=module.dynamic_scale)
+        elif isinstance(module, TimmChannelAttentionV2):
+            geo.update(v2=True, dynamic_scale=module.dynamic_scale)
+        return geo
+
+    def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:
+        if self.v2:  # timm's ChannelAttentionV2, operation for operation
+            q = q * (q.shape[-2] ** -0.5 if self.dynamic_scale else self.scale)
+            attn = (q.transpose(-1, -2) @ k).softmax(dim=-1)
+            return (attn @ v.transpose(-1, -2)).transpose(-1, -2)
+        k = k * self.scale  # timm's ChannelAttention: k and v form the map, q is mixed
+        attn = (k.transpose(-1, -2) @ v).softmax(dim=-1)
+        return (attn @ q.transpose(-1, -2)).transpose(-1, -2)
+
+    def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
+        q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
+        return self.attend(q, k, v)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", v2=True, dynamic_scale={self.dynamic_scale}" if self.v2 else "")
+
+
+def channel_mechanism(module) -> type[ChannelMapAttention] | None:
+    """The attnlab class that computes ``module``'s channel map (timm's XCA / DaViT channel attention, or an attnlab
+    one), or None for token attention."""
+    from .xca import XCAttention  # xca imports this module
+
+    if isinstance(module, ChannelMapAttention):
+        return type(module)
+    return {TimmXCA: XCAttention, TimmChannelAttention: DaViTChannelAttention,
+            TimmChannelAttentionV2: DaViTChannelAttention}.get(type(module))
+
+
+__all__ = ["CHANNEL_REFUSALS", "ChannelMapAttention", "DaViTChannelAttention", "channel_mechanism"]

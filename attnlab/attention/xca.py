@@ -1,0 +1,61 @@
+"""XCiT's cross-covariance attention (XCA; El-Nouby et al., "XCiT: Cross-Covariance Image Transformers",
+arXiv:2106.09681, Sec. 3.2, eq. 2), as timm's ``timm.models.xcit.XCA`` computes it.
+
+For head h with q_h, k_h, v_h (N x D), each feature column of q and k is L2-normalised along the tokens:
+
+    q^_h = q_h / ||q_h||_col,   k^_h = k_h / ||k_h||_col,   A_h = softmax(tau_h q^_h^T k^_h)   (D x D)
+    o_h = v_h A_h^T   (N x D; timm: A_h v_h^T in the transposed layout)
+
+tau_h is a learned temperature per head (``temperature``, shape (H, 1, 1), no weight decay in timm). The map is
+over features, so its cost is linear in N. Its logits are cosine similarities times tau_h, bounded by |tau_h|:
+XCA carries its own QK-norm, which is one reason ``qknorm`` is refused here (see
+:data:`attnlab.attention.channel.CHANNEL_REFUSALS`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .channel import ChannelMapAttention
+
+
+class XCAttention(ChannelMapAttention):
+    """Cross-covariance attention; the fused path (SDPA with scale 1) and the explicit one match timm's bit for bit.
+
+    Args: as :class:`AttnlabAttention`; ``temperature`` starts at 1 per head (timm's init) and is taken over on
+    conversion.
+    """
+
+    family = "XCiT's cross-covariance attention"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.temperature = nn.Parameter(torch.ones(self.num_heads, 1, 1))
+
+    def adopt(self, module: nn.Module) -> None:
+        super().adopt(module)
+        self.temperature = module.temperature
+
+    def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:
+        # timm works on (B, H, D, N); the transposes are views, so the ops below are timm's own
+        q, k, v = q.transpose(-2, -1), k.transpose(-2, -1), v.transpose(-2, -1)
+        if self.fused_attn:
+            q = F.normalize(q, dim=-1) * self.temperature
+            k = F.normalize(k, dim=-1)
+            return F.scaled_dot_product_attention(q, k, v, scale=1.0).transpose(-2, -1)
+        q = F.normalize(q, dim=-1)
+        k = F.normalize(k, dim=-1)
+        attn = ((q @ k.transpose(-2, -1)) * self.temperature).softmax(dim=-1)
+        return (self.attn_drop(attn) @ v).transpose(-2, -1)
+
+    def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
+        q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
+        q, k = F.normalize(q, dim=0), F.normalize(k, dim=0)
+        attn = ((q.T @ k) * self.temperature[head].detach().to(x.dtype)).softmax(dim=-1)
+        return v @ attn.T
+
+
+
+__all__ = ["XCAttention"]

@@ -1,0 +1,103 @@
+"""DaViT's dual attention: window attention as token softmax attention, channel attention against a float64
+reference (tests/reference_xcit.py), and which terms each takes."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from timm.models.davit import ChannelAttentionV2
+
+import attnlab
+from attnlab.analysis.jacobian import jacobian_conditioning
+from attnlab.errors import SpecError
+from attnlab.models import attention_modules
+from attnlab.models.convert import term_support
+from tests.reference_xcit import davit_channel_reference, davit_channel_v2_reference
+
+# 8x8 then 4x4 tokens, windows of 4x4: no padded windows (a zero token makes the Jacobian singular)
+TINY = dict(depths=(1, 1), embed_dims=(16, 32), num_heads=(2, 4), window_size=4, num_classes=5)
+
+
+def tiny(attn="standard", seed=0):
+    torch.manual_seed(seed)
+    return attnlab.build_model("davit_tiny", attn=attn, **TINY).eval()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_convert_standard_is_bit_identical(fused):
+    model = tiny(attn=None)
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = fused
+    x = torch.randn(2, 3, 32, 32)
+    before = model(x)
+    converted = attnlab.convert(copy.deepcopy(model), "standard")
+    kinds = [type(m).__name__ for _, m in attention_modules(converted)]
+    assert kinds == ["StandardAttention", "DaViTChannelAttention"] * 2
+    assert torch.equal(converted(x), before)
+    assert converted.state_dict().keys() == model.state_dict().keys()
+
+
+@pytest.mark.parametrize("spec,lam", [("standard", 0.0), ("speccond(lam=1.5)", 1.5)])
+def test_channel_attention_matches_float64_reference(spec, lam):
+    model = tiny(spec).double()
+    seen = []
+    channel = [m for _, m in attention_modules(model) if type(m).__name__ == "DaViTChannelAttention"]
+    for m in channel:
+        m.register_forward_hook(lambda mod, a, out: seen.append((mod, a[0], out)))
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32, dtype=torch.float64))
+    assert len(seen) == 2
+    for mod, x, out in seen:
+        w = mod.qkv.parametrizations.weight.original if lam else mod.qkv.weight
+        b = None if mod.qkv.bias is None else mod.qkv.bias.detach().numpy()
+        ref = davit_channel_reference(x.numpy(), w.detach().numpy(), b, mod.proj.weight.detach().numpy(),
+                                      mod.proj.bias.detach().numpy(), mod.num_heads, lam=lam)
+        np.testing.assert_allclose(out.numpy(), ref, rtol=1e-10, atol=1e-12)
+
+
+def test_channel_attention_v2_bit_identical_and_matches_reference():
+    torch.manual_seed(0)
+    model = nn.Sequential(ChannelAttentionV2(24, num_heads=3)).double().eval()
+    x = torch.randn(2, 10, 24, dtype=torch.float64)
+    before = model(x)
+    converted = attnlab.convert(copy.deepcopy(model), "standard")
+    assert type(converted[0]).__name__ == "DaViTChannelAttention" and converted[0].v2
+    assert torch.equal(converted(x), before)
+    m = converted[0]
+    ref = davit_channel_v2_reference(x.numpy(), m.qkv.weight.detach().numpy(), m.qkv.bias.detach().numpy(),
+                                     m.proj.weight.detach().numpy(), m.proj.bias.detach().numpy(), 3)
+    np.testing.assert_allclose(converted(x).detach().numpy(), ref, rtol=1e-10, atol=1e-12)
+
+
+def test_window_attention_takes_token_kernels_and_ns_acts_on_both():
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        base = tiny("standard")(x)
+        assert not torch.allclose(tiny("ns")(x), base)
+    kinds = [type(m).__name__ for _, m in attention_modules(tiny("ns+sigma"))]
+    assert kinds == ["StandardAttention", "DaViTChannelAttention"] * 2
+
+
+@pytest.mark.parametrize("term", ["dna", "diff", "cog", "qknorm", "qkclip"])
+def test_token_terms_are_refused_on_channel_attention(term):
+    with pytest.raises(SpecError, match=r"does not apply to DaViT's channel attention \(stages\.0\.blocks\.0\.1\.attn\)"):
+        tiny(term)
+
+
+def test_support_splits_window_and_channel_attention():
+    window, channel = term_support(tiny(None))
+    assert window["type"] == "WindowAttention" and window["refused"] == {}
+    assert {"dna", "qknorm", "qkclip"} <= set(window["applies"])
+    assert channel["type"] == "ChannelAttention" and "speccond" in channel["applies"]
+    assert {"dna", "qknorm"} <= set(channel["refused"])
+
+
+def test_jacobian_runs_on_both_attentions():
+    result = jacobian_conditioning(tiny("speccond"), torch.randn(1, 3, 32, 32), heads=[0])
+    assert len(result.blocks) == 4
+    assert torch.isfinite(result.kappa).all() and (result.kappa >= 1).all()
