@@ -9,3 +9,4 @@ from attnlab.analysis.redundancy import head_distance, head_redundancy  # noqa: 
 from attnlab.analysis.robustness import psnr, representational_robustness, token_distance  # noqa: F401
 from attnlab.analysis.relevance import Relevance, plot_relevance, relevance_maps, rollout  # noqa: F401
 from attnlab.analysis.curves import plot_training_curves, read_metrics, training_curves  # noqa: F401
+from attnlab.analysis.evaluation import aurra, auroc, classification_metrics, evaluate, rms_calibration_error  # noqa: F401
