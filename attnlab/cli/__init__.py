@@ -25,6 +25,7 @@ COMMANDS = {
     "bench": "forward latency of variants with identical parameters (NS-Attn paper's protocol)",
     "variants": "list the attention variant terms of the spec language",
     "export": "write a model's weights with every reparametrisation folded, as safetensors",
+    "eval": "top-1, top-5, loss and the DnA paper's robustness metrics of a run or of given weights, as JSON",
 }
 
 

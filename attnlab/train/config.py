@@ -59,6 +59,10 @@ class TrainConfig:
     momentum: float = field(default=0.9, metadata={"help": "momentum of the LARS optimizer"})
     drop_path: float | None = field(default=None, metadata={"help": "stochastic-depth rate (default: the model preset's)"})
     clip_grad: float | None = field(default=None, metadata={"help": "clip the gradient norm to this value (default: no clipping)"})
+    pretrained: bool = field(default=False, metadata={"help": "start from timm's pretrained weights (hub cache, or "
+                                                              "--pretrained-file), then apply --attn"})
+    pretrained_file: str | None = field(default=None, metadata={"help": "weights to start from: safetensors or a "
+                                                                   "weights-only torch file (implies --pretrained)"})
     model_options: dict = field(default_factory=dict, metadata={"help": "extra keyword arguments for build_model"})
     data_options: dict = field(default_factory=dict, metadata={"help": "extra keyword arguments for the dataset"})
     # --- how it runs (may change between a run and its resumption)

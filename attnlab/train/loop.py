@@ -156,7 +156,8 @@ def check_run(cfg: TrainConfig, cache: dict | None = None) -> dict[str, Any]:
         cache[data_key] = (info, n_train)
     info, n_train = cache[data_key]
     _check_steps(cfg, len(_train_sampler(cfg, range(n_train), torch.Generator())))
-    model_key = ("model", cfg.model, spec, cfg.norm, cfg.drop_path, repr(sorted(cfg.model_options.items())), info)
+    model_key = ("model", cfg.model, spec, cfg.norm, cfg.drop_path, repr(sorted(cfg.model_options.items())), info,
+                 cfg.pretrained, cfg.pretrained_file)
     if model_key not in cache:
         with torch.random.fork_rng(devices=[]):  # leave the caller's random streams as they were
             build_run_model(cfg, info)
@@ -291,11 +292,14 @@ def train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
             torch.set_flush_denormal(False)
 
 
-def build_run_model(cfg: TrainConfig, info) -> nn.Module:
-    """The model a run trains: the preset sized for the dataset (``info``), drop-path and model options applied."""
+def build_run_model(cfg: TrainConfig, info, pretrained: bool = True) -> nn.Module:
+    """The model a run trains: the preset sized for the dataset (``info``), drop-path and model options applied,
+    starting from the pretrained weights the config names (``pretrained=False``: not read, as for a checkpoint)."""
     from attnlab.models import build_model
 
     model_kwargs = dict(in_chans=info.in_chans, img_size=info.image_size)
+    if pretrained and (cfg.pretrained or cfg.pretrained_file):
+        model_kwargs.update(pretrained=True, pretrained_file=cfg.pretrained_file)
     if cfg.drop_path is not None:
         model_kwargs["drop_path_rate"] = cfg.drop_path
     model_kwargs.update(cfg.model_options)
@@ -312,7 +316,8 @@ def load_run(run_dir: str | Path, map_location: str | torch.device = "cpu") -> t
     if not (run_dir / CONFIG).exists() or not has_checkpoint(run_dir):
         raise ConfigError(f"{run_dir} is not a run directory with a checkpoint (config.yaml, checkpoint.safetensors).")
     cfg = load_config(run_dir / CONFIG)
-    model = build_run_model(cfg, dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options))
+    model = build_run_model(cfg, dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options),
+                            pretrained=False)
     weights, _ = load_checkpoint(run_dir, map_location="cpu")
     model.load_state_dict(weights)
     # built on the CPU and then moved, as training does: sigma's set-up calls .item(), which meta cannot
@@ -355,7 +360,7 @@ def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.
     # Model and data. Seeding first makes the initial weights a function of the seed.
     seed_everything(cfg.seed)
     info = dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options)
-    model = build_run_model(cfg, info).to(device)
+    model = build_run_model(cfg, info, pretrained=found is None).to(device)  # a checkpoint replaces the weights
     # The run directory appears together with its config.yaml, so that a killed run continues with
     # `train --resume RUN_DIR`: before a download (minutes), else once the data has loaded (bad input makes none).
     config_file = {CONFIG: yaml.safe_dump(resolved, sort_keys=False).encode()}

@@ -154,6 +154,24 @@ CASES = [
     case("variants-support-model", "variants --support nomodel", "unknown model 'nomodel'", slow=True),
     case("variants-support-no-attention", "variants --support resnet18",
          "ResNet has no attention module attnlab can replace", slow=True),
+    # ---- eval, --pretrained, --pretrained-file, --checkpoint (issue 14 items 4 and 5)
+    case("eval-nothing", "eval", "give a run directory, or --model"),
+    case("eval-not-a-run", "eval {tmp}", "is not a run directory"),
+    case("eval-run-and-checkpoint", "eval {run} --checkpoint w.pt", "--checkpoint goes with --model"),
+    case("eval-ood-without-folder", "eval {run} --ood o", "give --folder as well"),
+    case("eval-folder-missing", "eval {run} --folder nope", "--folder nope is not a directory"),
+    case("eval-checkpoint-missing", "eval --model vit_digits --checkpoint nope.pt", "nope.pt does not exist",
+         slow=True),
+    case("eval-checkpoint-garbage", "eval --model vit_digits --checkpoint w.pt",
+         "cannot be read as safetensors or a weights-only torch file", files={"w.pt": b"\x00garbage" * 40}),
+    case("eval-checkpoint-other-model", "eval --model vit_digits --attn dna --checkpoint {run}/checkpoint.safetensors",
+         "lacks 'blocks.0.attn.alpha'", slow=True),
+    case("eval-pretrained-unknown-model", "eval --model nomodel --pretrained", "--pretrained needs a timm model name",
+         slow=True),
+    case("train-pretrained-file-garbage", "train --recipe demo --pretrained-file w.safetensors",
+         "cannot be read as safetensors", files={"w.safetensors": b"garbage" * 40}, slow=True),
+    case("train-pretrained-preset", "train --recipe demo --pretrained", "vit_digits has no published weights",
+         slow=True),
 ]
 
 

@@ -1,0 +1,168 @@
+"""Evaluate a trained run or a model with given weights: top-1, top-5, loss, RMS calibration error and AURRA (and,
+with --ood, AUROC of -max softmax against out-of-distribution images), printed as one JSON line. The metrics are the
+DnA paper's robustness metrics (Table 4: ImageNet-A; Table 10: ImageNet-O and -R); docs/methods.md states them.
+
+Examples:
+  attnlab eval runs/demo/vit_digits-digits-dna-s0
+  attnlab eval runs/demo/vit_digits-digits-dna-s0 --noise 0.5
+  attnlab eval --model vit_digits --attn dna --checkpoint weights.safetensors --dataset digits
+  attnlab eval --model deit_tiny_patch16_224 --pretrained --folder imagenet-a --classes imagenet_wnids.txt
+  attnlab eval --model deit_tiny_patch16_224 --pretrained-file w.safetensors --folder val --ood imagenet-o
+
+--folder DIR reads one subfolder of images per class (ImageNet-A/-R/-O as you bring them); with --classes FILE (the
+model's class names, one per line in output order, e.g. the 1000 ImageNet wnids) each subfolder name is looked up
+and the logits are restricted to those classes, as Hendrycks et al. evaluate ImageNet-A and -R; without it the sorted
+subfolders are the model's classes 0, 1, ... Images are resized and centre-cropped to the model's input size."""
+
+from __future__ import annotations
+
+import argparse
+
+from .checks import count
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="run directory (config.yaml + checkpoint)")
+    p.add_argument("--model", default=None, help="a preset or timm model name, instead of RUN_DIR")
+    p.add_argument("--attn", default="standard", help="variant spec of --model (default standard)")
+    p.add_argument("--checkpoint", default=None, metavar="FILE",
+                   help="weights of --model (built with --attn): safetensors or a weights-only torch file")
+    p.add_argument("--pretrained", action="store_true", help="timm's pretrained weights for --model (hub cache)")
+    p.add_argument("--pretrained-file", default=None, metavar="FILE",
+                   help="timm-format weights for --model, loaded before --attn converts it")
+    p.add_argument("--dataset", default=None, help="dataset whose test split is evaluated (default: the run's, or "
+                                                   "digits)")
+    p.add_argument("--data-dir", default=None, help="dataset directory (default: the run's, or data/)")
+    p.add_argument("--split", choices=("test", "train"), default="test", help="split of --dataset (default test)")
+    p.add_argument("--folder", default=None, metavar="DIR", help="evaluate on this image folder (one subfolder per "
+                                                                 "class) instead of a dataset split")
+    p.add_argument("--classes", default=None, metavar="FILE",
+                   help="the model's class names, one per line in output order, to map --folder's subfolders")
+    p.add_argument("--ood", default=None, metavar="DIR", help="image folder of out-of-distribution images: AUROC")
+    p.add_argument("--num-classes", type=count(1), default=None, help="classes of --model (default: the dataset's)")
+    p.add_argument("--image-size", type=count(1), default=None, help="input size for folders (default: the "
+                                                                      "dataset's)")
+    p.add_argument("--noise", type=float, default=0.0, metavar="STD",
+                   help="Gaussian noise N(0, STD^2) added to each normalised input (default 0)")
+    p.add_argument("--images", type=count(1), default=None, help="evaluate only the first N images of each set")
+    p.add_argument("--batch-size", type=count(1), default=64, help="images per forward (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the noise draw (and of a fresh --model)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+
+
+def _folder(path: str, what: str):
+    from pathlib import Path
+
+    from ..errors import DatasetError
+
+    root = Path(path)
+    if not root.is_dir():
+        raise DatasetError(f"{what} {root} is not a directory; give a folder with one subfolder of images per class.")
+    if not any(p.is_dir() for p in root.iterdir()):
+        raise DatasetError(f"{what} {root} has no subfolders; put the images in one subfolder per class.")
+    return root
+
+
+def _class_indices(classes_file: str, folder_classes: list[str]) -> list[int]:
+    from pathlib import Path
+
+    from ..errors import ConfigError
+
+    path = Path(classes_file)
+    if not path.is_file():
+        raise ConfigError(f"--classes {path} is not a file; give a text file of class names, one per line.")
+    names = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    index = {name: i for i, name in enumerate(names)}
+    missing = next((c for c in folder_classes if c not in index), None)
+    if missing is not None:
+        raise ConfigError(f"--folder's subfolder {missing!r} is not among the {len(names)} names in --classes "
+                          f"{path}; give the model's class names (e.g. ImageNet wnids), one per line.")
+    return [index[c] for c in folder_classes]
+
+
+def run(args) -> int:
+    import json
+
+    from ..errors import ConfigError
+    from .checks import run_dir
+
+    if bool(args.run_dir) == bool(args.model):
+        raise ConfigError("give a run directory, or --model (with --checkpoint, --pretrained or --pretrained-file), "
+                          "not both.")
+    if args.run_dir:
+        run_dir(args.run_dir)
+        extra = next((f for f, v in (("--checkpoint", args.checkpoint), ("--pretrained", args.pretrained),
+                                     ("--pretrained-file", args.pretrained_file)) if v), None)
+        if extra:
+            raise ConfigError(f"{extra} goes with --model; a run directory brings its own weights.")
+    elif args.checkpoint and (args.pretrained or args.pretrained_file):
+        raise ConfigError("give --checkpoint (weights of the converted model) or --pretrained/--pretrained-file "
+                          "(timm weights converted after loading), not both.")
+    if args.classes and not args.folder:
+        raise ConfigError("--classes maps --folder's subfolders to the model's outputs; give --folder as well.")
+    if args.ood and not args.folder:
+        raise ConfigError("--ood compares with the images of --folder (both read as image folders); give --folder "
+                          "as well.")
+    folder = _folder(args.folder, "--folder") if args.folder else None
+    ood = _folder(args.ood, "--ood") if args.ood else None
+
+    import torch
+
+    from ..analysis.evaluation import evaluate
+    from ..data import build_dataset, dataset_info
+    from ..data.registry import resolve_options
+    from ..train.loop import resolve_device
+
+    device = resolve_device(args.device)
+    if args.run_dir:
+        from ..train import load_run
+
+        model, cfg = load_run(args.run_dir, map_location=device)
+        dataset, data_dir, data_opts = args.dataset or cfg.dataset, args.data_dir or cfg.data_dir, cfg.data_options
+        label = {"run": str(args.run_dir), "attn": cfg.attn}
+    else:
+        from ..models import build_model
+        from ..models.pretrained import load_strict, read_state_dict
+
+        dataset, data_dir, data_opts = args.dataset or "digits", args.data_dir or "data", {}
+        info = dataset_info(dataset, data_dir=data_dir) if not folder or args.dataset else None
+        kwargs = {}
+        if info is not None:
+            kwargs = dict(in_chans=info.in_chans, img_size=info.image_size)
+        if args.image_size:
+            kwargs["img_size"] = args.image_size
+        from_file = args.pretrained or args.pretrained_file
+        num_classes = args.num_classes or (info.num_classes if info is not None and not from_file else None)
+        torch.manual_seed(args.seed)
+        model = build_model(args.model, num_classes=num_classes, attn=args.attn, pretrained=args.pretrained,
+                            pretrained_file=args.pretrained_file, **kwargs)
+        if args.checkpoint:
+            load_strict(model, read_state_dict(args.checkpoint), f"checkpoint {args.checkpoint}")
+        model = model.to(device).eval()
+        label = {"model": args.model, "attn": args.attn}
+
+    class_indices = None
+    if folder is not None:
+        from torchvision.datasets import ImageFolder
+
+        from ..data.folder import folder_transform
+
+        opts = resolve_options(dataset, dict(data_opts)) if args.run_dir or args.dataset else {}
+        size = args.image_size or opts.get("image_size") or getattr(model, "default_cfg", {}).get(
+            "input_size", (3, 224, 224))[-1]
+        info = dataset_info(dataset, data_dir=data_dir, **data_opts) if args.run_dir or args.dataset else None
+        norm = dict(mean=info.mean, std=info.std) if info is not None else {}
+        transform = folder_transform(False, "none", image_size=size, **norm)
+        data = ImageFolder(str(folder), transform=transform, allow_empty=True)
+        if args.classes:
+            class_indices = _class_indices(args.classes, data.classes)
+        ood_data = ImageFolder(str(ood), transform=transform, allow_empty=True) if ood else None
+        label["folder"] = str(folder)
+    else:
+        data = build_dataset(dataset, args.split == "train", data_dir=data_dir, augment="none", **data_opts)
+        ood_data = None
+        label.update(dataset=dataset, split=args.split)
+    result = evaluate(model, data, ood=ood_data, batch_size=args.batch_size, device=device, noise_std=args.noise,
+                      seed=args.seed, limit=args.images, class_indices=class_indices)
+    print(json.dumps({**label, **result}))
+    return 0

@@ -1,0 +1,74 @@
+"""`attnlab eval`: one JSON line whose numbers are attnlab.analysis.evaluate's on the same model and images, for
+--model with --checkpoint, and for an image folder with --classes and --ood (a folder the test writes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import timm
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+import attnlab
+from attnlab.analysis.evaluation import evaluate
+from attnlab.cli import main
+from attnlab.data import build_dataset
+
+
+def run_eval(capsys, *argv) -> dict:
+    assert main(["eval", *map(str, argv)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1
+    return json.loads(lines[0])
+
+
+def test_model_with_checkpoint_on_a_split(tmp_path, capsys):
+    torch.manual_seed(3)
+    model = attnlab.build_model("vit_digits", num_classes=10, attn="dna").eval()
+    save_file(model.state_dict(), tmp_path / "w.safetensors")
+    out = run_eval(capsys, "--model", "vit_digits", "--attn", "dna", "--checkpoint", tmp_path / "w.safetensors",
+                   "--images", 120, "--noise", 0.3, "--device", "cpu")
+    expected = evaluate(model, build_dataset("digits", False), limit=120, noise_std=0.3)
+    assert out["model"] == "vit_digits" and out["dataset"] == "digits" and out["split"] == "test"
+    for key in ("n", "top1", "top5", "loss", "rms_calibration_error", "aurra", "noise_std"):
+        assert out[key] == pytest.approx(expected[key], rel=1e-5), key
+
+
+def _write_folder(root, classes, per_class, seed):
+    g = torch.Generator().manual_seed(seed)
+    for c in classes:
+        (root / c).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = (torch.rand(40, 40, 3, generator=g) * 255).to(torch.uint8).numpy()
+            Image.fromarray(pixels).save(root / c / f"{i}.png")
+
+
+def test_folder_with_classes_and_ood(tmp_path, capsys):
+    torch.manual_seed(0)
+    src = timm.create_model("vit_tiny_patch16_224", img_size=32, depth=2, num_classes=6)
+    save_file(src.state_dict(), tmp_path / "w.safetensors")
+    _write_folder(tmp_path / "val", ["n02", "n05"], 3, seed=1)  # two of the model's six classes
+    _write_folder(tmp_path / "ood", ["x"], 4, seed=2)
+    (tmp_path / "classes.txt").write_text("\n".join(["n00", "n01", "n02", "n03", "n04", "n05"]) + "\n")
+    # depth=2 is not a CLI flag: the file's 2 blocks would not fit timm's 12, so the model comes from the library
+    args = ["--model", "vit_tiny_patch16_224", "--pretrained-file", tmp_path / "w.safetensors", "--image-size", 32,
+            "--folder", tmp_path / "val", "--classes", tmp_path / "classes.txt", "--ood", tmp_path / "ood"]
+    assert main(["eval", *map(str, args)]) == 2  # the mismatch is one line: blocks.2 is missing from the file
+    assert "blocks.2" in capsys.readouterr().err
+    full = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=6)
+    save_file(full.state_dict(), tmp_path / "w.safetensors")
+    out = run_eval(capsys, *args)
+    assert out["n"] == 6 and out["ood_n"] == 4 and 0 <= out["auroc"] <= 100 and 0 <= out["aurra"] <= 100
+    assert out["top5"] == 100.0  # two classes kept: both are always in the top 5
+    from torchvision.datasets import ImageFolder
+
+    from attnlab.data.folder import folder_transform
+
+    model = attnlab.build_model("vit_tiny_patch16_224", pretrained_file=tmp_path / "w.safetensors", img_size=32)
+    t = folder_transform(False, "none", image_size=32)
+    expected = evaluate(model, ImageFolder(str(tmp_path / "val"), transform=t), class_indices=[2, 5],
+                        ood=ImageFolder(str(tmp_path / "ood"), transform=t))
+    for key in ("top1", "loss", "rms_calibration_error", "aurra", "auroc"):
+        assert out[key] == pytest.approx(expected[key], rel=1e-5), key
