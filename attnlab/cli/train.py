@@ -46,7 +46,7 @@ def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
             continue
         help_text = f.metadata.get("help", "")
         default = getattr(defaults, f.name)
-        if hints[f.name] is bool:
+        if hints[f.name] in (bool, bool | None):  # None: the default that depends on the run
             parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=f"{help_text} (ns_cifar: {default})")
             continue

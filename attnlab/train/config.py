@@ -54,6 +54,9 @@ class TrainConfig:
     mixup_prob: float = field(default=0.5, metadata={"help": "probability that a batch is mixed (Mixup or CutMix)"})
     mixup_switch_prob: float = field(default=0.5, metadata={"help": "probability of CutMix rather than Mixup when a batch is mixed"})
     repeated_aug: int = field(default=3, metadata={"help": "repeated augmentation count (1 disables it)"})
+    data_on_device: bool | None = field(default=None, metadata={
+        "help": "keep the train set on the device and augment it there per sample (cifar10, cifar100, digits, "
+                "synthetic; default: on for those on CUDA, off on the CPU, where torchvision/timm is the reference)"})
     norm: str = field(default="pre", metadata={"help": "'pre' (timm's pre-LN blocks) or 'post' (post-LN, ViT only)"})
     optimizer: str = field(default="adamw", metadata={"help": "'adamw' or 'lars' (timm's LARS, SGD momentum with layer-wise trust ratio)"})
     momentum: float = field(default=0.9, metadata={"help": "momentum of the LARS optimizer"})
@@ -68,7 +71,10 @@ class TrainConfig:
     # --- how it runs (may change between a run and its resumption)
     device: str = field(default="auto", metadata={"help": "'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ..."})
     amp: str = field(default="auto", metadata={"help": "'auto' (bf16 autocast on CUDA, fp32 on CPU), 'bf16' or 'none'"})
-    compile: bool = field(default=False, metadata={"help": "wrap the model in torch.compile"})
+    compile: bool = field(default=False, metadata={"help": "train and evaluate the model through torch.compile"})
+    compile_mode: str = field(default="auto", metadata={
+        "help": "torch.compile mode: 'auto' (reduce-overhead, i.e. CUDA graphs, on CUDA; default on the CPU), "
+                "'default', 'reduce-overhead', 'max-autotune' or 'max-autotune-no-cudagraphs'"})
     data_dir: str = field(default="data", metadata={"help": "where datasets are stored"})
     download: bool = field(default=False, metadata={"help": "download missing datasets"})
     runs_dir: str = field(default="runs", metadata={"help": "parent directory of run directories"})
@@ -90,7 +96,7 @@ class TrainConfig:
 
 # Keys that may differ between a run and its resumption without changing what is computed
 # (device and amp do change rounding; they are allowed so that a run can move machines).
-RUNTIME_KEYS = frozenset({"device", "amp", "compile", "data_dir", "download", "runs_dir", "name",
+RUNTIME_KEYS = frozenset({"device", "amp", "compile", "compile_mode", "data_dir", "download", "runs_dir", "name",
                           "num_workers", "threads", "log_every", "probe_every", "probe_images", "progress",
                           "resume", "log", "world_size"})
 
@@ -121,7 +127,8 @@ GRID_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 _CHOICES = {"amp": ("auto", "bf16", "none"), "augment": ("recipe", "none"), "norm": ("pre", "post"),
-            "optimizer": ("adamw", "lars"), "log": ("none", "tensorboard")}
+            "optimizer": ("adamw", "lars"), "log": ("none", "tensorboard"),
+            "compile_mode": ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")}
 
 
 GRID_KEYS = ("variants", "seeds", "datasets", "models", "runs_dir", "variations", "jobs", "base")

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -68,6 +67,31 @@ def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
     if amp == "none" or (amp == "auto" and device.type != "cuda"):
         return None
     return torch.bfloat16
+
+
+COMPILE_MODES = {"cuda": "reduce-overhead", "cpu": "default"}  # 'auto' per device type; measured in docs/perf.md
+
+
+def compile_mode(mode: str, device: torch.device) -> str:
+    """torch.compile's mode for ``mode`` ('auto': CUDA graphs on CUDA, where the step's shapes are static)."""
+    return COMPILE_MODES.get(device.type, "default") if mode == "auto" else mode
+
+
+TENSOR_DATASETS = ("cifar10", "cifar100", "digits", "synthetic")  # what the device pipeline holds
+
+
+def data_on_device(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether the run's train split lives on the device (``cfg.data_on_device``; None: on CUDA for the tensor
+    datasets), or ConfigError for a dataset the device pipeline cannot hold."""
+    from attnlab.data.registry import _name
+
+    tensor = _name(cfg.dataset) in TENSOR_DATASETS
+    if cfg.data_on_device is None:
+        return tensor and device.type == "cuda"
+    if cfg.data_on_device and not tensor:
+        raise ConfigError(f"data_on_device is on, but the device pipeline holds the tensor datasets "
+                          f"({', '.join(TENSOR_DATASETS)}), not {cfg.dataset}; drop --data-on-device.")
+    return cfg.data_on_device
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -145,7 +169,7 @@ def check_run(cfg: TrainConfig, cache: dict | None = None) -> dict[str, Any]:
     spec = str(parse_spec(cfg.attn))
     name = run_name(cfg, spec)
     run_dir = Path(cfg.runs_dir) / name
-    resolve_device(cfg.device)
+    data_on_device(cfg, resolve_device(cfg.device))
     data_key = ("data", cfg.dataset, cfg.data_dir, cfg.download, cfg.augment, repr(sorted(cfg.data_options.items())))
     if data_key not in cache:
         info = dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options)
@@ -183,30 +207,52 @@ def count_params(model: nn.Module) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- one epoch
-def train_one_epoch(model, loader, optimizer, scheduler, criterion, mixup_fn, *, device, amp_dtype, epoch: int,
-                    epochs: int, num_updates: int, clip_grad: float | None, log_every: int, progress: bool,
-                    on_step=None):
-    """One pass over ``loader``. Returns (stats, num_updates). Raises NonFiniteLossError at a NaN/inf loss.
-    ``on_step(num_updates)`` runs after every optimizer step (the probe; it must leave the model in train mode)."""
-    model.train()
-    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
-    loss_sum, correct, seen = 0.0, 0, 0
-    start = time.perf_counter()
-    bar = tqdm(loader, desc=f"epoch {epoch}/{epochs}", disable=not progress, leave=False, dynamic_ncols=True)
-    for step, (images, labels) in enumerate(bar, start=1):
+def host_batches(loader, device: torch.device, mixup_fn=None) -> Iterator[tuple[torch.Tensor, torch.Tensor,
+                                                                                  torch.Tensor]]:
+    """(images, targets, labels) on ``device`` from a CPU loader: ``targets`` mixed by ``mixup_fn`` (soft, label
+    smoothing folded in) or the labels; the device pipeline yields the same triples."""
+    for images, labels in loader:
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         targets = labels
         if mixup_fn is not None:
-            images, targets = mixup_fn(images, labels)  # soft targets; label smoothing folded in
+            images, targets = mixup_fn(images, labels)
+        yield images, targets, labels
+
+
+def _read_stats(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The step's device sums on the host, summed over the ranks: the one sync of a log point."""
+    return dict(zip(sums, (float(v) for v in distributed.reduce_sums(*sums.values()))))
+
+
+def train_one_epoch(model, batches, optimizer, scheduler, criterion, *, steps: int, device, amp_dtype, epoch: int,
+                    epochs: int, num_updates: int, clip_grad: float | None, log_every: int, progress: bool,
+                    on_step=None, cudagraphs: bool = False):
+    """One pass over ``batches`` ((images, targets, labels) on the device, ``steps`` of them). Returns (stats,
+    num_updates). ``on_step(num_updates)`` runs after every optimizer step (the probe and the EMA; the probe must
+    leave the model in train mode).
+
+    Nothing in a step waits for the device: loss, accuracy and a non-finite flag (the first bad step and its loss)
+    accumulate there and are read every ``log_every`` steps and at the end, where a non-finite loss raises
+    NonFiniteLossError naming its step and the window it was found in. ``cudagraphs``: mark each step's start for
+    torch.compile's CUDA graphs (mode reduce-overhead), whose outputs the next replay overwrites.
+    """
+    model.train()
+    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
+    zero = lambda dtype: torch.zeros((), dtype=dtype, device=device)  # noqa: E731
+    sums = {"loss": zero(torch.float64), "correct": zero(torch.int64), "seen": zero(torch.int64),
+            "bad": zero(torch.int64)}
+    bad_step, bad_loss = zero(torch.int64), zero(torch.float32)
+    checked, stats = 0, {"loss": 0.0, "correct": 0.0, "seen": 0.0}
+    start = time.perf_counter()
+    bar = tqdm(batches, total=steps, desc=f"epoch {epoch}/{epochs}", disable=not progress, leave=False,
+               dynamic_ncols=True)
+    for step, (images, targets, labels) in enumerate(bar, start=1):
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast:
             logits = model(images)
         loss = criterion(logits.float(), targets)
-        loss_value = loss.item()
-        if distributed.any_rank(not math.isfinite(loss_value)):
-            raise distributed.shared(NonFiniteLossError(
-                f"training loss became {loss_value} at epoch {epoch} step {step}; training stopped and the last "
-                f"good checkpoint (epoch {epoch - 1}) was kept, so lower the learning rate or enable clip_grad."))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if clip_grad:
@@ -217,42 +263,63 @@ def train_one_epoch(model, loader, optimizer, scheduler, criterion, mixup_fn, *,
         if on_step is not None:
             on_step(num_updates)
 
-        n = labels.shape[0]
-        loss_sum += loss_value * n
-        correct += int((logits.argmax(-1) == labels).sum())  # against the unmixed label
-        seen += n
-        if progress and (step % log_every == 0 or step == len(loader)):
-            bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{100 * correct / seen:.2f}",
-                            img_s=f"{seen / (time.perf_counter() - start):.0f}",
-                            lr=f"{optimizer.param_groups[0]['lr']:.2e}", refresh=False)
+        value = loss.detach()
+        first_bad = ~torch.isfinite(value) & (bad_step == 0)
+        bad_step.masked_fill_(first_bad, step)
+        bad_loss.copy_(torch.where(first_bad, value.float(), bad_loss))
+        sums["bad"] += first_bad
+        sums["loss"] += value.double() * labels.shape[0]
+        sums["correct"] += (logits.detach().argmax(-1) == labels).sum()  # against the unmixed label
+        sums["seen"] += labels.shape[0]
+        if step % log_every == 0 or step == steps:
+            stats = _read_stats(sums)
+            if stats["bad"]:  # a step since the last check (on this rank or another) had a non-finite loss
+                where = int(bad_step) or None
+                found = f"step {where}" if where else f"one of steps {checked + 1}-{step} on another rank"
+                raise distributed.shared(NonFiniteLossError(
+                    f"training loss became {float(bad_loss) if where else 'non-finite'} at epoch {epoch} {found} "
+                    f"(found at the check after step {step}); training stopped and the last good checkpoint "
+                    f"(epoch {epoch - 1}) was kept, so lower the learning rate or enable clip_grad."))
+            checked = step
+            if progress:
+                seen = max(stats["seen"], 1.0)
+                bar.set_postfix(loss=f"{stats['loss'] / seen:.4f}", acc=f"{100 * stats['correct'] / seen:.2f}",
+                                img_s=f"{seen / (time.perf_counter() - start):.0f}",
+                                lr=f"{optimizer.param_groups[0]['lr']:.2e}", refresh=False)
     bar.close()
-    loss_sum, correct, seen = (float(v) for v in distributed.reduce_sums(loss_sum, correct, seen))  # all ranks
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    stats = {"train_loss": loss_sum / max(seen, 1), "train_acc": 100.0 * correct / max(seen, 1),
-             "train_seconds": seconds, "img_per_s": seen / seconds if seconds > 0 else 0.0}
+    seconds = time.perf_counter() - start  # the last check read the device, so its work is done
+    seen = max(stats["seen"], 1.0)
+    stats = {"train_loss": stats["loss"] / seen, "train_acc": 100.0 * stats["correct"] / seen,
+             "train_seconds": seconds, "img_per_s": stats["seen"] / seconds if seconds > 0 else 0.0}
     return stats, num_updates
 
 
 @torch.no_grad()
-def evaluate(model, loader, *, device, amp_dtype, num_classes: int) -> dict[str, float]:
-    """Test loss (plain cross-entropy, no smoothing) and top-1 / top-5 accuracy in percent."""
+def evaluate(model, loader, *, device, amp_dtype, num_classes: int, pad_to: int | None = None) -> dict[str, float]:
+    """Test loss (plain cross-entropy, no smoothing) and top-1 / top-5 accuracy in percent.
+
+    ``pad_to``: pad a smaller last batch with zero images to this size and drop their logits, so that a compiled
+    model sees one shape (in eval mode every image is computed on its own, so the others' logits are unchanged).
+    """
     model.eval()
     autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
     k = min(5, num_classes)
-    loss_sum, top1, topk, seen = 0.0, 0, 0, 0
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, top-1 hits, top-k hits: read once at the end
+    seen = 0
     for images, labels in loader:
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
+        n = labels.shape[0]
+        if pad_to is not None and n < pad_to:
+            images = torch.cat([images, images.new_zeros((pad_to - n, *images.shape[1:]))])
         with autocast:
             logits = model(images)
-        logits = logits.float()
-        loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
+        logits = logits[:n].float()
         hits = logits.topk(k, dim=-1).indices == labels[:, None]
-        top1 += int(hits[:, 0].sum())
-        topk += int(hits.any(dim=-1).sum())
-        seen += labels.shape[0]
+        sums += torch.stack([F.cross_entropy(logits, labels, reduction="sum").double(),
+                             hits[:, 0].sum().double(), hits.any(dim=-1).sum().double()])
+        seen += n
+    loss_sum, top1, topk = sums.tolist()
     seen = max(seen, 1)
     return {"test_loss": loss_sum / seen, "top1": 100.0 * top1 / seen, "top5": 100.0 * topk / seen}
 
@@ -368,8 +435,19 @@ def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.
         create_dir_with(run_dir, config_file)
     if cfg.download and ranks.distributed and not main:
         distributed.agree(None)  # rank 0 downloads first
-    train_set = build_dataset(cfg.dataset, True, data_dir=cfg.data_dir, download=cfg.download, augment=cfg.augment,
-                              **cfg.data_options)
+    on_device = data_on_device(cfg, device)
+    if on_device:  # the train split and its augmentation on the device (attnlab.data.device_pipeline)
+        from attnlab.data import build_device_pipeline
+
+        pipe = build_device_pipeline(
+            cfg.dataset, device=device, batch_size=rank_batch, seed=cfg.seed, data_dir=cfg.data_dir,
+            download=cfg.download, augment=cfg.augment, repeated_aug=cfg.repeated_aug,
+            num_replicas=ranks.world_size, rank=ranks.rank, mixup=cfg.mixup, cutmix=cfg.cutmix,
+            mix_prob=cfg.mixup_prob, switch_prob=cfg.mixup_switch_prob, label_smoothing=cfg.label_smoothing,
+            **cfg.data_options)
+    else:
+        train_set = build_dataset(cfg.dataset, True, data_dir=cfg.data_dir, download=cfg.download,
+                                  augment=cfg.augment, **cfg.data_options)
     test_set = build_dataset(cfg.dataset, False, data_dir=cfg.data_dir, download=cfg.download, augment="none",
                              **cfg.data_options)
     if cfg.download and ranks.distributed and main:
@@ -382,23 +460,28 @@ def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.
     # epoch's workers are seeded anew from it; torch seeds random, numpy and torch in each worker.
     # The order has a generator of its own, seeded from (seed, epoch) alike on every rank, so that N ranks split
     # the one-process order; under torchrun data_gen seeds each rank's workers from (seed, epoch, rank).
+    # The device pipeline's epoch is a function of (seed, epoch, rank) and needs neither.
     data_gen, order_gen = torch.Generator(), torch.Generator()
-    sampler = _train_sampler(cfg, train_set, order_gen, ranks)
     pin = device.type == "cuda"
-    train_loader = DataLoader(train_set, batch_size=rank_batch, sampler=sampler, drop_last=True,
-                              num_workers=cfg.num_workers, pin_memory=pin, generator=data_gen)
+    if not on_device:
+        sampler = _train_sampler(cfg, train_set, order_gen, ranks)
+        train_loader = DataLoader(train_set, batch_size=rank_batch, sampler=sampler, drop_last=True,
+                                  num_workers=cfg.num_workers, pin_memory=pin, generator=data_gen)
+        steps_per_epoch = _check_steps(cfg, len(sampler) * ranks.world_size)
+    else:
+        steps_per_epoch = len(pipe)
     test_loader = DataLoader(test_set, batch_size=2 * cfg.batch_size, shuffle=False, num_workers=cfg.num_workers,
                              pin_memory=pin, generator=torch.Generator().manual_seed(0))
-    steps_per_epoch = _check_steps(cfg, len(sampler) * ranks.world_size)
 
     mixup_fn = None
     if uses_mixing(cfg):
         from timm.data import Mixup
         from timm.loss import SoftTargetCrossEntropy
 
-        mixup_fn = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mixup_prob,
-                         switch_prob=cfg.mixup_switch_prob, mode="batch", label_smoothing=cfg.label_smoothing,
-                         num_classes=info.num_classes)
+        if not on_device:  # the pipeline mixes itself, with the same numbers
+            mixup_fn = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mixup_prob,
+                             switch_prob=cfg.mixup_switch_prob, mode="batch", label_smoothing=cfg.label_smoothing,
+                             num_classes=info.num_classes)
         criterion = SoftTargetCrossEntropy()
     else:
         criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
@@ -436,9 +519,13 @@ def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.
         from torch.nn.parallel import DistributedDataParallel
 
         trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    forward = torch.compile(trained) if cfg.compile else trained
+    mode = compile_mode(cfg.compile_mode, device) if cfg.compile else None
+    # static shapes (dynamic=False): the train batches are full, evaluate pads its last batch
+    compiled = (lambda m: torch.compile(m, mode=mode, dynamic=False)) if cfg.compile else (lambda m: m)  # noqa: E731
+    forward = compiled(trained)
     # evaluation runs on rank 0 alone, outside DDP, whose forward would wait for the other ranks
-    evaluate_with = forward if not ranks.distributed else torch.compile(model) if cfg.compile else model
+    evaluate_with = forward if not ranks.distributed else compiled(model)
+    cudagraphs = mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
     params = count_params(model)
     progress = cfg.progress and main
     if progress:
@@ -464,17 +551,20 @@ def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.
         if ranks.distributed:  # augmentation, mixing and drop-path: each rank its own streams
             data_gen.manual_seed(distributed.rank_seed(cfg.seed, epoch, ranks.rank))
             distributed.seed_rank(cfg.seed, epoch, ranks.rank)
-        if cfg.repeated_aug > 1:
+        if cfg.repeated_aug > 1 and not on_device:
             sampler.set_epoch(epoch_seed(cfg.seed, epoch))  # timm's sampler shuffles with seed = its "epoch"
+        batches = pipe.epoch(epoch) if on_device else host_batches(train_loader, device, mixup_fn)
         with distributed.steps():
             stats, num_updates = train_one_epoch(
-                forward, train_loader, optimizer, scheduler, criterion, mixup_fn, device=device, amp_dtype=amp_dtype,
-                epoch=epoch, epochs=cfg.epochs, num_updates=num_updates, clip_grad=cfg.clip_grad,
-                log_every=cfg.log_every, progress=progress, on_step=on_step)
+                forward, batches, optimizer, scheduler, criterion, steps=steps_per_epoch, device=device,
+                amp_dtype=amp_dtype, epoch=epoch, epochs=cfg.epochs, num_updates=num_updates,
+                clip_grad=cfg.clip_grad, log_every=cfg.log_every, progress=progress, on_step=on_step,
+                cudagraphs=cudagraphs)
         if not main:
             distributed.agree(None)  # while rank 0 evaluates and writes the epoch
             continue
-        test = evaluate(evaluate_with, test_loader, device=device, amp_dtype=amp_dtype, num_classes=info.num_classes)
+        test = evaluate(evaluate_with, test_loader, device=device, amp_dtype=amp_dtype, num_classes=info.num_classes,
+                        pad_to=test_loader.batch_size if cfg.compile else None)
         record = {"epoch": epoch, "train_loss": stats["train_loss"], "train_acc": stats["train_acc"], **test,
                   "lr": optimizer.param_groups[0]["lr"], "epoch_seconds": time.perf_counter() - epoch_start,
                   "img_per_s": stats["img_per_s"]}
