@@ -1,4 +1,4 @@
-"""``attnlab`` command line: train | compare | report | analyze | bench | variants | export.
+"""``attnlab`` command line: train | compare | report | analyze | bench | variants | export | eval.
 
 Each subcommand lives in its own module with ``configure(parser)`` and ``run(args) -> int``; ``configure`` imports
 nothing heavy (no torch), so that ``--help`` and argument errors answer at once. Errors a user can cause

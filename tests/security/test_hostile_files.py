@@ -202,3 +202,23 @@ def test_hostile_metrics_file_is_never_unpickled(run_copy, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert not marker.exists()
     assert (run_copy / "metrics.jsonl").read_text().startswith("{")
+
+
+# ------------------------------------------------------------- pretrained and checkpoint files (issue 14 items 4, 5)
+@pytest.mark.parametrize("fmt", ["raw-pickle", "torch-zip", "safetensors-name"])
+def test_hostile_pretrained_file_is_refused(tmp_path, fmt):
+    """--pretrained-file and eval --checkpoint read safetensors or torch.load(weights_only=True): a pickle payload,
+    bare, inside torch's zip format, or under a .safetensors name, never runs."""
+    marker = tmp_path / "marker"
+    name = "w.safetensors" if fmt == "safetensors-name" else "w.pt"
+    if fmt == "torch-zip":
+        buf = io.BytesIO()
+        torch.save({"state_dict": {"w": Payload(marker)}}, buf)
+        (tmp_path / name).write_bytes(buf.getvalue())
+    else:
+        (tmp_path / name).write_bytes(hostile_pickle(marker))
+    assert_refused(attnlab("eval", "--model", "vit_digits", "--checkpoint", tmp_path / name, cwd=tmp_path), marker,
+                   name)
+    assert_refused(attnlab("train", "--recipe", "demo", "--pretrained-file", tmp_path / name, "--runs-dir",
+                           tmp_path / "runs", cwd=tmp_path), marker, name)
+    assert not (tmp_path / "runs").exists()
