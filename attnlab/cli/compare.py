@@ -8,6 +8,8 @@ from attnlab.cli.checks import count
 from attnlab.cli.train import add_config_flags
 
 _GRID_FLAGS = ("attn", "seeds", "datasets", "models")
+LAUNCHERS = ("local", "submitit", "submitit-local")  # attnlab.train.launch.LAUNCHERS, without importing torch
+_SLURM_FLAGS = ("partition", "account", "time", "gpus_per_node", "cpus_per_task")
 # TrainConfig keys also offered as flags here (the grid's own axes are model, dataset, attn, seed)
 _BASE_FLAGS = ("recipe", "epochs", "batch_size", "lr", "weight_decay", "warmup_epochs", "device", "amp", "compile",
                "data_dir", "download", "num_workers", "progress")
@@ -44,7 +46,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "'none' to skip)")
     parser.add_argument("--jobs", type=count(1), default=None, metavar="N",
                         help="train N runs at a time in worker processes (default 1: one after another; the demo "
-                             "preset uses 2, one thread each); results do not depend on N")
+                             "preset uses 2, one thread each), placed one per GPU when there are several "
+                             "(CUDA_VISIBLE_DEVICES respected) and packed on the GPU when there is one; results do "
+                             "not depend on N. With --launcher submitit: at most N jobs running at once")
+    cluster = parser.add_argument_group("cluster (one job per run through submitit; pip install attnlab[cluster])")
+    cluster.add_argument("--launcher", choices=LAUNCHERS, default=None,
+                         help="local: this machine (default); submitit: one SLURM job per run, same run directories "
+                              "and resume, logs in RUNS_DIR/.submitit; submitit-local: the same jobs as local "
+                              "processes (to try a grid before submitting it)")
+    cluster.add_argument("--slurm-partition", metavar="NAME", help="SLURM partition of the jobs")
+    cluster.add_argument("--slurm-account", metavar="NAME", help="SLURM account charged for the jobs")
+    cluster.add_argument("--slurm-time", type=count(1), metavar="MIN", help="time limit of each job in minutes")
+    cluster.add_argument("--slurm-gpus-per-node", type=count(0), metavar="N", help="GPUs per job (default 1)")
+    cluster.add_argument("--slurm-cpus-per-task", type=count(1), metavar="N", help="CPU cores per job")
     parser.add_argument("--no-report", dest="report", action="store_false",
                         help="train only; do not write or print the report")
     parser.add_argument("--plan", action="store_true",
@@ -69,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     if preset is None and args.config is None and not any(getattr(args, k) for k in _GRID_FLAGS):
         preset = "demo"
     grid = load_grid(args.config, preset, variants=args.attn, seeds=args.seeds, datasets=args.datasets,
-                     models=args.models, runs_dir=args.runs_dir, jobs=args.jobs, **base)
+                     models=args.models, runs_dir=args.runs_dir, jobs=args.jobs, launcher=args.launcher,
+                     launcher_options={k: getattr(args, "slurm_" + k) for k in _SLURM_FLAGS}, **base)
     progress = grid["base"].progress
     what = [w.strip() for w in args.analyze.split(",") if w.strip() and w.strip() != "none"]
     unknown = [w for w in what if w not in INSTRUMENTS]
@@ -82,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     results = run_grid(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
                        grid["runs_dir"], progress=progress, variations=grid["variations"], jobs=int(grid["jobs"]),
-                       probe=training_probe)
+                       probe=training_probe, launcher=grid["launcher"], launcher_options=grid["launcher_options"])
     if what:
         from attnlab.analysis.instruments import annotate_runs
 

@@ -86,42 +86,44 @@ def format_plan(plans: Sequence[dict[str, Any]]) -> str:
 def run_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Sequence[int],
              datasets: Sequence[str] | None, models: Sequence[str] | None, runs_dir: str | Path,
              progress: bool = True, variations: dict[str, dict[str, Any]] | None = None,
-             jobs: int = 1, probe=None) -> list[dict[str, Any]]:
+             jobs: int = 1, probe=None, launcher: str = "local",
+             launcher_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Train every (model, dataset, seed, variant) of the grid; return their result dicts in grid order.
 
-    Every run is checked first (:func:`plan_grid`), so a grid with a bad run trains nothing. A run whose
-    ``result.json`` exists is skipped (its stored result returned); a run interrupted earlier resumes from its last
-    checkpoint. ``variants=None`` means :func:`demo_variants`; ``datasets`` / ``models``
+    Every run is checked first (:func:`plan_grid`, and the launcher), so a grid with a bad run trains or submits
+    nothing. A run whose ``result.json`` exists is skipped (its stored result returned); a run interrupted earlier
+    resumes from its last checkpoint. ``variants=None`` means :func:`demo_variants`; ``datasets`` / ``models``
     ``None`` mean the base config's; ``variations`` as in :func:`grid_runs`. ``jobs=1`` trains one run after
-    another; ``jobs=N`` trains N at a time in worker processes (each seeded as alone, so results do not depend on
-    N; give each ``threads`` so that N x threads fits the cores, e.g. the demo's 2 x 1 on 2 cores). ``probe`` goes
-    to :func:`~attnlab.train.loop.train` (runs with ``probe_every`` need one; a module-level function, for workers).
+    another; ``jobs=N`` trains N at a time in worker processes placed on the CUDA devices
+    (:mod:`attnlab.train.launch`; each run seeded as alone, so results do not depend on N; on CPU give each
+    ``threads`` so that N x threads fits the cores, e.g. the demo's 2 x 1 on 2 cores). ``launcher="submitit"``
+    (or ``"submitit-local"``) submits one job per run instead, ``launcher_options`` being
+    :data:`~attnlab.train.launch.SLURM_OPTIONS` keys. ``probe`` goes to :func:`~attnlab.train.loop.train` (runs
+    with ``probe_every`` need one; a module-level function, for workers).
     """
+    from .launch import check_launcher, run_local, run_submitit
+
     if jobs < 1:
         raise ConfigError(f"jobs must be at least 1, not {jobs}.")
+    check_launcher(launcher, launcher_options)
     plans = plan_grid(base_cfg, variants, seeds, datasets, models, runs_dir, variations)
-    configs = [dataclasses.replace(p["cfg"], progress=progress and jobs == 1) for p in plans]
+    parallel = jobs > 1 or launcher != "local"
+    configs = [dataclasses.replace(p["cfg"], progress=progress and not parallel) for p in plans]
     todo = [c for c, p in zip(configs, plans) if p["action"] != "skip"]
     if progress:
         print(f"{len(configs)} runs, {len(configs) - len(todo)} already finished"
-              + (f", {jobs} at a time" if jobs > 1 and todo else ""), flush=True)
-    if jobs == 1:
+              + (f", {jobs} at a time" if jobs > 1 and todo and launcher == "local" else ""), flush=True)
+    if launcher != "local":
+        if todo:
+            run_submitit(todo, runs_dir, launcher, launcher_options, jobs=jobs if jobs > 1 else None,
+                         probe=probe, progress=progress)
+    elif jobs == 1:
         for i, cfg in enumerate(todo, start=1):
             if progress:
                 print(f"[{i}/{len(todo)}] {run_dir_of(cfg).name}", flush=True)
             train(cfg, probe)
-    elif todo:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        # spawn, not fork: a forked child of a process that already ran torch's thread pools can deadlock
-        with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(train, cfg, probe): cfg for cfg in todo}
-            for i, future in enumerate(as_completed(futures), start=1):
-                result = future.result()
-                if progress:
-                    print(f"[{i}/{len(todo)}] {result['name']}: top-1 {result['top1']:.2f}% "
-                          f"({result['seconds']:.1f} s)", flush=True)
+    else:
+        run_local(todo, jobs, probe, progress)
     return [json.loads((run_dir_of(c) / RESULT).read_text()) for c in configs]
 
 
@@ -131,11 +133,17 @@ def load_grid(path: str | Path | None = None, preset: str | None = None, **overr
     YAML layout: ``variants: [standard, ns]``, ``seeds: [0, 1, 3]``, ``datasets: [...]``, ``models: [...]``,
     ``runs_dir: runs`` and ``base:`` a mapping of TrainConfig keys (``recipe: ns_cifar``, ``epochs: 100``, ...);
     TrainConfig keys may also sit at the top level; optional ``variations:`` maps a tag to TrainConfig overrides
-    (recipe variations compared separately). Returns ``{"base": TrainConfig, "variants", "seeds", "datasets",
-    "models", "runs_dir", "variations"}`` ready for :func:`run_grid`.
+    (recipe variations compared separately); optional ``launcher:`` a launcher name or a mapping ``{name: submitit,
+    partition: gpu, time: 240, ...}`` (:data:`~attnlab.train.launch.SLURM_OPTIONS`). Overrides ``launcher`` and
+    ``launcher_options`` (a dict; its non-None values replace the file's). Returns ``{"base": TrainConfig,
+    "variants", "seeds", "datasets", "models", "runs_dir", "variations", "jobs", "launcher",
+    "launcher_options"}`` ready for :func:`run_grid`.
     """
+    from .launch import check_launcher
+
     grid: dict[str, Any] = {"variants": None, "seeds": [0], "datasets": None, "models": None, "runs_dir": "runs",
                             "variations": None, "jobs": 1}
+    launcher: dict[str, Any] = {}
     base: dict[str, Any] = {}
     if preset is not None:
         if preset not in GRID_PRESETS:
@@ -151,6 +159,13 @@ def load_grid(path: str | Path | None = None, preset: str | None = None, **overr
         if not isinstance(base_part, dict):
             raise ConfigError(f"'base' in grid file {path} must be a mapping of training config keys.")
         base.update(base_part)
+        launcher_part = data.pop("launcher", None)
+        if isinstance(launcher_part, str):
+            launcher_part = {"name": launcher_part}
+        if not isinstance(launcher_part, (dict, type(None))):
+            raise ConfigError(f"'launcher' in grid file {path} must be a launcher name or a mapping such as "
+                              "{name: submitit, partition: gpu, time: 240}.")
+        launcher.update(launcher_part or {})
         for key in ("variants", "seeds", "datasets", "models", "runs_dir", "variations", "jobs"):
             if key in data:
                 grid[key] = data.pop(key)
@@ -164,6 +179,10 @@ def load_grid(path: str | Path | None = None, preset: str | None = None, **overr
             grid[key] = overrides.pop(key)
         else:
             overrides.pop(key, None)
+    if overrides.get("launcher") is not None:
+        launcher["name"] = overrides["launcher"]
+    launcher.update({k: v for k, v in (overrides.pop("launcher_options", None) or {}).items() if v is not None})
+    overrides.pop("launcher", None)
     base.update({k: v for k, v in overrides.items() if v is not None})
     for key in ("variants", "datasets", "models"):
         if isinstance(grid[key], str):
@@ -175,5 +194,8 @@ def load_grid(path: str | Path | None = None, preset: str | None = None, **overr
     except (TypeError, ValueError):
         raise ConfigError(f"seeds must be a list of integers such as 0,1,3, not {grid['seeds']!r}.") from None
     check_grid(grid, (), "the grid")
+    grid["launcher"] = launcher.pop("name", "local")
+    grid["launcher_options"] = launcher
+    check_launcher(grid["launcher"], grid["launcher_options"])
     grid["base"] = make_config(None, **base)
     return grid
