@@ -6,6 +6,7 @@ Examples:
   attnlab eval runs/demo/vit_digits-digits-dna-s0
   attnlab eval runs/demo/vit_digits-digits-dna-s0 --noise 0.5
   attnlab eval --model vit_digits --attn dna --checkpoint weights.safetensors --dataset digits
+  attnlab eval --model vit_base_patch16_224 --attn dna --checkpoint theirs.pth --dna-layout legacy --folder val
   attnlab eval --model deit_tiny_patch16_224 --pretrained --folder imagenet-a --classes imagenet_wnids.txt
   attnlab eval --model deit_tiny_patch16_224 --pretrained-file w.safetensors --folder val --ood imagenet-o
 
@@ -27,6 +28,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn", default="standard", help="variant spec of --model (default standard)")
     p.add_argument("--checkpoint", default=None, metavar="FILE",
                    help="weights of --model (built with --attn): safetensors or a weights-only torch file")
+    p.add_argument("--dna-layout", choices=("auto", "forward", "legacy", "separate"), default=None,
+                   help="read --checkpoint as a DnA authors' state dict of this layout (docs/methods.md)")
+    p.add_argument("--dna-sign", choices=("+", "-"), default="+",
+                   help="with --dna-layout: '-' for their files that subtract the softmin branch")
     p.add_argument("--pretrained", action="store_true", help="timm's pretrained weights for --model (hub cache)")
     p.add_argument("--pretrained-file", default=None, metavar="FILE",
                    help="timm-format weights for --model, loaded before --attn converts it")
@@ -98,6 +103,9 @@ def run(args) -> int:
     elif args.checkpoint and (args.pretrained or args.pretrained_file):
         raise ConfigError("give --checkpoint (weights of the converted model) or --pretrained/--pretrained-file "
                           "(timm weights converted after loading), not both.")
+    if args.dna_layout and not args.checkpoint:
+        raise ConfigError("--dna-layout says how to read --checkpoint; give --checkpoint (the DnA authors' file) "
+                          "as well.")
     if args.classes and not args.folder:
         raise ConfigError("--classes maps --folder's subfolders to the model's outputs; give --folder as well.")
     if args.ood and not args.folder:
@@ -122,7 +130,7 @@ def run(args) -> int:
         label = {"run": str(args.run_dir), "attn": cfg.attn}
     else:
         from ..models import build_model
-        from ..models.pretrained import load_strict, read_state_dict
+        from ..models.pretrained import load_dna_authors, load_strict, read_state_dict
 
         dataset, data_dir, data_opts = args.dataset or "digits", args.data_dir or "data", {}
         info = dataset_info(dataset, data_dir=data_dir) if not folder or args.dataset else None
@@ -136,7 +144,9 @@ def run(args) -> int:
         torch.manual_seed(args.seed)
         model = build_model(args.model, num_classes=num_classes, attn=args.attn, pretrained=args.pretrained,
                             pretrained_file=args.pretrained_file, **kwargs)
-        if args.checkpoint:
+        if args.checkpoint and args.dna_layout:
+            load_dna_authors(model, args.checkpoint, layout=args.dna_layout, sign=args.dna_sign)
+        elif args.checkpoint:
             load_strict(model, read_state_dict(args.checkpoint), f"checkpoint {args.checkpoint}")
         model = model.to(device).eval()
         label = {"model": args.model, "attn": args.attn}

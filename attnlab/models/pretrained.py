@@ -20,6 +20,7 @@ negated when V is shared).
 
 from __future__ import annotations
 
+import logging
 import pickle
 import re
 import zipfile
@@ -107,6 +108,9 @@ def create_pretrained(name: str, kwargs: dict[str, Any], file: str | Path | None
         for head in (classifier,) if isinstance(classifier, str) else (classifier or ()):
             if f"{head}.weight" in state:  # the file's own head size: kept when the model asks for it
                 overlay["num_classes"] = state[f"{head}.weight"].shape[0]
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)  # its retry warnings would break the CLI's one-line error
     try:
         return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay or None, **kwargs)
     except RuntimeError as err:
@@ -126,6 +130,8 @@ def create_pretrained(name: str, kwargs: dict[str, Any], file: str | Path | None
             raise
         raise ConfigError(f"cannot fetch timm's weights for {name} ({type(err).__name__}: offline and not in the "
                           f"hub cache?); give --pretrained-file PATH.") from None
+    finally:
+        hub_log.setLevel(level)
 
 
 # ---- the DnA authors' state dicts ----------------------------------------------------------------------------------

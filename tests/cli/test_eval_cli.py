@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import timm
@@ -72,3 +75,33 @@ def test_folder_with_classes_and_ood(tmp_path, capsys):
                         ood=ImageFolder(str(tmp_path / "ood"), transform=t))
     for key in ("top1", "loss", "rms_calibration_error", "aurra", "auroc"):
         assert out[key] == pytest.approx(expected[key], rel=1e-5), key
+
+
+def test_dna_authors_checkpoint_from_the_command_line(tmp_path, capsys):
+    """--dna-layout legacy reads their converter's row order (Q+, K, V+, Q-, V-) into attnlab's fused qkv."""
+    torch.manual_seed(4)
+    model = attnlab.build_model("vit_digits", num_classes=10, attn="dna").eval()
+    theirs = {}
+    for key, t in model.state_dict().items():
+        if key.endswith("attn.qkv.weight") or key.endswith("attn.qkv.bias"):
+            qp, qn, k, vp, vn = t.chunk(5)
+            theirs[key.replace("qkv", "qqkvv")] = torch.cat([qp, k, vp, qn, vn])
+        elif key.endswith("attn.alpha"):
+            theirs[key.replace("alpha", "neg_scalers")] = t.reshape(1, -1, 1, 1)
+        else:
+            theirs[key] = t
+    torch.save(theirs, tmp_path / "theirs.pth")
+    out = run_eval(capsys, "--model", "vit_digits", "--attn", "dna", "--checkpoint", tmp_path / "theirs.pth",
+                   "--dna-layout", "legacy", "--images", 50)
+    expected = evaluate(model, build_dataset("digits", False), limit=50)
+    assert out["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_pretrained_offline_without_cache_is_one_line(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run([sys.executable, "-m", "attnlab", "eval", "--model", "vit_tiny_patch16_224", "--pretrained"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "cannot fetch timm's weights for vit_tiny_patch16_224" in lines[0] and "--pretrained-file" in lines[0]
