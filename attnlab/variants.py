@@ -173,6 +173,28 @@ register(Variant(
     demo="cog(all_layers=true)",  # the demo's 2-block model has only a first and a last layer
 ))
 register(Variant(
+    "nystrom", "kernel", "Nystrom approximation: softmax(q k~) pinv(softmax(q~ k~)) softmax(q~ k) v, m landmarks",
+    "Xiong et al. 2021 (Nystromformer, Eq. 14-16)", "attnlab.attention.nystrom:NystromAttention",
+    options={
+        "landmarks": Option(64, int, minimum=1, help="landmarks m: means of m contiguous token segments of q and k"),
+        "pinv": Option("iterative", str, choices=("iterative", "exact"),
+                       help="iterative: Eq. 16's Moore-Penrose iteration; exact: the SVD pseudo-inverse"),
+        "iters": Option(6, int, minimum=1, help="iterations of Eq. 16 (paper: 6)"),
+        "conv": Option(0, int, minimum=0, help="kernel length of the depthwise-convolution skip on v (odd; 0: none)"),
+    },
+    demo=False,  # a long-sequence kernel: the demo's 16 tokens are fewer than its 64 landmarks
+))
+register(Variant(
+    "performer", "kernel", "FAVOR+: positive orthogonal random features phi, phi(q) (phi(k)^T v) / phi(q) phi(k)^T 1",
+    "Choromanski et al. 2021 (Performer, Lemma 1, Sec. 2.4)", "attnlab.attention.performer:PerformerAttention",
+    options={
+        "features": Option(256, int, minimum=1, help="random features M"),
+        "redraw": Option(0, int, minimum=0, help="draw new features every this many training forwards (0: never)"),
+        "seed": Option(0, int, minimum=0, help="seed of the feature draws (with the block index and draw number)"),
+    },
+    demo=False,  # a long-sequence kernel (benchmarks/long_sequence.py, the listops dataset)
+))
+register(Variant(
     "sigma", "weight", "sigma-Reparam: W_hat = gamma * W / sigma(W) on every Linear and the patch embedding",
     "Zhai et al. 2023", "attnlab.reparam.sigma:apply_sigma",
     options={

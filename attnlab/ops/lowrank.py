@@ -1,0 +1,132 @@
+"""Low-rank approximations of softmax attention: Nyströmformer and Performer's FAVOR+, as pure functions.
+
+Nyströmformer (Xiong et al., "Nyströmformer: A Nyström-Based Algorithm for Approximating Self-Attention", AAAI 2021,
+arXiv:2102.03902), Eq. 14-16. With m landmarks q~, k~ (means of m contiguous segments of the queries and keys)
+
+    o = softmax(q k~^T / sqrt(D)) Z softmax(q~ k^T / sqrt(D)) v,    Z ~ softmax(q~ k~^T / sqrt(D))^+
+
+where Z is the Moore-Penrose pseudo-inverse, computed by the paper's iteration (Eq. 16; Razavi et al. 2014)
+
+    Z_0 = A^T / (||A||_1 ||A||_inf),    Z_{j+1} = Z_j (13 I - A Z_j (15 I - A Z_j (7 I - A Z_j))) / 4
+
+or exactly (SVD). Cost O(N m D + m^3) instead of O(N^2 D). With m = N the landmarks are q and k themselves, so
+with the exact pseudo-inverse o = S S^+ S v = S v, softmax attention.
+
+Performer (Choromanski et al., "Rethinking Attention with Performers", ICLR 2021, arXiv:2009.14794), FAVOR+ with
+positive random features (Lemma 1): for w_1..w_M with rows marginally N(0, I_D),
+
+    phi(x) = exp(W x - ||x||^2 / 2) / sqrt(M),    E[phi(x) . phi(y)] = exp(x . y),
+
+applied to x = q / D^(1/4), y = k / D^(1/4), so phi(x) . phi(y) estimates exp(q . k / sqrt(D)), and
+
+    o = phi(q) (phi(k)^T v) / (phi(q) (phi(k)^T 1)),
+
+linear in N. The rows of W are drawn orthogonal in blocks of D (Sec. 2.4: lower variance, still unbiased) and
+rescaled to the lengths of independent Gaussian vectors, so each row is marginally N(0, I_D).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+# ---------------------------------------------------------------------------------------------- Nyströmformer
+def segment_means(x: torch.Tensor, m: int) -> torch.Tensor:
+    """Landmarks: means of ``m`` contiguous, near-equal segments of the tokens. x: (..., N, D) -> (..., m, D).
+
+    Segment i covers tokens [floor(i N / m), floor((i + 1) N / m)), so every token is in exactly one segment (the
+    paper's N / m segments when m divides N); m >= N gives x itself.
+    """
+    n = x.shape[-2]
+    if m >= n:
+        return x
+    if n % m == 0:
+        return x.unflatten(-2, (m, n // m)).mean(dim=-2)
+    bounds = torch.div(torch.arange(m + 1, device=x.device) * n, m, rounding_mode="floor")
+    cum = torch.nn.functional.pad(x.cumsum(dim=-2), (0, 0, 1, 0))
+    sums = cum[..., bounds[1:], :] - cum[..., bounds[:-1], :]
+    return sums / (bounds[1:] - bounds[:-1]).to(x.dtype).unsqueeze(-1)
+
+
+def iterative_pinv(a: torch.Tensor, iters: int = 6) -> torch.Tensor:
+    """Nyströmformer's Eq. 16: ``iters`` steps of the Razavi et al. iteration towards a^+. a: (..., m, m).
+
+    Z_0 = a^T / (||a||_1 ||a||_inf) per matrix (max column sum times max row sum); the authors' code takes the two
+    maxima over the whole batch instead, which only shrinks Z_0 further.
+    """
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    norm_1 = a.abs().sum(dim=-2).amax(dim=-1)
+    norm_inf = a.abs().sum(dim=-1).amax(dim=-1)
+    z = a.mT / (norm_1 * norm_inf)[..., None, None]
+    for _ in range(iters):
+        az = a @ z
+        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+    return z
+
+
+def nystrom_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, landmarks: int, *, scale: float,
+                      pinv_iters: int | None = 6) -> torch.Tensor:
+    """Nyströmformer's o (Eq. 15). q, k, v: (..., N, D) -> (..., N, D).
+
+    ``pinv_iters=None`` uses the exact pseudo-inverse (``torch.linalg.pinv``) instead of Eq. 16's iteration.
+    """
+    q = q * scale
+    q_land, k_land = segment_means(q, landmarks), segment_means(k, landmarks)
+    kernel_1 = (q @ k_land.mT).softmax(dim=-1)             # (N, m)
+    kernel_2 = (q_land @ k_land.mT).softmax(dim=-1)        # (m, m)
+    kernel_3 = (q_land @ k.mT).softmax(dim=-1)             # (m, N)
+    z = torch.linalg.pinv(kernel_2) if pinv_iters is None else iterative_pinv(kernel_2, pinv_iters)
+    return kernel_1 @ (z @ (kernel_3 @ v))
+
+
+# ---------------------------------------------------------------------------------------------- Performer
+def orthogonal_gaussian(features: int, dim: int, *, generator: torch.Generator | None = None,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(features, dim) random matrix whose rows are orthogonal within each block of ``dim`` rows and marginally
+    N(0, I_dim): Q of the QR decomposition of a Gaussian block, rows rescaled by the norms of fresh Gaussian rows."""
+    blocks = []
+    for start in range(0, features, dim):
+        g = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
+        q, r = torch.linalg.qr(g)
+        q = q * torch.sign(torch.diagonal(r))  # Haar-distributed Q (sign convention of the QR fixed)
+        blocks.append(q.T[: features - start])
+    w = torch.cat(blocks)
+    norms = torch.randn(features, dim, generator=generator, dtype=torch.float64).norm(dim=-1, keepdim=True)
+    return (w * norms).to(dtype)
+
+
+def positive_features(x: torch.Tensor, projection: torch.Tensor, *, stabilise: str = "row") -> torch.Tensor:
+    """phi(x) = exp(W x - ||x||^2 / 2) / sqrt(M) (Lemma 1), times a constant that cancels in attention.
+
+    x: (..., N, D), projection W: (M, D) -> (..., N, M). ``stabilise`` subtracts the largest exponent before exp:
+    ``"row"`` per token (queries: the constant cancels in each row's normalisation), ``"all"`` over the tokens of
+    each sequence (keys: one constant per head, cancelling in numerator and denominator alike), ``"none"`` for the
+    exact phi.
+    """
+    wx = x @ projection.mT
+    exponent = wx - 0.5 * (x * x).sum(dim=-1, keepdim=True)
+    if stabilise == "row":
+        exponent = exponent - exponent.amax(dim=-1, keepdim=True).detach()
+    elif stabilise == "all":
+        exponent = exponent - exponent.amax(dim=(-2, -1), keepdim=True).detach()
+    return exponent.exp() / math.sqrt(projection.shape[0])
+
+
+def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
+                        eps: float = 1e-6) -> torch.Tensor:
+    """FAVOR+ (Sec. 2.2-2.4). q, k, v: (..., N, D), projection (M, D) -> (..., N, D).
+
+    The keys' stabilising constant is one per sequence and head, so it cancels; ``eps`` only guards the division.
+    """
+    scale = q.shape[-1] ** -0.25
+    phi_q = positive_features(q * scale, projection, stabilise="row")
+    phi_k = positive_features(k * scale, projection, stabilise="all")
+    kv = phi_k.mT @ v                                       # (M, D)
+    normaliser = phi_q @ phi_k.sum(dim=-2).unsqueeze(-1)    # (N, 1)
+    return (phi_q @ kv) / (normaliser + eps)
+
+
+__all__ = ["segment_means", "iterative_pinv", "nystrom_attention", "orthogonal_gaussian", "positive_features",
+           "performer_attention"]

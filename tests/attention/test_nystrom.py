@@ -1,0 +1,82 @@
+"""Nyströmformer attention (attnlab.attention.nystrom, ops.lowrank) against independent float64 references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import attnlab
+from attnlab.errors import SpecError, UnsupportedModelError
+from attnlab.models import attention_modules
+from attnlab.ops.lowrank import iterative_pinv, nystrom_attention, segment_means
+from tests.reference_lowrank import nystrom_reference, softmax_attention
+
+
+def qkv(n=16, d=8, heads=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, heads, n, d, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def test_landmarks_equal_to_tokens_with_exact_pinv_is_softmax_attention():
+    q, k, v = qkv()
+    out = nystrom_attention(q, k, v, landmarks=16, scale=8 ** -0.5, pinv_iters=None)
+    np.testing.assert_allclose(out.numpy(), softmax_attention(q, k, v), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("n,m", [(16, 4), (15, 4), (23, 7)])
+def test_fewer_landmarks_match_eq15_reference(n, m):
+    q, k, v = qkv(n=n)
+    out = nystrom_attention(q, k, v, landmarks=m, scale=8 ** -0.5, pinv_iters=None)
+    np.testing.assert_allclose(out.numpy(), nystrom_reference(q, k, v, m), rtol=1e-8, atol=1e-10)
+
+
+def test_segment_means_cover_every_token_once():
+    x = torch.arange(10, dtype=torch.float64).reshape(1, 10, 1)
+    # segments [0, 3), [3, 6), [6, 10)
+    assert segment_means(x, 3).flatten().tolist() == [1.0, 4.0, 7.5]
+
+
+def test_iterative_pinv_converges_to_the_pseudo_inverse():
+    q, k, _ = qkv(n=6, d=4, heads=1)
+    a = ((q @ k.mT) / 2).softmax(dim=-1)[0, 0]
+    exact = np.linalg.pinv(a.numpy())
+    assert np.abs(iterative_pinv(a, 2).numpy() - exact).max() > 1e-3  # not there after 2 steps
+    np.testing.assert_allclose(iterative_pinv(a, 40).numpy(), exact, rtol=1e-6, atol=1e-8)
+
+
+def test_module_with_all_landmarks_equals_standard_model():
+    torch.manual_seed(0)
+    standard = attnlab.build_model("vit_digits", attn="standard").double().eval()
+    torch.manual_seed(0)
+    nys = attnlab.build_model("vit_digits", attn="nystrom(landmarks=16,pinv=exact)").double().eval()
+    assert nys.state_dict().keys() == standard.state_dict().keys()
+    x = torch.randn(3, 1, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(nys(x), standard(x), rtol=1e-9, atol=1e-9)
+
+
+def test_head_output_is_the_forward_of_one_head():
+    """The Jacobian instrument differentiates head_output; it must be what the module computes."""
+    torch.manual_seed(0)
+    model = attnlab.build_model("vit_digits", attn="nystrom(landmarks=5,conv=3)+speccond").double().eval()
+    _, module = attention_modules(model)[0]
+    torch.nn.init.normal_(module.conv.weight)
+    x = torch.randn(2, 16, module.dim, dtype=torch.float64)
+    q, k, v = module.project(x)
+    full = module.attend(q, k, v)
+    w, b = module.qkv.weight, module.qkv.bias
+    A, D = module.attn_dim, module.head_dim
+    for h in range(module.num_heads):
+        rows = [slice(p * A + h * D, p * A + (h + 1) * D) for p in range(3)]
+        out = module.head_output(x[1], *(w[r] for r in rows), *(b[r] for r in rows), head=h)
+        torch.testing.assert_close(out, full[1, h])
+    jac = attnlab.analysis.jacobian.jacobian_conditioning(model, torch.randn(1, 1, 8, 8, dtype=torch.float64),
+                                                          heads=[0])
+    assert torch.isfinite(jac.kappa).all()
+
+
+def test_refusals():
+    with pytest.raises(UnsupportedModelError, match="relative-position bias"):
+        attnlab.build_model("swin_cifar", attn="nystrom", depths=(1, 1, 1))
+    with pytest.raises(SpecError, match="odd kernel"):
+        attnlab.build_model("vit_digits", attn="nystrom(conv=4)")
