@@ -105,3 +105,19 @@ def test_pretrained_offline_without_cache_is_one_line(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "cannot fetch timm's weights for vit_tiny_patch16_224" in lines[0] and "--pretrained-file" in lines[0]
+
+
+def test_run_directory(tmp_path, capsys):
+    import dataclasses
+
+    from attnlab.train import RECIPES, load_run, train
+
+    cfg = dataclasses.replace(RECIPES["demo"], epochs=1, batch_size=256, runs_dir=str(tmp_path), progress=False)
+    run = tmp_path / train(cfg)["name"]
+    capsys.readouterr()
+    out = run_eval(capsys, run, "--images", 80, "--noise", 0.2)
+    model, _ = load_run(run)
+    expected = evaluate(model, build_dataset("digits", False), limit=80, noise_std=0.2)
+    assert out["run"] == str(run) and out["attn"] == "standard" and out["split"] == "test"
+    for key in ("n", "top1", "top5", "loss", "rms_calibration_error", "aurra"):
+        assert out[key] == pytest.approx(expected[key], rel=1e-5), key
