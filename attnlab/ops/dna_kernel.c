@@ -271,7 +271,8 @@ INLINE float *copy_rows(float *dst, const float *src, int64_t stride, const floa
 
 /* Query rows per register block (see above) and the floats of one head's working memory, for head dim D and M
  * keys: K^T, V+, V-, both rows of logits, the biased query rows and a spare output row. Up to ~800 KiB (D = 64,
- * M = 1024), so it lives on the heap, once per thread, never on a (possibly small) thread stack. */
+ * M = 1024), so it lives on the heap, never on a (possibly small) thread stack: one buffer per thread, kept for
+ * the thread's next call (a fresh allocation of this size is an mmap whose pages fault in on every call). */
 static int rows_per_block(int64_t D) { return D == L ? 8 : 4; }
 
 static int64_t workspace_floats(int64_t D, int64_t M) {
@@ -315,6 +316,19 @@ INLINE void dna_head(const dna_args *a, int64_t bi, int64_t h, float *work, cons
     }
 }
 
+static float *thread_workspace(size_t bytes) {
+    static __thread float *buf = NULL;
+    static __thread size_t size = 0;
+    if (size < bytes) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, bytes) != 0) return NULL;
+        free(buf);
+        buf = grown;
+        size = bytes;
+    }
+    return buf;
+}
+
 /* The handshake with attnlab/ops/dna_cpu.py: bump ATTNLAB_DNA_ABI whenever an entry point or dna_args changes. */
 #define ATTNLAB_DNA_ABI 2
 int64_t attnlab_abi(void) { return ATTNLAB_DNA_ABI; }
@@ -333,9 +347,8 @@ int attnlab_dna_f32(const dna_args *a, int64_t start, int64_t end, int threads) 
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        void *work_mem = NULL;
-        failed = posix_memalign(&work_mem, 64, bytes) != 0;
-        float *work = work_mem;
+        float *work = thread_workspace(bytes);
+        failed = work == NULL;
 #pragma omp for schedule(static)
         for (int64_t m = start; m < end; m++) {
             if (!work) continue;
@@ -347,7 +360,6 @@ int attnlab_dna_f32(const dna_args *a, int64_t start, int64_t end, int threads) 
             default: dna_head(a, b, h, work, 64); break;
             }
         }
-        free(work);
     }
     return failed ? -2 : 0;
 }

@@ -83,7 +83,8 @@ INLINE real dot(const real *a, const real *b, const int len) {
 }
 
 /* The working memory of one head matrix, in reals: seven n x n matrices and, in token space, X^T (D x n). Up to
- * ~250 KiB in double, so it lives on the heap, once per thread, never on a (possibly small) thread stack. */
+ * ~250 KiB in double, so it lives on the heap, never on a (possibly small) thread stack: one buffer per thread,
+ * kept for the thread's next call (a fresh allocation of this size is an mmap whose pages fault in every call). */
 static int64_t workspace_reals(int64_t N, int64_t D) {
     const int64_t n = D <= N ? D : N;
     return 7 * n * n + (D <= N ? 0 : D * n);
@@ -198,6 +199,19 @@ int NS_SUPPORTS(int64_t N, int64_t D) {
     return 0;
 }
 
+static real *thread_workspace(size_t bytes) {
+    static __thread real *buf = NULL;
+    static __thread size_t size = 0;
+    if (size < bytes) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, bytes) != 0) return NULL;
+        free(buf);
+        buf = grown;
+        size = bytes;
+    }
+    return buf;
+}
+
 /* The handshake with attnlab/ops/ns_cpu.py: bump ATTNLAB_NS_ABI whenever an entry point's arguments change. */
 #define ATTNLAB_NS_ABI 2
 int64_t attnlab_abi(void) { return ATTNLAB_NS_ABI; }
@@ -214,16 +228,14 @@ int NS_ENTRY(const real *x, real *y, int64_t H, int64_t N, int64_t D, int64_t sx
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        void *work_mem = NULL;
-        failed = posix_memalign(&work_mem, 64, bytes) != 0;
-        real *work = work_mem;
+        real *work = thread_workspace(bytes);
+        failed = work == NULL;
 #pragma omp for schedule(static)
         for (int64_t m = start; m < end; m++) {
             if (!work) continue;
             const int64_t b = m / H, h = m % H;
             ns_any(x + b * sxb + h * sxh, y + b * syb + h * syh, N, D, sxn, syn, steps, eps, ca, cb, cc, work);
         }
-        free(work);
     }
     return failed ? -2 : 0;
 }
