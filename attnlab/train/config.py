@@ -57,6 +57,9 @@ class TrainConfig:
     data_on_device: bool | None = field(default=None, metadata={
         "help": "keep the train set on the device and augment it there per sample (cifar10, cifar100, digits, "
                 "synthetic; default: on for those on CUDA, off on the CPU, where torchvision/timm is the reference)"})
+    ema: bool = field(default=False, metadata={"help": "also keep, evaluate and checkpoint an exponential moving "
+                                                       "average of the weights (timm's ModelEmaV3)"})
+    ema_decay: float = field(default=0.9998, metadata={"help": "EMA decay per optimizer step (timm's default)"})
     norm: str = field(default="pre", metadata={"help": "'pre' (timm's pre-LN blocks) or 'post' (post-LN, ViT only)"})
     optimizer: str = field(default="adamw", metadata={"help": "'adamw' or 'lars' (timm's LARS, SGD momentum with layer-wise trust ratio)"})
     momentum: float = field(default=0.9, metadata={"help": "momentum of the LARS optimizer"})
@@ -245,6 +248,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in ("label_smoothing", "mixup_prob", "mixup_switch_prob", "drop_path"):
         if getattr(cfg, key) is not None and not 0.0 <= getattr(cfg, key) <= 1.0:
             raise ConfigError(f"config key '{key}' is {getattr(cfg, key)}, but it must lie in [0, 1].")
+    if not 0.0 <= cfg.ema_decay < 1.0:
+        raise ConfigError(f"config key 'ema_decay' is {cfg.ema_decay}, but it must lie in [0, 1) (0.9998 averages "
+                          "about the last 5,000 steps).")
     if cfg.clip_grad is not None and not cfg.clip_grad > 0:
         raise ConfigError(f"config key 'clip_grad' is {cfg.clip_grad}, but it must be positive (or null for no "
                           "clipping).")

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import yaml
+from safetensors.torch import save as safetensors_bytes
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 from tqdm.auto import tqdm
@@ -28,6 +29,7 @@ from . import distributed
 from .checkpoint import (
     STATE,
     WEIGHTS,
+    atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
     create_dir_with,
@@ -38,11 +40,13 @@ from .checkpoint import (
     save_checkpoint,
     seed_everything,
     set_rng_state,
+    weights_of,
 )
 from .config import RUNTIME_KEYS, TrainConfig, config_to_dict, run_name, uses_mixing, validate
 from .optim import build_optimizer, build_scheduler
 
 CONFIG, METRICS, RESULT = "config.yaml", "metrics.jsonl", "result.json"
+EMA_WEIGHTS = "ema.safetensors"  # the EMA of the weights (cfg.ema), written with each checkpoint
 
 
 # ----------------------------------------------------------------------------------------------- small pieces
@@ -504,6 +508,15 @@ def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, num_updates, history = int(state["epoch"]), int(state["num_updates"]), list(state["history"])
         set_rng_state(state["rng"])
+    ema = None
+    if cfg.ema:
+        from timm.utils import ModelEmaV3
+
+        # parameters averaged; buffers (sigma's power-iteration u, QK-clip's records) copied from the live model,
+        # since an average of unit vectors is not a unit vector
+        ema = ModelEmaV3(model, decay=cfg.ema_decay, exclude_buffers=True)
+        if found is not None:
+            ema.module.load_state_dict(found.state["ema"])
     # metrics.jsonl rewritten from the checkpoint's history (dropping any epoch logged after it)
     if main:
         atomic_write_text(run_dir / METRICS, "".join(json.dumps(h) + "\n" for h in history))
@@ -534,14 +547,21 @@ def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.
                    + (f", resuming after epoch {start_epoch}" if start_epoch else ""))
 
     probes: list[dict[str, Any]] = []
-    on_step = None
+    after_step = []
+    if ema is not None:
+        after_step.append(lambda step: ema.update(model, step=step))  # timm's decay is 0 at step 1: a copy
     if cfg.probe_every > 0 and main:
         probe_images = torch.stack([test_set[i][0] for i in range(min(cfg.probe_images, len(test_set)))]).to(device)
 
-        def on_step(step: int) -> None:
+        def run_probe(step: int) -> None:
             if step % cfg.probe_every == 0:
                 probes.append({"step": step, **probe(model, probe_images)})
                 model.train()
+        after_step.append(run_probe)
+
+    def on_step(step: int) -> None:
+        for fn in after_step:
+            fn(step)
 
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
         epoch_start = time.perf_counter()
@@ -558,7 +578,8 @@ def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.
             stats, num_updates = train_one_epoch(
                 forward, batches, optimizer, scheduler, criterion, steps=steps_per_epoch, device=device,
                 amp_dtype=amp_dtype, epoch=epoch, epochs=cfg.epochs, num_updates=num_updates,
-                clip_grad=cfg.clip_grad, log_every=cfg.log_every, progress=progress, on_step=on_step,
+                clip_grad=cfg.clip_grad, log_every=cfg.log_every, progress=progress,
+                on_step=on_step if after_step else None,
                 cudagraphs=cudagraphs)
         if not main:
             distributed.agree(None)  # while rank 0 evaluates and writes the epoch
@@ -570,6 +591,10 @@ def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.
                   "img_per_s": stats["img_per_s"]}
         for hook in hooks:
             record.update(hook.stats(model))
+        if ema is not None:  # the EMA weights on the same test set, eager (off by default; no second compile)
+            ema_test = evaluate(ema.module, test_loader, device=device, amp_dtype=amp_dtype,
+                                num_classes=info.num_classes)
+            record.update({f"ema_{k}": v for k, v in ema_test.items()})
         if probes:
             record["probes"] = list(probes)
         history.append(record)
@@ -582,7 +607,11 @@ def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.
             "epoch": epoch, "num_updates": num_updates, "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "sampler": {"seed": cfg.seed, "next_epoch": epoch + 1},
             "rng": get_rng_state(), "history": history,
+            **({"ema": weights_of(ema.module)} if ema is not None else {}),
         }, previous=previous)
+        if ema is not None:  # the EMA weights for use, beside the raw ones (the resumable copy is in the state)
+            atomic_write_bytes(run_dir / EMA_WEIGHTS, safetensors_bytes(weights_of(ema.module),
+                                                                        metadata={"epoch": str(epoch)}))
         previous = (WEIGHTS, STATE)
         if tb_log is not None:
             tb_log.epoch(record, num_updates)
@@ -595,7 +624,8 @@ def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.
     last = history[-1]
     result = {"name": name, "model": cfg.model, "dataset": cfg.dataset, "tag": cfg.tag, "attn": spec, "seed": cfg.seed,
               "epochs": cfg.epochs, "top1": last["top1"], "top5": last["top5"], "test_loss": last["test_loss"],
-              "params": params, "seconds": sum(h["epoch_seconds"] for h in history), "extra": {},
+              "params": params, "seconds": sum(h["epoch_seconds"] for h in history),
+              "extra": {k: last[k] for k in ("ema_top1", "ema_top5", "ema_test_loss") if k in last},
               "world_size": ranks.world_size}
     atomic_write_json(run_dir / RESULT, result)
     distributed.agree(None)
