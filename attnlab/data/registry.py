@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from attnlab.errors import ConfigError, DatasetError
 
-DATASETS: tuple[str, ...] = ("cifar10", "cifar100", "digits", "synthetic", "imagefolder")
+DATASETS: tuple[str, ...] = ("cifar10", "cifar100", "digits", "synthetic", "imagefolder", "listops", "lra_text")
+SEQUENCE_DATASETS: tuple[str, ...] = ("listops", "lra_text")  # token ids (N,) per example, not images
 DEFAULT_DATASET = "digits"
 AUGMENTS: tuple[str, ...] = ("none", "recipe")
 
@@ -21,9 +22,14 @@ OPTIONS: dict[str, dict[str, object]] = {
     "digits": {"image_size": 8},
     "synthetic": {"num_classes": 10, "image_size": 32, "in_chans": 3, "length": 1024, "seed": 0},
     "imagefolder": {"image_size": 224, "auto_augment": True, "random_erasing": 0.25},
+    # Long Range Arena (sequence datasets): LRA's defaults
+    "listops": {"max_length": 2000, "min_length": 500, "max_depth": 10, "max_args": 10, "num_train": 96000,
+                "num_val": 2000, "num_test": 2000, "seed": 0},
+    "lra_text": {"max_length": 4000},
 }
 # Bounds of the integer options (seed >= 0: numpy's SeedSequence takes non-negative integers).
-_MIN = {"image_size": 1, "num_classes": 1, "in_chans": 1, "length": 0, "seed": 0}
+_MIN = {"image_size": 1, "num_classes": 1, "in_chans": 1, "length": 0, "seed": 0,
+        "max_length": 1, "min_length": 1, "max_depth": 1, "max_args": 2, "num_train": 1, "num_val": 0, "num_test": 1}
 _MAX = {"seed": 2**62 - 1}  # synthetic images are keyed by 2 * seed + split, a uint64
 
 
@@ -107,6 +113,11 @@ def dataset_info(name: str, *, data_dir="data", **options) -> DatasetInfo:
 
         mean, std = digits_stats()
         return DatasetInfo(key, 10, opts["image_size"], 1, (mean,), (std,))
+    if key in SEQUENCE_DATASETS:  # a sequence model reads image_size as the length, in_chans as the vocabulary
+        from attnlab.data import listops, lra_text
+
+        vocab = len(listops.VOCAB) if key == "listops" else lra_text.VOCAB_SIZE
+        return DatasetInfo(key, 10 if key == "listops" else 2, opts["max_length"], vocab, (), ())
     if key == "synthetic":
         c = opts["in_chans"]
         return DatasetInfo(key, opts["num_classes"], opts["image_size"], c, (0.0,) * c, (1.0,) * c)
@@ -150,6 +161,9 @@ def build_dataset(name: str, train: bool, *, data_dir="data", download=False, au
     to the train split only, the test split always gets ``"none"``). Files are looked for in ``data_dir``:
     ``<data_dir>/cifar-10-batches-py``, ``<data_dir>/cifar-100-python``, ``<data_dir>/train`` and ``val``/``test``.
     ``download=True`` fetches CIFAR through torchvision; the other datasets need no download.
+    ``listops`` and ``lra_text`` yield (token ids int64 (max_length,), label): ListOps is generated into
+    ``<data_dir>/listops`` on first use (train split for ``train=True``, else test); ``lra_text`` reads
+    ``<data_dir>/aclImdb`` (see :mod:`attnlab.data.lra_text`).
     """
     key, opts, augment = _name(name), resolve_options(name, options), _check_augment(augment)
     if key in ("cifar10", "cifar100"):
@@ -162,6 +176,16 @@ def build_dataset(name: str, train: bool, *, data_dir="data", download=False, au
         from attnlab.data.tensor import build_digits
 
         return build_digits(train, augment, image_size=opts["image_size"])
+    if key in SEQUENCE_DATASETS:
+        if augment != "none":
+            raise DatasetError(f"dataset {key} holds token sequences and takes no augmentation; use augment='none'.")
+        if key == "listops":
+            from attnlab.data.listops import load_listops
+
+            return load_listops(data_dir, "train" if train else "test", **opts)
+        from attnlab.data.lra_text import load_lra_text
+
+        return load_lra_text(data_dir, "train" if train else "test", **opts)
     if key == "synthetic":
         from attnlab.data.tensor import SyntheticDataset
 

@@ -19,6 +19,7 @@ from ..errors import ConfigError, ModelNotFoundError, did_you_mean
 from .blocks import PostNormBlock
 from .convert import convert
 from .pretrained import create_pretrained, load_strict, read_state_dict
+from .sequence import SequenceClassifier
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,23 @@ PRESETS: dict[str, Preset] = {
         doc="tiny ViT for scikit-learn's 8x8 digits (the embedded demo): patch 2 (16 tokens), dim 48, depth 2, "
             "3 heads (D=16), mean-pooled (learns in fewer steps than a class token here)",
     ),
+    # Long Range Arena: the small configuration of the Nystromformer authors' LRA code (dim 64, MLP 128, 2 layers,
+    # 2 heads of 32, mean pooling); the trainer sizes length and vocabulary from the dataset
+    "seq_listops": Preset(
+        SequenceClassifier,
+        dict(vocab_size=16, max_length=2000, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0, pool="mean",
+             drop_rate=0.1, attn_drop_rate=0.1),
+        num_classes=10,
+        doc="LRA ListOps sequence classifier: token embedding + learned positions (2000), dim 64, depth 2, 2 heads "
+            "(D=32), MLP 128, mean pooling (model option pool=token: class token)",
+    ),
+    "seq_text": Preset(
+        SequenceClassifier,
+        dict(vocab_size=257, max_length=4000, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0, pool="mean",
+             drop_rate=0.1, attn_drop_rate=0.1),
+        num_classes=2,
+        doc="LRA byte-level text classifier: as seq_listops, 257 ids (bytes + padding), 4000 positions, 2 classes",
+    ),
 }
 
 
@@ -72,20 +90,25 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
 
     ``name`` is a preset (``vit_cifar``, ``swin_cifar``, ``vit_digits``) or any timm model name (random init).
     ``overrides`` go to the timm constructor (e.g. ``drop_path_rate=0.0``, ``img_size=64``, ``in_chans=1``).
-    ``norm="post"`` builds ViT-family models with post-LN blocks (:class:`~attnlab.models.blocks.PostNormBlock`).
+    ``norm="post"`` builds ViT-family models with post-LN blocks (:class:`~attnlab.models.blocks.PostNormBlock`);
+    ``norm="none"`` replaces every LayerNorm by the identity (the no-LayerNorm ablation; ViT and sequence models).
     Attention modules run fused SDPA (timm's Swin leaves it off by default); the model's weights are drawn before the
     conversion, so the same seed gives the same shared weights whatever the variant.
     ``pretrained=True`` loads timm's weights (hub cache, or ``pretrained_file``: safetensors or a weights-only torch
     file) before the conversion, so ``attn="dna(init=copy)"`` warm-starts from them; a preset takes
     ``pretrained_file`` alone (its own state dict, loaded strictly).
     """
-    if norm not in ("pre", "post"):
-        raise ConfigError(f"norm must be 'pre' or 'post', not {norm!r}.")
+    if norm not in ("pre", "post", "none"):
+        raise ConfigError(f"norm must be 'pre', 'post' or 'none', not {norm!r}.")
     if norm == "post":
         overrides["block_fn"] = PostNormBlock
+    if norm == "none":
+        overrides["norm_layer"] = nn.Identity
     try:
         model = _build(name, num_classes, overrides, pretrained, pretrained_file)
     except TypeError as err:
+        if norm == "none" and "norm_layer" in str(err):
+            raise ConfigError(f"norm='none' is available for ViT-family and sequence models, not {name!r}.") from None
         if norm == "post" and "block_fn" in str(err):
             raise ConfigError(f"norm='post' is available for ViT-family models (timm's VisionTransformer), "
                               f"not {name!r}.") from None

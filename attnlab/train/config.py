@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from attnlab.data.registry import SEQUENCE_DATASETS
 from attnlab.errors import ConfigError, did_you_mean
 
 
@@ -60,7 +61,8 @@ class TrainConfig:
     ema: bool = field(default=False, metadata={"help": "also keep, evaluate and checkpoint an exponential moving "
                                                        "average of the weights (timm's ModelEmaV3)"})
     ema_decay: float = field(default=0.9998, metadata={"help": "EMA decay per optimizer step (timm's default)"})
-    norm: str = field(default="pre", metadata={"help": "'pre' (timm's pre-LN blocks) or 'post' (post-LN, ViT only)"})
+    norm: str = field(default="pre", metadata={"help": "'pre' (timm's pre-LN blocks), 'post' (post-LN, ViT only) or "
+                                                     "'none' (no LayerNorm; ViT and sequence models)"})
     optimizer: str = field(default="adamw", metadata={"help": "'adamw' or 'lars' (timm's LARS, SGD momentum with layer-wise trust ratio)"})
     momentum: float = field(default=0.9, metadata={"help": "momentum of the LARS optimizer"})
     drop_path: float | None = field(default=None, metadata={"help": "stochastic-depth rate (default: the model preset's)"})
@@ -115,6 +117,14 @@ RECIPES: dict[str, TrainConfig] = {
         augment="none", mixup=0.0, cutmix=0.0, mixup_prob=0.0, repeated_aug=1, num_workers=0,
         threads=1,  # this model's ops are too small to split: 2 threads cost >10x the CPU time on a busy machine
     ),
+    # LRA ListOps (generated locally) with the seq_listops preset, close to the Nystromformer authors' LRA settings
+    # (batch 32, lr 1e-4, about 1,000 warm-up and 5,000 total steps on 96,000 sequences); token sequences take no
+    # image augmentation or mixing
+    "lra_listops": TrainConfig(
+        recipe="lra_listops", model="seq_listops", dataset="listops", epochs=2, batch_size=32, lr=1e-4,
+        weight_decay=0.01, warmup_epochs=0.33, warmup_lr=1e-6, min_lr=1e-6, label_smoothing=0.0,
+        augment="none", mixup=0.0, cutmix=0.0, mixup_prob=0.0, repeated_aug=1, num_workers=0,
+    ),
 }
 
 # Named grids for `attnlab compare --preset NAME`. variants=None means every registered variant marked for the demo.
@@ -129,7 +139,7 @@ GRID_PRESETS: dict[str, dict[str, Any]] = {
                   "runs_dir": "runs/ns_attn_table1"},
 }
 
-_CHOICES = {"amp": ("auto", "bf16", "none"), "augment": ("recipe", "none"), "norm": ("pre", "post"),
+_CHOICES = {"amp": ("auto", "bf16", "none"), "augment": ("recipe", "none"), "norm": ("pre", "post", "none"),
             "optimizer": ("adamw", "lars"), "log": ("none", "tensorboard"),
             "compile_mode": ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")}
 
@@ -254,6 +264,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.clip_grad is not None and not cfg.clip_grad > 0:
         raise ConfigError(f"config key 'clip_grad' is {cfg.clip_grad}, but it must be positive (or null for no "
                           "clipping).")
+    if cfg.dataset in SEQUENCE_DATASETS and (uses_mixing(cfg) or cfg.augment != "none"):
+        raise ConfigError(f"dataset {cfg.dataset} holds token sequences, which image augmentation and Mixup/CutMix "
+                          f"cannot take; use --recipe lra_listops, or --augment none --mixup-prob 0.")
     if uses_mixing(cfg) and cfg.batch_size % 2:
         raise ConfigError(f"batch_size is {cfg.batch_size}, but Mixup/CutMix pair each image with the batch "
                           "reversed and need an even batch size.")
