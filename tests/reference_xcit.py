@@ -19,6 +19,13 @@ def conditioned(w: np.ndarray, lam: float) -> np.ndarray:
     return out
 
 
+def layer_norm_rows(a: np.ndarray, gamma, beta, eps: float = 1e-6) -> np.ndarray:
+    """Each row (a token's D features) standardised with the biased variance, then scaled and shifted."""
+    mean = a.mean(axis=1, keepdims=True)
+    var = ((a - mean) ** 2).mean(axis=1, keepdims=True)
+    return (a - mean) / np.sqrt(var + eps) * np.asarray(gamma, np.float64) + np.asarray(beta, np.float64)
+
+
 def _softmax_rows(a: np.ndarray) -> np.ndarray:
     e = np.exp(a - a.max(axis=1, keepdims=True))
     return e / e.sum(axis=1, keepdims=True)
@@ -44,10 +51,13 @@ def _heads(x, w_qkv, b_qkv, num_heads, lam):
             yield b, h, q[:, cols], k[:, cols], v[:, cols]
 
 
-def xca_reference(x, w_qkv, b_qkv, w_proj, b_proj, temperature, num_heads: int, lam: float = 0.0) -> np.ndarray:
+def xca_reference(x, w_qkv, b_qkv, w_proj, b_proj, temperature, num_heads: int, lam: float = 0.0,
+                  norms=None) -> np.ndarray:
     """XCA (eq. 2): A_h = softmax(tau_h q^_h^T k^_h) over features, q^, k^ with unit-norm columns; o_h = v_h A_h^T.
 
     x: (B, N, C); w_qkv: (3A, C); temperature: (H,); returns (B, N, C_out) after the output projection.
+    ``norms``: ((gamma_q, beta_q), (gamma_k, beta_k)) of a per-token LayerNorm of q and k before the columns are
+    normalised (QK-norm).
     """
     x = np.asarray(x, np.float64)
     B, N, _ = x.shape
@@ -55,6 +65,8 @@ def xca_reference(x, w_qkv, b_qkv, w_proj, b_proj, temperature, num_heads: int, 
     D = A // num_heads
     out = np.zeros((B, N, A))
     for b, h, q, k, v in _heads(x, w_qkv, b_qkv, num_heads, lam):
+        if norms is not None:
+            q, k = layer_norm_rows(q, *norms[0]), layer_norm_rows(k, *norms[1])
         logits = np.empty((D, D))
         for i in range(D):
             for j in range(D):
@@ -65,14 +77,20 @@ def xca_reference(x, w_qkv, b_qkv, w_proj, b_proj, temperature, num_heads: int, 
     return out @ np.asarray(w_proj, np.float64).T + np.asarray(b_proj, np.float64)
 
 
-def davit_channel_reference(x, w_qkv, b_qkv, w_proj, b_proj, num_heads: int, lam: float = 0.0) -> np.ndarray:
-    """DaViT's channel attention: A_h = softmax(k_h^T v_h / sqrt(D)) over features; o_h = q_h A_h^T (N x D)."""
+def davit_channel_reference(x, w_qkv, b_qkv, w_proj, b_proj, num_heads: int, lam: float = 0.0,
+                            norms=None) -> np.ndarray:
+    """DaViT's channel attention: A_h = softmax(k_h^T v_h / sqrt(D)) over features; o_h = q_h A_h^T (N x D).
+
+    ``norms``: ((gamma, beta) for k, (gamma, beta) for v), a per-token LayerNorm of the map's two factors (QK-norm).
+    """
     x = np.asarray(x, np.float64)
     B, N, _ = x.shape
     A = np.asarray(w_qkv).shape[0] // 3
     D = A // num_heads
     out = np.zeros((B, N, A))
     for b, h, q, k, v in _heads(x, w_qkv, b_qkv, num_heads, lam):
+        if norms is not None:
+            k, v = layer_norm_rows(k, *norms[0]), layer_norm_rows(v, *norms[1])
         logits = np.array([[k[:, i] @ v[:, j] for j in range(D)] for i in range(D)]) / np.sqrt(D)
         attn = _softmax_rows(logits)
         out[b, :, h * D:(h + 1) * D] = q @ attn.T

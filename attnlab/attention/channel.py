@@ -12,8 +12,13 @@ is the same family with q and k L2-normalised along tokens and a learned tempera
 Which terms carry over (the reasons are the refusals' text, see docs/methods.md):
 - weight terms (``sigma``, ``specnorm``, ``speccond``) act on the fused qkv weight exactly as on token attention;
 - ``ns`` acts on each head's N x D output before head merge, which these modules still produce;
-- token-attention kernels (``dna``, ``diff``, ``cog`` and any other) and the q/k terms ``qknorm`` and ``qkclip``
-  are defined on a token-by-token map q k^T / sqrt(D); on a feature-by-feature map their papers give no form.
+- ``qknorm`` acts on the map's two factors, each token's row normalised over the head's D features as timm's
+  ``qk_norm`` does: q and k for XCA and ``ChannelAttentionV2``, k and v for ``ChannelAttention`` (whose map is
+  k^T v; its ``q_norm`` normalises k and its ``k_norm`` v). A logit is then a sum over tokens of products of
+  normalised rows, bounded by the norms' parameters times N whatever the weights are, QK-norm's property;
+- token-attention kernels (``dna``, ``diff``, ``cog`` and any other) and ``qkclip`` are defined on a token-by-token
+  map q k^T / sqrt(D) (QK-clip rescales W_q and W_k to cap it); on a feature-by-feature map their papers give no
+  form.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from timm.models.davit import ChannelAttention as TimmChannelAttention
 from timm.models.davit import ChannelAttentionV2 as TimmChannelAttentionV2
 from timm.models.xcit import XCA as TimmXCA
+
+from torch import nn
 
 from .base import AttnlabAttention
 
@@ -36,11 +44,16 @@ CHANNEL_REFUSALS: dict[str, str] = {
             "feature-by-feature map",
     "cog": "Cog attention signs the weights of a token-by-token map, and its paper gives no form for a "
            "feature-by-feature map",
-    "qknorm": "QK-norm normalises each token's q and k over the D features a token-attention logit sums, but a "
-              "channel map's logits sum over tokens (XCiT's L2 normalisation along tokens is that analogue)",
     "qkclip": "QK-clip caps the token logits q k^T / sqrt(D) by rescaling W_q and W_k, which a channel map's "
               "logits are not",
 }
+
+
+def norm_in_dtype(norm: nn.Module, t: torch.Tensor) -> torch.Tensor:
+    """``norm(t)`` with a LayerNorm's parameters in ``t``'s dtype (the Jacobian instrument works in float64)."""
+    if isinstance(norm, nn.Identity):
+        return t
+    return F.layer_norm(t, norm.normalized_shape, norm.weight.to(t.dtype), norm.bias.to(t.dtype), norm.eps)
 
 
 class ChannelMapAttention(AttnlabAttention):
@@ -95,6 +108,15 @@ class DaViTChannelAttention(ChannelMapAttention):
             geo.update(v2=True, dynamic_scale=module.dynamic_scale)
         return geo
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v (B, H, N, D); with qknorm the map's factors are normalised (v2: q, k; v1: k by q_norm, v by
+        k_norm)."""
+        if self.v2:
+            return super().project(x)
+        B, N, _ = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        return q, self.q_norm(k), self.k_norm(v)
+
     def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:
         if self.v2:  # timm's ChannelAttentionV2, operation for operation
             q = q * (q.shape[-2] ** -0.5 if self.dynamic_scale else self.scale)
@@ -106,6 +128,10 @@ class DaViTChannelAttention(ChannelMapAttention):
 
     def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
         q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
+        if self.v2:
+            q, k = norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k)
+        else:
+            k, v = norm_in_dtype(self.q_norm, k), norm_in_dtype(self.k_norm, v)
         return self.attend(q, k, v)
 
     def extra_repr(self) -> str:
@@ -123,4 +149,4 @@ def channel_mechanism(module) -> type[ChannelMapAttention] | None:
             TimmChannelAttentionV2: DaViTChannelAttention}.get(type(module))
 
 
-__all__ = ["CHANNEL_REFUSALS", "ChannelMapAttention", "DaViTChannelAttention", "channel_mechanism"]
+__all__ = ["CHANNEL_REFUSALS", "ChannelMapAttention", "DaViTChannelAttention", "channel_mechanism", "norm_in_dtype"]

@@ -7,9 +7,9 @@ For head h with q_h, k_h, v_h (N x D), each feature column of q and k is L2-norm
     o_h = v_h A_h^T   (N x D; timm: A_h v_h^T in the transposed layout)
 
 tau_h is a learned temperature per head (``temperature``, shape (H, 1, 1), no weight decay in timm). The map is
-over features, so its cost is linear in N. Its logits are cosine similarities times tau_h, bounded by |tau_h|:
-XCA carries its own QK-norm, which is one reason ``qknorm`` is refused here (see
-:data:`attnlab.attention.channel.CHANNEL_REFUSALS`).
+over features, so its cost is linear in N. Its logits are cosine similarities times tau_h, bounded by |tau_h|.
+``qknorm`` adds timm's per-token LayerNorm of q and k over D before the column normalisation, so that no token
+dominates the cross-covariance through its magnitude.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .channel import ChannelMapAttention
+from .channel import ChannelMapAttention, norm_in_dtype
 
 
 class XCAttention(ChannelMapAttention):
@@ -33,6 +33,9 @@ class XCAttention(ChannelMapAttention):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.temperature = nn.Parameter(torch.ones(self.num_heads, 1, 1))
+
+    def no_weight_decay(self) -> set[str]:
+        return {"temperature"}  # as timm's XCA: decaying a per-head temperature would flatten every map
 
     def adopt(self, module: nn.Module) -> None:
         super().adopt(module)
@@ -52,7 +55,7 @@ class XCAttention(ChannelMapAttention):
 
     def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
         q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
-        q, k = F.normalize(q, dim=0), F.normalize(k, dim=0)
+        q, k = F.normalize(norm_in_dtype(self.q_norm, q), dim=0), F.normalize(norm_in_dtype(self.k_norm, k), dim=0)
         attn = ((q.T @ k) * self.temperature[head].detach().to(x.dtype)).softmax(dim=-1)
         return v @ attn.T
 

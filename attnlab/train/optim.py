@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fnmatch import fnmatch
+
 import torch
 from timm.scheduler import CosineLRScheduler
 from torch import nn
@@ -22,13 +24,21 @@ def no_weight_decay(name: str, param: torch.Tensor, model_says: frozenset[str] =
         param.ndim <= 1                      # biases, LayerNorm weight/bias, per-head scalars
         or name.endswith(".bias")
         or any(key in name for key in NO_DECAY_NAMES)
-        or name in model_says                # timm models list their own in model.no_weight_decay()
+        or any(fnmatch(name, pattern) for pattern in model_says)  # timm's no_weight_decay() (names or globs)
     )
+
+
+def _declared_no_decay(model: nn.Module):
+    """Names timm's modules list in ``no_weight_decay()``: the model's own, and submodules' with their prefix (XCiT's
+    XCA lists its learned ``temperature`` there, which a model-level call does not return)."""
+    for prefix, module in model.named_modules():
+        if callable(getattr(module, "no_weight_decay", None)):
+            yield from (f"{prefix}.{name}" if prefix else name for name in module.no_weight_decay())
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups: ``{"params": decay, "weight_decay": wd}`` and ``{"params": no_decay, "weight_decay": 0}``."""
-    model_says = frozenset(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else frozenset()
+    model_says = frozenset(_declared_no_decay(model))
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:

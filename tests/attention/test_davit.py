@@ -60,6 +60,27 @@ def test_channel_attention_matches_float64_reference(spec, lam):
         np.testing.assert_allclose(out.numpy(), ref, rtol=1e-10, atol=1e-12)
 
 
+def test_qknorm_normalises_the_two_factors_of_the_channel_map():
+    """DaViT's map is softmax(k^T v / sqrt(D)): QK-norm acts on k and v per token; q, the mixed factor, stays."""
+    model = tiny("qknorm").double()
+    seen = []
+    for _, m in attention_modules(model):
+        m.q_norm.weight.data.uniform_(0.5, 2.0)
+        m.k_norm.bias.data.normal_(0.0, 0.3)
+        if type(m).__name__ == "DaViTChannelAttention":
+            m.register_forward_hook(lambda mod, a, out: seen.append((mod, a[0], out)))
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32, dtype=torch.float64))
+    assert len(seen) == 2
+    for mod, x, out in seen:
+        b = None if mod.qkv.bias is None else mod.qkv.bias.detach().numpy()
+        norms = [(n.weight.detach().numpy(), n.bias.detach().numpy()) for n in (mod.q_norm, mod.k_norm)]
+        ref = davit_channel_reference(x.numpy(), mod.qkv.weight.detach().numpy(), b, mod.proj.weight.detach().numpy(),
+                                      mod.proj.bias.detach().numpy(), mod.num_heads, norms=norms)
+        np.testing.assert_allclose(out.numpy(), ref, rtol=1e-10, atol=1e-12)
+    assert torch.isfinite(jacobian_conditioning(model.float(), torch.randn(1, 3, 32, 32), heads=[0]).kappa).all()
+
+
 def test_channel_attention_v2_bit_identical_and_matches_reference():
     torch.manual_seed(0)
     model = nn.Sequential(ChannelAttentionV2(24, num_heads=3)).double().eval()
@@ -83,7 +104,7 @@ def test_window_attention_takes_token_kernels_and_ns_acts_on_both():
     assert kinds == ["StandardAttention", "DaViTChannelAttention"] * 2
 
 
-@pytest.mark.parametrize("term", ["dna", "diff", "cog", "qknorm", "qkclip"])
+@pytest.mark.parametrize("term", ["dna", "diff", "cog", "qkclip"])
 def test_token_terms_are_refused_on_channel_attention(term):
     with pytest.raises(SpecError, match=r"does not apply to DaViT's channel attention \(stages\.0\.blocks\.0\.1\.attn\)"):
         tiny(term)
@@ -94,7 +115,7 @@ def test_support_splits_window_and_channel_attention():
     assert window["type"] == "WindowAttention" and window["refused"] == {}
     assert {"dna", "qknorm", "qkclip"} <= set(window["applies"])
     assert channel["type"] == "ChannelAttention" and "speccond" in channel["applies"]
-    assert {"dna", "qknorm"} <= set(channel["refused"])
+    assert "dna" in channel["refused"] and "qknorm" in channel["applies"]
 
 
 def test_jacobian_runs_on_both_attentions():

@@ -64,6 +64,29 @@ def test_xca_matches_float64_reference(spec, lam):
         np.testing.assert_allclose(out.numpy(), ref, rtol=1e-10, atol=1e-12)
 
 
+def _ln_params(norm):
+    return norm.weight.detach().numpy(), norm.bias.detach().numpy()
+
+
+def test_qknorm_normalises_each_token_before_the_cross_covariance():
+    model = tiny("qknorm+speccond(lam=0.5)").double()
+    for _, m in attention_modules(model):
+        m.temperature.data.uniform_(0.3, 3.0)
+        for norm in (m.q_norm, m.k_norm):  # trained-looking norms, not the identity-like init
+            norm.weight.data.uniform_(0.5, 2.0)
+            norm.bias.data.normal_(0.0, 0.3)
+    seen = _captured(model, torch.randn(2, 3, 32, 32, dtype=torch.float64))
+    for mod, x, out in seen:
+        w = mod.qkv.parametrizations.weight.original
+        ref = xca_reference(x.numpy(), w.detach().numpy(), mod.qkv.bias.detach().numpy(),
+                            mod.proj.weight.detach().numpy(), mod.proj.bias.detach().numpy(),
+                            mod.temperature.detach().flatten().numpy(), mod.num_heads, lam=0.5,
+                            norms=(_ln_params(mod.q_norm), _ln_params(mod.k_norm)))
+        np.testing.assert_allclose(out.numpy(), ref, rtol=1e-10, atol=1e-12)
+    result = jacobian_conditioning(model.float(), torch.randn(1, 3, 32, 32), blocks=[0], heads=[0])
+    assert torch.isfinite(result.kappa).all()
+
+
 def test_ns_acts_on_each_heads_token_by_feature_output():
     plain, ns = tiny("standard"), tiny("ns")
     seen = []
@@ -74,7 +97,7 @@ def test_ns_acts_on_each_heads_token_by_feature_output():
     assert seen[0].shape == (1, 4, 4, 32)  # (B, H, N, D)
 
 
-@pytest.mark.parametrize("term", ["dna", "diff", "cog", "qknorm", "qkclip", "dna+speccond"])
+@pytest.mark.parametrize("term", ["dna", "diff", "cog", "qkclip", "dna+speccond"])
 def test_token_attention_terms_are_refused_with_a_reason(term):
     with pytest.raises(SpecError, match=r"does not apply to XCiT's cross-covariance attention \(blocks\.0\.attn\)"):
         tiny(term)
@@ -84,8 +107,8 @@ def test_support_lists_xca_terms_and_leaves_class_attention():
     groups = term_support(tiny(None))
     xca = groups[0]
     assert xca["type"] == "XCA" and xca["modules"] == ["blocks.0.attn", "blocks.1.attn"]
-    assert set(xca["applies"]) >= {"standard", "ns", "sigma", "specnorm", "speccond"}
-    assert set(xca["refused"]) >= {"dna", "diff", "cog", "qknorm", "qkclip"}
+    assert set(xca["applies"]) >= {"standard", "ns", "sigma", "specnorm", "speccond", "qknorm"}
+    assert set(xca["refused"]) >= {"dna", "diff", "cog", "qkclip"}
     assert groups[-1]["type"] == "ClassAttn" and groups[-1]["applies"] == []
 
 

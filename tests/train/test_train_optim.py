@@ -52,6 +52,20 @@ def test_decay_split_on_vit_digits():
     assert len(opt.param_groups[1]["params"]) == n_all - len(expected)
 
 
+def test_submodules_no_weight_decay_lists_are_honoured():
+    """timm declares some exclusions on submodules (XCiT's XCA: its per-head temperature, 3-D) and as globs."""
+    import attnlab
+
+    model = attnlab.build_model("xcit_nano_12_p16_224", attn="qknorm", img_size=32, depth=2, cls_attn_layers=1,
+                                num_classes=5)
+    decay, no_decay = param_groups(model, 0.05)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert {"blocks.0.attn.temperature", "blocks.1.attn.temperature"} <= {names[id(p)] for p in no_decay["params"]}
+    assert not any("temperature" in n or n.startswith("pos_embed.") for n in decayed)
+    assert "blocks.0.attn.qkv.weight" in decayed
+
+
 @pytest.mark.parametrize("warmup_epochs", [2, 0])
 def test_schedule_is_linear_warmup_then_cosine(warmup_epochs):
     lr, warmup_lr, min_lr, epochs, steps = 1e-3, 1e-6, 1e-5, 5, 4
