@@ -1,4 +1,5 @@
-"""NS-Attn (``papers/ns_attention.txt``, Section 2, Algorithm 1): a Newton–Schulz polynomial step on each head's
+"""NS-Attn ("NS-Attention: Newton–Schulz Transformations of Attention Outputs in Vision
+Transformers", Section 2, Algorithm 1): a Newton–Schulz polynomial step on each head's
 feature-by-token output, after value aggregation and before head merge.
 
     M = X_{b,h}^T (D x N),  r = ||M||_F,  Z = M / max(r, eps)              (eq. 1-2)

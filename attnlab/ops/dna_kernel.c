@@ -1,4 +1,4 @@
-/* DnA's two-branch attention (papers/dna_denoising_attention.txt, Sec. 3.2), fused for the CPU, forward only.
+/* DnA's two-branch attention ("DnA: Denoising Attention for Visual Tasks", Sec. 3.2), fused for the CPU, forward only.
  *
  * For one head h and query row i, with keys k_j (j < M):
  *

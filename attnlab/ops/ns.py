@@ -1,4 +1,5 @@
-"""Newton–Schulz transformation of attention head outputs (NS-Attn, ``papers/ns_attention.txt``, Sec. 2).
+"""Newton–Schulz transformation of attention head outputs (NS-Attn: "Newton–Schulz Transformations of
+Attention Outputs in Vision Transformers", Sec. 2).
 
 For one head, the output X (N tokens x D features) is read as the feature-by-token matrix M = X^T (eq. 1) and
 

@@ -1,4 +1,5 @@
-/* NS-Attn's transform T (papers/ns_attention.txt, Algorithm 1), fused for the CPU: one pass per head matrix.
+/* NS-Attn's transform T ("NS-Attention: Newton-Schulz Transformations of Attention Outputs in Vision
+   Transformers", Algorithm 1), fused for the CPU: one pass per head matrix.
  *
  * For each (b, h) the head output X (N tokens x D features, rows strided, features contiguous) is read once into
  * the Gram matrix of the smaller side (G = X^T X when D <= N, else X X^T), the K polynomial steps run on that

@@ -1,4 +1,5 @@
-"""Gram spectra of feature-view matrices and their summaries (NS-Attn, ``papers/ns_attention.txt``, Sec. 3.4).
+"""Gram spectra of feature-view matrices and their summaries (NS-Attn: "Newton–Schulz Transformations of
+Attention Outputs in Vision Transformers", Sec. 3.4).
 
 For a feature-by-token matrix M (rows x cols; for head outputs X of shape (N, D) pass M = X^T, D x N, eq. 1):
 
