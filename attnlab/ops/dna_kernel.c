@@ -15,13 +15,7 @@
  *
  * float32 only, 64-byte vector types (GCC / Clang vector extensions; with AVX-512, intrinsics for max and for
  * exp's 2^n), exp by a Cephes-style polynomial (about 1 ulp); head dim D in 16, 32, 48, 64 (a constant per
- * instance), M <= 1024 keys. attnlab/ops/dna_cpu.py builds and calls it.
- *
- * Measured at ViT-B/16 shapes (48 heads, N = M = 197, D = 64, one thread, C harness, 2026-11-30): ~7-8 ms, of
- * which ~70-80% in the logit and weighted-sum loops (perf samples; they run at roughly 3/4 to 9/10 of the
- * machine's 512-bit FMA peak). Taking exp out entirely saves <1% (it overlaps the loops); the per-head copies,
- * which include the first read of each head's K and V from memory, ~4%. Masking padding lanes only in the last
- * key block, the AVX-512 exp and the tiled K transpose took ~7% off; larger register tiles did not gain.
+ * instance), M <= 1024 keys. attnlab/ops/dna_cpu.py builds and calls it; where its time goes is in docs/perf.md.
  */
 #include <math.h>
 #ifdef __AVX512F__

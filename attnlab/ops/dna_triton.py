@@ -16,9 +16,8 @@ sequence to twice the work of the tightest candidate; 8 warps where 4 would spil
 
 It is registered as the custom op ``torch.ops.attnlab.dna_attention_triton`` with a fake implementation (runs
 without Triton or a GPU: FakeTensor, the meta device, ``torch.compile`` tracing) and a FLOP formula (the two SDPA
-calls it replaces, for ``FlopCounterMode``). Its speed has NOT been measured: no GPU was lent to the tasks that
-wrote it (docs/perf.md). It is tested for correctness under Triton's interpreter on the CPU
-(``TRITON_INTERPRET=1``, tests/ops/test_dna_triton.py), hence opt-in until a GPU run decides.
+calls it replaces, for ``FlopCounterMode``). It is tested for correctness under Triton's interpreter on the CPU
+(``TRITON_INTERPRET=1``, tests/ops/test_dna_triton.py) and opt-in until a GPU measurement (docs/perf.md) decides.
 
 No attention bias or mask (ViT global attention; Swin windows and masks use SDPA), no dropout, no gradient; head
 dim a power of two >= 16; fp16, bf16 or fp32 (fp32 products may use TF32 on the GPU).
