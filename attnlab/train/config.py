@@ -17,7 +17,6 @@ from typing import Any
 
 import yaml
 
-from attnlab.data.registry import SEQUENCE_DATASETS
 from attnlab.errors import ConfigError, did_you_mean
 
 
@@ -138,6 +137,9 @@ GRID_PRESETS: dict[str, dict[str, Any]] = {
                   "datasets": ["cifar10", "cifar100"], "models": ["vit_cifar", "swin_cifar"],
                   "runs_dir": "runs/ns_attn_table1"},
 }
+
+# attnlab.data.registry.SEQUENCE_DATASETS, repeated: importing attnlab.data here would load torch for --help
+SEQUENCE_DATASETS = ("listops", "lra_text")
 
 _CHOICES = {"amp": ("auto", "bf16", "none"), "augment": ("recipe", "none"), "norm": ("pre", "post", "none"),
             "optimizer": ("adamw", "lars"), "log": ("none", "tensorboard"),

@@ -175,6 +175,22 @@ CASES = [
          "cannot be read as safetensors", files={"w.safetensors": b"garbage" * 40}, slow=True),
     case("train-pretrained-preset", "train --recipe demo --pretrained", "vit_digits has no published weights",
          slow=True),
+    # ---- low-rank kernels, ListOps and the LRA text task (issue 14 items 2 and 3)
+    case("train-listops-image-recipe", "train --dataset listops --model seq_listops",
+         "dataset listops holds token sequences, which image augmentation and Mixup/CutMix cannot take"),
+    case("train-norm-choice", "train --recipe lra_listops --norm nope", "must be one of pre, post, none"),
+    case("train-nystrom-even-conv", ["train", "--recipe", "demo", "--attn", "nystrom(conv=4)"],
+         "nystrom(conv=4) is not valid; conv is an odd kernel length", slow=True),
+    case("train-performer-swin", "train --recipe demo --model swin_cifar --attn performer",
+         "Swin's window attention adds a relative-position bias", slow=True),
+    case("train-listops-options", ["train", "--recipe", "lra_listops", "--data-options", "{max_args: 1}"],
+         "dataset option max_args=1 for listops must be at least 2", slow=True),
+    case("train-listops-bad-file", "train --recipe lra_listops --data-dir {tmp}",
+         "line 2 cannot be read: unknown ListOps token '[FIRST'",
+         files={"listops": None} | {f"listops/basic_{s}.tsv": b"Source\tTarget\n( [FIRST 2 ] )\t2\n" for s in ("train", "val", "test")},
+         slow=True),
+    case("train-lra-text-missing", "train --recipe lra_listops --dataset lra_text --model seq_text --data-dir {tmp}",
+         "no reviews in neg, pos/; extract aclImdb_v1.tar.gz", slow=True),
 ]
 
 
