@@ -121,3 +121,20 @@ def test_config_knows_the_sequence_datasets():
     from attnlab.train.config import SEQUENCE_DATASETS as in_config
 
     assert in_config == SEQUENCE_DATASETS
+
+
+def test_seq_listops_preset():
+    from torch import nn
+
+    from attnlab.models import attention_modules, build_model
+
+    model = build_model("seq_listops", attn="performer(features=8)", max_length=12)
+    assert len(attention_modules(model)) == 2 and any(isinstance(m, nn.LayerNorm) for m in model.modules())
+    bare = build_model("seq_listops", norm="none", max_length=12, pool="token")
+    assert not any(isinstance(m, nn.LayerNorm) for m in bare.modules())
+    tokens = torch.randint(0, 16, (3, 12))
+    assert model(tokens).shape == bare(tokens).shape == (3, 10)
+    with pytest.raises(ConfigError, match="longer than the model's max_length 12"):
+        model(torch.zeros(1, 13, dtype=torch.long))
+    with pytest.raises(ConfigError, match="norm must be 'pre', 'post' or 'none'"):
+        build_model("seq_listops", norm="bogus")
