@@ -116,3 +116,12 @@ def xca_head_output(x, wq, wk, wv, bq, bk, bv, tau):
     qn = q / q.pow(2).sum(0, keepdim=True).sqrt()
     kn = k / k.pow(2).sum(0, keepdim=True).sqrt()
     return v @ (tau * qn.T @ kn).softmax(dim=1).T
+
+
+def davit_channel_head(x, wq, wk, wv, bq, bk, bv) -> np.ndarray:
+    """One DaViT channel head (N, D) from x (N, C) and its weight rows: q_h softmax(k_h^T v_h / sqrt(D))^T."""
+    x = np.asarray(x, np.float64)
+    q, k, v = x @ wq.T + bq, x @ wk.T + bk, x @ wv.T + bv
+    D = q.shape[1]
+    logits = np.array([[k[:, i] @ v[:, j] for j in range(D)] for i in range(D)]) / np.sqrt(D)
+    return q @ _softmax_rows(logits).T

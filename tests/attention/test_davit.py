@@ -16,7 +16,8 @@ from attnlab.analysis.jacobian import jacobian_conditioning
 from attnlab.errors import SpecError
 from attnlab.models import attention_modules
 from attnlab.models.convert import term_support
-from tests.reference_xcit import davit_channel_reference, davit_channel_v2_reference
+from tests import reference_reparam as ref_reparam
+from tests.reference_xcit import conditioned, davit_channel_head, davit_channel_reference, davit_channel_v2_reference
 
 # 8x8 then 4x4 tokens, windows of 4x4: no padded windows (a zero token makes the Jacobian singular)
 TINY = dict(depths=(1, 1), embed_dims=(16, 32), num_heads=(2, 4), window_size=4, num_classes=5)
@@ -118,7 +119,34 @@ def test_support_splits_window_and_channel_attention():
     assert "dna" in channel["refused"] and "qknorm" in channel["applies"]
 
 
-def test_jacobian_runs_on_both_attentions():
-    result = jacobian_conditioning(tiny("speccond"), torch.randn(1, 3, 32, 32), heads=[0])
-    assert len(result.blocks) == 4
-    assert torch.isfinite(result.kappa).all() and (result.kappa >= 1).all()
+def test_jacobian_matches_finite_differences_on_both_attentions():
+    """Head 0's kappa in a window block and a channel block against central differences of float64 numpy heads
+    on W + lam I_k, SVD by numpy. Stage 2's channel block: stage 1's has a tall, rank-deficient Jacobian."""
+    model = tiny("speccond(lam=1.5)").double()
+    images = torch.randn(1, 3, 32, 32, dtype=torch.float64)
+    seen = {}
+    found = attention_modules(model)
+    handles = [m.register_forward_pre_hook(lambda mod, a, i=i: seen.setdefault(i, a[0].detach()))
+               for i, (_, m) in enumerate(found)]
+    with torch.no_grad():
+        model(images)
+    for h in handles:
+        h.remove()
+    result = jacobian_conditioning(model, images, blocks=[0, 3], heads=[0])
+    assert len(result.blocks) == 2
+    for i, b in enumerate((0, 3)):
+        mod = found[b][1]
+        A, D = mod.attn_dim, mod.head_dim
+        w = mod.qkv.parametrizations.weight.original.detach().numpy()
+        w = np.concatenate([conditioned(w[i * A:(i + 1) * A], 1.5) for i in range(3)])
+        bias = mod.qkv.bias.detach().numpy()
+        rows = [slice(p * A, p * A + D) for p in range(3)]  # head 0's rows of q, k and v
+        x = seen[b][0].numpy()  # window 0 / image 0
+        if b == 0:  # window attention: softmax(q k^T / sqrt(D)) v over the window's tokens
+            def f(wq, wk, wv, x=x, bias=bias, rows=rows, D=D):
+                return ref_reparam.head_attention(x, wq, wk, wv, *(bias[r] for r in rows), D ** -0.5)
+        else:  # channel attention: q softmax(k^T v / sqrt(D))^T
+            def f(wq, wk, wv, x=x, bias=bias, rows=rows):
+                return davit_channel_head(x, wq, wk, wv, *(bias[r] for r in rows))
+        j = ref_reparam.finite_difference_jacobian(f, [w[r] for r in rows])
+        assert result.kappa[i, 0, 0].item() == pytest.approx(ref_reparam.kappa(j), rel=1e-5)
