@@ -13,6 +13,7 @@ from attnlab.analysis.jacobian import attention_jacobian, condition_number, jaco
 from attnlab.errors import ConfigError, UnsupportedModelError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import reference_baselines as ref_baselines  # noqa: E402
 import reference_reparam as ref  # noqa: E402
 
 # a fixed 3-block, 4-head geometry, independent of the demo preset's size
@@ -97,8 +98,23 @@ def test_swin_windows_and_missing_heads():
     assert torch.isfinite(result.kappa[0, 0]).all() and torch.isfinite(result.kappa[1]).all()
     assert (result.kappa[torch.isfinite(result.kappa)] >= 1).all()
     assert torch.isfinite(result.log10_mean()).all()
+    # a shifted, masked window: kappa against central differences with bias = B_rel[h] + mask[window] by hand
+    attn = model.layers[0].blocks[1].attn
+    seen = {}
+    handle = attn.register_forward_pre_hook(lambda m, args, kwargs: seen.update(x=args[0], mask=kwargs["mask"]),
+                                            with_kwargs=True)
+    with torch.no_grad():
+        model.eval()(images)
+    handle.remove()
+    assert (seen["mask"][3] != 0).any()
     masked = jacobian_conditioning(model, images, blocks=[1], heads=[0], sequences=[3])
-    assert torch.isfinite(masked.kappa).all()
+    d, a = 8, 2 * 8  # stage 1: 2 heads of head_dim 8
+    w, bias = _np(attn.qkv.weight), _np(attn.qkv.bias)
+    rows = [slice(p * a, p * a + d) for p in range(3)]  # head 0's rows of q, k and v
+    b_rel = ref_baselines.rel_pos_bias(attn.relative_position_bias_table.detach().double(), 4, 4)[0]
+    _, kappa_ref = _reference(_np(seen["x"][3]), *(w[r] for r in rows), *(bias[r] for r in rows), d ** -0.5,
+                              _np(b_rel + seen["mask"][3].double()))
+    assert masked.kappa[0, 0, 0].item() == pytest.approx(kappa_ref, rel=1e-5)
     with pytest.raises(ConfigError, match="out of range"):
         jacobian_conditioning(model, images, blocks=[2], sequences=[3])
 
