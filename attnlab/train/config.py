@@ -146,7 +146,7 @@ _CHOICES = {"amp": ("auto", "bf16", "none"), "augment": ("recipe", "none"), "nor
             "compile_mode": ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")}
 
 
-GRID_KEYS = ("variants", "seeds", "datasets", "models", "runs_dir", "variations", "jobs", "base")
+GRID_KEYS = ("variants", "seeds", "datasets", "models", "runs_dir", "variations", "jobs", "launcher", "base")
 
 
 def check_grid(grid: dict[str, Any], extra_keys: Any, source: str) -> None:

@@ -65,3 +65,23 @@ def test_slurm_without_sbatch_and_bad_options(tmp_path, monkeypatch):
         launch.check_launcher("submitit-local", {"time": -5})
     with pytest.raises(AttnlabError, match="apply to --launcher submitit"):
         launch.check_launcher("local", {"partition": "gpu"})
+
+
+def test_launcher_block_in_grid_file_and_flags_over_it(tmp_path):
+    from attnlab.train import load_grid
+
+    path = tmp_path / "grid.yaml"
+    path.write_text("variants: [standard]\nlauncher: {name: submitit-local, time: 30, gpus_per_node: 0}\n"
+                    "base: {recipe: demo}\n")
+    grid = load_grid(path)
+    assert grid["launcher"] == "submitit-local"
+    assert grid["launcher_options"] == {"time": 30, "gpus_per_node": 0}
+    grid = load_grid(path, launcher_options={"time": 90, "partition": None})
+    assert grid["launcher_options"] == {"time": 90, "gpus_per_node": 0}
+    assert load_grid(None, "demo")["launcher"] == "local"
+    path.write_text("launchr: submitit\n")
+    with pytest.raises(AttnlabError, match="did you mean 'launcher'"):
+        load_grid(path)
+    path.write_text("launcher: [submitit]\n")
+    with pytest.raises(AttnlabError, match="launcher name or a mapping"):
+        load_grid(path)
