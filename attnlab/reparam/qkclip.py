@@ -127,8 +127,8 @@ def screened_max_logits(qk: torch.Tensor, scale: float, tau: float, select: bool
     intermediate holds more than ``block`` (default :data:`CHUNK_ELEMENTS`) elements when ``block >= 2 H D``.
     """
     block = CHUNK_ELEMENTS if block is None else block
-    if select is None:
-        select = qk.device.type == "cpu"
+    if select is None:  # torch.compile: the dense path, one graph (selecting needs a data-dependent shape)
+        select = qk.device.type == "cpu" and not torch.compiler.is_compiling()
     norms = _max_norms(qk, block)  # (B, 2, H): one pass over q and k
     bound = (norms[:, 0] * norms[:, 1]).amax(dim=0) * (scale * (1 + BOUND_MARGIN))
     over = bound > tau

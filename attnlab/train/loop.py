@@ -533,6 +533,8 @@ def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.
 
         trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     mode = compile_mode(cfg.compile_mode, device) if cfg.compile else None
+    if cfg.compile:  # every model class shares its forward's code, whose recompile limit (8) earlier runs in this
+        torch.compiler.reset()  # process (a grid's worker) would use up, after which dynamo falls back to eager
     # static shapes (dynamic=False): the train batches are full, evaluate pads its last batch
     compiled = (lambda m: torch.compile(m, mode=mode, dynamic=False)) if cfg.compile else (lambda m: m)  # noqa: E731
     forward = compiled(trained)

@@ -126,3 +126,22 @@ def test_evaluate_pads_the_last_batch_to_one_shape():
     assert padded["test_loss"] == pytest.approx(float(nn.functional.cross_entropy(logits, y)), rel=1e-5)
     assert padded["top1"] == pytest.approx(100.0 * float((top[:, 0] == y).double().mean()))
     assert padded["top5"] == pytest.approx(100.0)  # 3 classes: the top 3 always hold the label
+
+
+def test_cuda_graph_steps_are_marked(monkeypatch):
+    # CUDA graphs (mode reduce-overhead) overwrite a replay's outputs at the next one unless each step is marked
+    from attnlab.train.loop import compile_mode
+
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    model = Tiny()
+    optimizer = build_optimizer(model, 1e-2, 0.05)
+    scheduler = build_scheduler(optimizer, epochs=1, steps_per_epoch=4, warmup_epochs=0, warmup_lr=1e-3,
+                                min_lr=1e-4)
+    train_one_epoch(model, _batches(4), optimizer, scheduler, nn.CrossEntropyLoss(), steps=4,
+                    device=torch.device("cpu"), amp_dtype=None, epoch=1, epochs=1, num_updates=0, clip_grad=None,
+                    log_every=2, progress=False, cudagraphs=True)
+    assert len(marks) == 4
+    assert compile_mode("auto", torch.device("cuda")) == "reduce-overhead"
+    assert compile_mode("auto", torch.device("cpu")) == "default"
+    assert compile_mode("max-autotune", torch.device("cpu")) == "max-autotune"
