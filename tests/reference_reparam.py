@@ -63,3 +63,11 @@ def finite_difference_jacobian(f, params: list[np.ndarray], h: float = 1e-6) -> 
             flat[idx] = old
             columns.append((plus - minus) / (2 * h))
     return np.stack(columns, axis=1)
+
+
+def head_attention_autograd(x, w_q, w_k, w_v, b_q, b_k, b_v, scale):
+    """softmax(q k^T * scale) v for one head in tensor operators only, so torch's autograd can differentiate it."""
+    q, k, v = x @ w_q.T + b_q, x @ w_k.T + b_k, x @ w_v.T + b_v
+    logits = (q @ k.T) * scale
+    p = (logits - logits.max(1, keepdim=True).values).exp()
+    return (p / p.sum(1, keepdim=True)) @ v

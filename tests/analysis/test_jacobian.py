@@ -81,9 +81,24 @@ def test_uses_the_effective_weights():
     conditioned = attnlab.build_model("vit_digits", **TINY_VIT, attn="speccond(lam=2)")
     images = torch.randn(1, 1, 8, 8)
     k0 = jacobian_conditioning(plain, images, blocks=[0], heads=[0]).kappa
-    k1 = jacobian_conditioning(conditioned, images, blocks=[0], heads=[0]).kappa
-    assert torch.isfinite(k0).all() and torch.isfinite(k1).all()
+    k1 = jacobian_conditioning(conditioned.double(), images.double(), blocks=[0], heads=[0]).kappa
     assert not torch.allclose(k0, k1, rtol=1e-3)
+    # k1 against autograd through a float64 head on W + 2 I_k (each of the q, k, v blocks), SVD by numpy
+    attn = conditioned.blocks[0].attn
+    seen = {}
+    handle = attn.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0].detach()))
+    with torch.no_grad():
+        conditioned.eval()(images.double())
+    handle.remove()
+    d, a = 16, 64  # 4 heads of 16
+    w = torch.from_numpy(ref.add_identity_blocks(_np(attn.qkv.parametrizations.weight.original), 2.0, 3))
+    bias = attn.qkv.bias.detach().double()
+    rows = [slice(p * a, p * a + d) for p in range(3)]  # head 0's rows of q, k and v
+    parts = torch.autograd.functional.jacobian(
+        lambda wq, wk, wv: ref.head_attention_autograd(seen["x"][0], wq, wk, wv, *(bias[r] for r in rows), d ** -0.5),
+        tuple(w[r] for r in rows), vectorize=True)
+    j = torch.cat([p.reshape(seen["x"].shape[1] * d, -1) for p in parts], dim=1).numpy()
+    assert k1[0, 0, 0].item() == pytest.approx(ref.kappa(j), rel=1e-6)
 
 
 def test_swin_windows_and_missing_heads():
