@@ -55,9 +55,16 @@ def test_warm_start_is_one_call(source, x):
 
 
 def test_other_class_count_gets_a_new_head(source, x):
-    _, folder = source
-    model = attnlab.build_model(NAME, num_classes=3, pretrained_file=folder / "w.pt", **TINY)
+    src, folder = source
+    model = attnlab.build_model(NAME, num_classes=3, pretrained_file=folder / "w.pt", **TINY).eval()
     assert model.head.weight.shape == (3, 192)
+    # everything but the classifier is the file's: same tensors, same features
+    got = model.state_dict()
+    body = {k: v for k, v in src.state_dict().items() if not k.startswith("head.")}
+    assert set(got) - set(body) == {"head.weight", "head.bias"}
+    assert all(torch.equal(got[k], v) for k, v in body.items())
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward_features(x), src.forward_features(x))
 
 
 def test_preset_takes_its_own_state_dict(tmp_path):
