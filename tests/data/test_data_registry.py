@@ -63,6 +63,15 @@ def test_dataset_info_is_frozen():
 
 
 def test_build_transform_only_for_pil_datasets():
-    assert data.build_transform("cifar10", False) is not None
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    # the eval transform is ToTensor + Normalize with CIFAR-10's published channel mean and std
+    pixels = np.arange(4 * 4 * 3, dtype=np.uint8).reshape(4, 4, 3) * 5
+    out = data.build_transform("cifar10", False, image_size=4)(Image.fromarray(pixels))
+    mean, std = np.array([0.4914, 0.4822, 0.4465]), np.array([0.2470, 0.2435, 0.2616])
+    want = torch.from_numpy(((pixels / 255.0 - mean) / std).transpose(2, 0, 1)).float()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(DatasetError):
         data.build_transform("digits", True)
