@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import attnlab
-from attnlab.analysis import jacobian_conditioning, training_probe
-from attnlab.data import build_dataset
+from attnlab.analysis import first_images, head_output_spectra, jacobian_conditioning, training_probe
 from attnlab.cli import main
-from attnlab.train import RECIPES, train
+from attnlab.data import build_dataset
+from attnlab.train import RECIPES, load_run, train
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,12 @@ def test_analyze_cli_writes_json_and_plot(run_dir, tmp_path, capsys):
     data = json.loads((tmp_path / "analysis.json").read_text())[run_dir.name]
     assert data["attn"] == "standard"
     assert set(data["summary"]) >= {"p1", "eff_rank", "entropy", "max_logit", "qk_norm_max"}
-    assert 1 / 16 <= data["summary"]["p1"] <= 1 and 1 <= data["summary"]["eff_rank"] <= 16
+    # the run's model on the first 160 digits test images, in batches of 32: the library's numbers again
+    model, _ = load_run(run_dir)
+    want = head_output_spectra(model, first_images(build_dataset("digits", False)), batch_size=32).summary()
+    assert data["summary"]["p1"] == pytest.approx(want["p1"], rel=1e-6)
+    assert data["summary"]["eff_rank"] == pytest.approx(want["eff_rank"], rel=1e-6)
+    assert data["summary"]["max_logit"] == max(max(layer["max_logit"]) for layer in data["entropy"])
     assert (tmp_path / "spectra.png").stat().st_size > 1000
     assert main(["analyze", str(run_dir), "--what", "nope"]) == 2
     assert "choose from" in capsys.readouterr().err
