@@ -254,9 +254,17 @@ def test_autocast_keeps_power_iteration_in_float32():
 
 
 def test_specnorm_function_direct():
-    model = nn.Sequential(nn.Linear(6, 4))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4)).eval()
+    raw = model[0].weight.detach().clone()
     apply_specnorm(model, [])
     assert not _param(model[0]).learn_gamma
+    # W_hat = W / sigma(W), sigma by numpy's SVD: the layer's output is that of W_hat
+    w_hat = raw.double().numpy() / ref.spectral_norm(raw.numpy())
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        want = x.double().numpy() @ w_hat.T + model[0].bias.double().numpy()
+        torch.testing.assert_close(model(x).double(), torch.from_numpy(want), rtol=1e-5, atol=1e-6)
 
 
 # ---- eval-mode sigma estimate: stored ||W u|| (default) or the authors' refreshed ||W^T v|| (issue 14) ----------
