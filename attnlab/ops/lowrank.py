@@ -106,12 +106,17 @@ def positive_features(x: torch.Tensor, projection: torch.Tensor, *, stabilise: s
     exact phi.
     """
     wx = x @ projection.mT
-    exponent = wx - 0.5 * (x * x).sum(dim=-1, keepdim=True)
-    if stabilise == "row":
-        exponent = exponent - exponent.amax(dim=-1, keepdim=True).detach()
+    half_norm = 0.5 * (x * x).sum(dim=-1, keepdim=True)
+    if stabilise == "row":  # max_j (wx_j - |x|^2 / 2) = max_j wx_j - |x|^2 / 2: the norm cancels
+        offset = wx.amax(dim=-1, keepdim=True).detach()
     elif stabilise == "all":
-        exponent = exponent - exponent.amax(dim=(-2, -1), keepdim=True).detach()
-    return exponent.exp() / math.sqrt(projection.shape[0])
+        offset = half_norm + (wx.amax(dim=-1, keepdim=True) - half_norm).amax(dim=-2, keepdim=True).detach()
+    else:
+        offset = half_norm
+    offset = offset + 0.5 * math.log(projection.shape[0])  # the 1 / sqrt(M), inside the exp
+    if torch.is_grad_enabled() and (x.requires_grad or projection.requires_grad):
+        return (wx - offset).exp()
+    return wx.sub_(offset).exp_()  # in place: each (N, M) temporary is a fresh allocation, page faults and all
 
 
 def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
@@ -123,9 +128,10 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     scale = q.shape[-1] ** -0.25
     phi_q = positive_features(q * scale, projection, stabilise="row")
     phi_k = positive_features(k * scale, projection, stabilise="all")
-    kv = phi_k.mT @ v                                       # (M, D)
-    normaliser = phi_q @ phi_k.sum(dim=-2).unsqueeze(-1)    # (N, 1)
-    return (phi_q @ kv) / (normaliser + eps)
+    # numerator and normaliser in one pass over phi_q: [v, 1] carries phi(k)^T 1 as its last column
+    kv = phi_k.mT @ torch.nn.functional.pad(v, (0, 1), value=1.0)   # (M, D + 1)
+    out = phi_q @ kv                                                # (N, D + 1)
+    return out[..., :-1] / (out[..., -1:] + eps)
 
 
 __all__ = ["segment_means", "iterative_pinv", "nystrom_attention", "orthogonal_gaussian", "positive_features",
