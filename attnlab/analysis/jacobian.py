@@ -195,6 +195,7 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
     out = torch.full((len(results), len(all_heads), len(sequences), 3), float("nan"), dtype=dtype)
     for b, (hs, values) in enumerate(results):
         out[b, [all_heads.index(h) for h in hs]] = values
+    out = out.detach()  # a measurement: no autograd graph back into the model's parameters
     return JacobianConditioning(out[..., 0], out[..., 1], out[..., 2], [n for n, _ in chosen], all_heads, sequences)
 
 

@@ -20,7 +20,7 @@ from ..errors import AttnlabError, NonFiniteLossError, did_you_mean
 COMMANDS = {
     "train": "train one model with a recipe (the NS-Attn paper's ns_cifar by default)",
     "compare": "train a grid (variants x seeds x datasets x models) and print the report",
-    "report": "rebuild report.md / report.json from a runs directory",
+    "report": "write report.md, report.json and one offline report.html from a runs directory",
     "analyze": "run the papers' instruments on a trained run or a fresh model",
     "bench": "forward latency of variants with identical parameters (NS-Attn paper's protocol)",
     "variants": "list the attention variant terms of the spec language",

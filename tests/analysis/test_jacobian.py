@@ -138,3 +138,12 @@ def test_non_softmax_kernel_is_rejected():
     model = attnlab.build_model("vit_digits", **TINY_VIT, attn=None)  # timm's own modules: convert first
     with pytest.raises(UnsupportedModelError, match="softmax"):
         jacobian_conditioning(model, torch.randn(1, 1, 8, 8))
+
+
+def test_result_holds_no_autograd_graph():
+    """The model's parameters require gradients; the measurement must not keep a graph back into them."""
+    torch.manual_seed(0)
+    model = attnlab.build_model("vit_digits", **TINY_VIT, attn="speccond")
+    assert any(p.requires_grad for p in model.parameters())
+    result = jacobian_conditioning(model, torch.randn(1, 1, 8, 8), blocks=[0], heads=[0])
+    assert not result.kappa.requires_grad and result.kappa.grad_fn is None
