@@ -143,7 +143,10 @@ def test_non_softmax_kernel_is_rejected():
 def test_result_holds_no_autograd_graph():
     """The model's parameters require gradients; the measurement must not keep a graph back into them."""
     torch.manual_seed(0)
-    model = attnlab.build_model("vit_digits", **TINY_VIT, attn="speccond")
-    assert any(p.requires_grad for p in model.parameters())
-    result = jacobian_conditioning(model, torch.randn(1, 1, 8, 8), blocks=[0], heads=[0])
-    assert not result.kappa.requires_grad and result.kappa.grad_fn is None
+    for name, kwargs, images in (("vit_digits", TINY_VIT, torch.randn(1, 1, 8, 8)),
+                                 ("xcit_nano_12_p16_224", dict(img_size=32, depth=1, cls_attn_layers=1,
+                                                               num_classes=5), torch.randn(1, 3, 32, 32))):
+        model = attnlab.build_model(name, **kwargs, attn="speccond+qknorm")
+        assert any(p.requires_grad for p in model.parameters())
+        result = jacobian_conditioning(model, images, blocks=[0], heads=[0])
+        assert not result.kappa.requires_grad and result.kappa.grad_fn is None, name
