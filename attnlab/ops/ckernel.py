@@ -94,7 +94,9 @@ def _build(source: Path, defines: tuple[str, ...]) -> ctypes.CDLL:
 def _build_with(source: Path, defines: tuple[str, ...]) -> ctypes.CDLL:
     compiler = os.environ.get("CC", "cc")
     flags = (*_FLAGS, *defines)
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what its #include "..." lines read
+    parts = [source.read_text(), *headers, compiler, *flags, _cpu_id()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     target = _private_dir(_cache_dir()) / f"{source.stem}_{key}.so"
     if not target.exists():
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # unique name: concurrent builds do not clash
