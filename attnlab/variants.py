@@ -191,6 +191,8 @@ register(Variant(
         "features": Option(256, int, minimum=1, help="random features M"),
         "redraw": Option(0, int, minimum=0, help="draw new features every this many training forwards (0: never)"),
         "seed": Option(0, int, minimum=0, help="seed of the feature draws (with the block index and draw number)"),
+        "impl": Option("auto", str, choices=("auto", "torch", "kernel"),
+                       help="auto: the fused CPU kernel for float32 passes without gradient, else torch ops"),
     },
     demo=False,  # a long-sequence kernel (benchmarks/long_sequence.py, the listops dataset)
 ))

@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import UnsupportedModelError
+from ..errors import ConfigError, UnsupportedModelError
+from ..ops import performer_cpu
 from ..ops.lowrank import orthogonal_gaussian, performer_attention
 from .base import AttnlabAttention
 
@@ -30,11 +31,16 @@ class PerformerAttention(AttnlabAttention):
         features: number of random features M (default 256).
         redraw: draw new features every this many training forwards (0: never).
         seed: seed of the draws (with the block's index and the draw number).
+        impl: ``auto`` (the fused CPU kernel, :mod:`attnlab.ops.performer_cpu`, for float32 forward passes without
+            gradient outside ``torch.compile``; else torch ops), ``torch`` or ``kernel`` (an error where it cannot run).
     """
 
     def __init__(self, dim: int, num_heads: int = 8, *, features: int = 256, redraw: int = 0, seed: int = 0,
-                 **kwargs) -> None:
+                 impl: str = "auto", **kwargs) -> None:
         super().__init__(dim, num_heads, **kwargs)
+        if impl not in ("auto", "torch", "kernel"):
+            raise ConfigError(f"performer impl must be auto, torch or kernel, got {impl!r}.")
+        self.impl = impl
         if self.window_size is not None:
             raise UnsupportedModelError(
                 "performer approximates global attention without an additive bias, and Swin's window attention "
@@ -57,7 +63,14 @@ class PerformerAttention(AttnlabAttention):
             if count and count % self.redraw == 0:
                 self.projection.copy_(self.draw(count // self.redraw))
             self.forwards += 1
-        return performer_attention(q, k, v, self.projection.to(q.dtype))
+        projection = self.projection.to(q.dtype)
+        if self.impl != "torch":
+            why = performer_cpu.kernel_error(q, k, v, projection)
+            if why is None and (self.impl == "kernel" or not torch.compiler.is_compiling()):
+                return performer_cpu.performer_kernel(q, k, v, projection)
+            if self.impl == "kernel":
+                raise ConfigError(f"performer(impl=kernel) cannot run here: {why}; use impl=auto.")
+        return performer_attention(q, k, v, projection)
 
     def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
         """One head's o (N, D) from x (N, C) and its weights (D, C), with the current features."""
@@ -65,7 +78,8 @@ class PerformerAttention(AttnlabAttention):
         return performer_attention(self.q_norm(q), self.k_norm(k), v, self.projection.to(x.dtype))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, features={self.features}, redraw={self.redraw}, seed={self.seed}"
+        return (f"{super().extra_repr()}, features={self.features}, redraw={self.redraw}, seed={self.seed}, "
+                f"impl={self.impl}")
 
 
 __all__ = ["PerformerAttention"]

@@ -123,15 +123,25 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
                         eps: float = 1e-6) -> torch.Tensor:
     """FAVOR+ (Sec. 2.2-2.4). q, k, v: (..., N, D), projection (M, D) -> (..., N, D).
 
-    The keys' stabilising constant is one per sequence and head, so it cancels; ``eps`` only guards the division.
+    Equal to ``phi(q) (phi(k)^T v) / (phi(q) (phi(k)^T 1))`` with :func:`positive_features`, arranged so every
+    (N, M) tensor is an (N, D) x (D, M) product and one subtract-and-exp: D^(-1/4) is folded into W; each query's
+    factor exp(-|x|^2 / 2) / sqrt(M) is a row constant that cancels in its ratio, so phi(q) is exp(W x - max_j W x);
+    each key's phi(k) is exp(W y - max_j W y) times a per-key weight c = exp(max_j W y - |y|^2 / 2 - C), C the
+    largest exponent over the keys (a constant that cancels), applied to the (N, D) values instead of the (N, M)
+    features. Every exponent is <= 0, so nothing overflows. ``eps`` only guards the division.
     """
-    scale = q.shape[-1] ** -0.25
-    phi_q = positive_features(q * scale, projection, stabilise="row")
-    phi_k = positive_features(k * scale, projection, stabilise="all")
-    # numerator and normaliser in one pass over phi_q: [v, 1] carries phi(k)^T 1 as its last column
-    kv = phi_k.mT @ torch.nn.functional.pad(v, (0, 1), value=1.0)   # (M, D + 1)
-    out = phi_q @ kv                                                # (N, D + 1)
-    return out[..., :-1] / (out[..., -1:] + eps)
+    w = projection * q.shape[-1] ** -0.25
+    in_place = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or w.requires_grad))
+    wq, wk = q @ w.mT, k @ w.mT                                           # (..., N, M)
+    top_q, top_k = wq.amax(-1, keepdim=True).detach(), wk.amax(-1, keepdim=True).detach()
+    phi_q = wq.sub_(top_q).exp_() if in_place else (wq - top_q).exp()
+    phi_k = wk.sub_(top_k).exp_() if in_place else (wk - top_k).exp()
+    log_c = top_k - (0.5 * q.shape[-1] ** -0.5) * (k * k).sum(-1, keepdim=True)
+    c = (log_c - log_c.amax(-2, keepdim=True).detach()).exp()             # (..., N, 1), <= 1
+    kv = phi_k.mT @ (v * c)                                               # (..., M, D): D columns, BLAS's fast shape
+    z = torch.einsum("...nm,...n->...m", phi_k, c.squeeze(-1))            # phi(k)^T 1, as a sum rather than a GEMV
+    den = torch.einsum("...nm,...m->...n", phi_q, z).unsqueeze(-1)
+    return (phi_q @ kv) / (den + eps)
 
 
 __all__ = ["segment_means", "iterative_pinv", "nystrom_attention", "orthogonal_gaussian", "positive_features",

@@ -1,0 +1,147 @@
+"""The fused CPU kernel of Performer's FAVOR+ attention (``performer_kernel.c``): build on first use, call through
+ctypes.
+
+Why a kernel: in torch ops each head's FAVOR+ is four (N, D) x (D, M) products around two (N, M) feature matrices
+that are written, reduced, exponentiated and read again, eight passes over 4 MiB per head at N = 4096, M = 256,
+plus a per-element exp at 0.8 ns. The kernel projects R tokens at a time, exponentiates their M features with a
+polynomial exp while they sit in L1, and folds them into phi(k)^T v (keys) or reads them out against it (queries),
+so the feature matrices never exist (measurements: docs/perf.md).
+
+It serves forward passes that need no gradient on float32 CPU tensors with head dim 16, 32, 48 or 64 and a feature
+count that is a multiple of 16 up to 1024; everything else uses :func:`attnlab.ops.lowrank.performer_attention`,
+the tested reference it must match. The kernel is the ``torch.library`` custom op ``attnlab::performer_fused``
+with a fake implementation (FakeTensor, ``torch.compile``) and a FLOP formula (the torch formulation's count on the
+same shapes). Building and loading: :mod:`attnlab.ops.ckernel`; without a compiler, or with ``ATTNLAB_KERNELS=0``,
+``impl="auto"`` quietly uses the torch path and ``impl="kernel"`` raises :class:`~attnlab.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
+
+from attnlab.ops import ckernel
+
+__all__ = ["kernel_error", "performer_kernel", "supports", "unavailable"]
+
+_SOURCE = "performer_kernel.c"
+_ABI = 1  # ATTNLAB_PERFORMER_ABI in performer_kernel.c
+_NT = 4   # Q, K, V, OUT
+
+
+class _Args(ctypes.Structure):
+    """performer_args in performer_kernel.c (its size is checked at load)."""
+
+    _fields_ = [("ptr", ctypes.c_void_p * _NT), ("stride", (ctypes.c_int64 * 3) * _NT), ("wt", ctypes.c_void_p),
+                ("H", ctypes.c_int64), ("N", ctypes.c_int64), ("D", ctypes.c_int64), ("M", ctypes.c_int64),
+                ("half_norm_scale", ctypes.c_float), ("eps", ctypes.c_float)]
+
+
+@functools.cache
+def _load():
+    """(entry point, library), built on first use; None when the build failed."""
+    lib = ckernel.load(_SOURCE, abi=_ABI, abi_sizes={"attnlab_performer_args_size": ctypes.sizeof(_Args)})
+    if lib is None:
+        return None
+    fn = lib.attnlab_performer_f32
+    fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn, lib
+
+
+@torch.compiler.assume_constant_result
+def unavailable() -> str | None:
+    """Why the kernel cannot run in this process, or None (fixed for the process; see :func:`ckernel.available`)."""
+    return ckernel.available(_SOURCE, (), _load)
+
+
+def supports(D: int, M: int) -> bool:
+    """Whether the kernel takes head dim D and M features (``attnlab_performer_supports``)."""
+    return D in (16, 32, 48, 64) and 16 <= M <= 1024 and M % 16 == 0
+
+
+def kernel_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor) -> str | None:
+    """Why the fused kernel cannot compute this FAVOR+ call right now, or None when it can."""
+    tensors = (q, k, v, projection)
+    if any(t.device.type != "cpu" for t in tensors):
+        return f"the fused kernel runs on the CPU, the tensors are on {q.device}"
+    if any(t.dtype != torch.float32 for t in tensors):
+        return f"the fused kernel takes float32, not {q.dtype}"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "the fused kernel is forward-only; this call needs a gradient"
+    if not (q.ndim == k.ndim == v.ndim and 2 <= q.ndim <= 4 and q.shape == k.shape == v.shape):
+        return f"the fused kernel takes q, k, v of one shape (..., N, D), got {tuple(q.shape)}, {tuple(k.shape)}, " \
+               f"{tuple(v.shape)}"
+    M, D = projection.shape
+    if D != q.shape[-1] or not supports(D, M):
+        return (f"the fused kernel takes head dim 16, 32, 48 or 64 and a multiple of 16 features up to 1024, "
+                f"got head dim {q.shape[-1]} and {M} features")
+    return unavailable()
+
+
+def performer_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """FAVOR+ by the fused kernel; the caller has checked :func:`kernel_error`. (B, H, N, D) inputs give an output
+    laid out (B, N, H, D), so the head merge after it is a view."""
+    return _OP(q, k, v, projection, eps)
+
+
+def _as4(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as (B, H, N, D) with unit feature stride (a view when it already has one)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(*[1] * (4 - x.ndim), *x.shape)
+
+
+def _output(q: torch.Tensor) -> torch.Tensor:
+    B, H, N, D = _as4(q).shape
+    return q.new_empty(B, N, H, D).transpose(1, 2)
+
+
+@torch.library.custom_op("attnlab::performer_fused", mutates_args=(), device_types="cpu")
+def _performer_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+    loaded = _load()
+    if loaded is None:
+        raise RuntimeError(f"attnlab::performer_fused cannot run: {unavailable()}")
+    fn, lib = loaded
+    M, D = projection.shape
+    wt = (projection * D ** -0.25).T.contiguous()
+    tensors = [_as4(q), _as4(k), _as4(v), _output(q)]
+    B, H, N, _ = tensors[0].shape
+    args = _Args(H=H, N=N, D=D, M=M, wt=wt.data_ptr(), half_norm_scale=0.5 * D ** -0.5, eps=eps)
+    for i, t in enumerate(tensors):
+        args.ptr[i] = t.data_ptr()
+        for j in range(3):
+            args.stride[i][j] = t.stride(j)
+    ckernel.run_split(lib, fn, (ctypes.byref(args),), B * H)
+    out = tensors[-1]
+    return out if q.ndim == 4 else out.reshape(q.shape)
+
+
+_OP = torch.ops.attnlab.performer_fused.default
+
+
+@_performer_fused.register_fake
+def _(q, k, v, projection, eps):
+    out = _output(q)
+    return out if q.ndim == 4 else out.reshape(q.shape)
+
+
+@register_flop_formula(torch.ops.attnlab.performer_fused)
+def _flops(q_shape, k_shape, v_shape, projection_shape, *args, **kwargs) -> int:
+    """The torch formulation's count on the same shapes (:func:`attnlab.ops.lowrank.performer_attention`)."""
+    return _torch_flops(tuple(q_shape), tuple(projection_shape))
+
+
+@functools.cache
+def _torch_flops(shape: tuple[int, ...], projection_shape: tuple[int, int]) -> int:
+    from attnlab.ops.lowrank import performer_attention
+
+    x, w = torch.empty(shape, device="meta"), torch.empty(projection_shape, device="meta")
+    with FlopCounterMode(display=False) as counter:
+        performer_attention(x, x, x, w)
+    return counter.get_total_flops()
