@@ -111,6 +111,12 @@ class AttnlabAttention(nn.Module):
                                  persistent=False)
 
     # ---- construction from an existing module ------------------------------------------------------------------
+    @classmethod
+    def refusal(cls, geometry: dict) -> str | None:
+        """Why this mechanism cannot replace an attention of ``geometry`` (:meth:`geometry`), or None: asked by
+        the constructor and by ``variants --support``, so the two always agree."""
+        return None
+
     @staticmethod
     def geometry(module: nn.Module) -> dict:
         """Constructor arguments that rebuild ``module`` (timm Attention, WindowAttention, or an attnlab one)."""

@@ -41,13 +41,19 @@ class PerformerAttention(AttnlabAttention):
         if impl not in ("auto", "torch", "kernel"):
             raise ConfigError(f"performer impl must be auto, torch or kernel, got {impl!r}.")
         self.impl = impl
-        if self.window_size is not None:
-            raise UnsupportedModelError(
-                "performer approximates global attention without an additive bias, and Swin's window attention "
-                "adds a relative-position bias; use it on a ViT-family or sequence model.")
+        why = self.refusal({"window_size": self.window_size})
+        if why:
+            raise UnsupportedModelError(f"{why}.")
         self.features, self.redraw, self.seed = features, redraw, seed
         self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
         self.register_buffer("projection", self.draw(0))
+
+    @classmethod
+    def refusal(cls, geometry: dict) -> str | None:
+        if geometry.get("window_size") is not None:
+            return ("performer approximates global attention without an additive bias, and Swin's window "
+                    "attention adds a relative-position bias; use it on a ViT-family or sequence model")
+        return None
 
     def draw(self, number: int) -> torch.Tensor:
         """Draw ``number`` of this block's projection (M, D): a function of (seed, layer_index, number) alone."""

@@ -107,7 +107,12 @@ def term_support(model: nn.Module) -> list[dict]:
         group["modules"].append(name)
         if len(group["modules"]) == 1:
             for term, variant in VARIANTS.items():
-                reason = mechanism.refusal(term, variant.kind) if mechanism else None
+                if mechanism:
+                    reason = mechanism.refusal(term, variant.kind)
+                elif variant.kind == "kernel":  # the mechanism's own constructor check, on this module's geometry
+                    reason = variant.load().refusal(AttnlabAttention.geometry(module))
+                else:
+                    reason = None
                 if reason:
                     group["refused"][term] = reason
                 else:

@@ -128,3 +128,25 @@ def test_reconverting_keeps_weights_or_refuses():
     wide = attnlab.build_model("vit_digits", attn="dna")
     with pytest.raises(UnsupportedModelError, match="build the model afresh"):
         attnlab.convert(wide, "standard")
+
+
+@pytest.mark.parametrize("name", ["vit_cifar", "swin_cifar"])
+def test_support_table_agrees_with_convert(name):
+    # what `variants --support` lists as applying converts, and every kernel term it refuses is refused by convert
+    from attnlab.errors import SpecError
+    from attnlab.models.convert import term_support
+    from attnlab.variants import VARIANTS
+
+    (group,) = term_support(attnlab.build_model(name, num_classes=10, attn=None, depth=1)
+                            if name == "vit_cifar" else attnlab.build_model(name, num_classes=10, attn=None))
+    for term in VARIANTS:
+        if VARIANTS[term].kind != "kernel":
+            continue
+        model = attnlab.build_model(name, num_classes=10, attn=None, **({"depth": 1} if name == "vit_cifar" else {}))
+        if term in group["applies"]:
+            attnlab.convert(model, term)
+        else:
+            with pytest.raises((UnsupportedModelError, SpecError), match=group["refused"][term].split(";")[0]):
+                attnlab.convert(model, term)
+    if name == "swin_cifar":
+        assert {"nystrom", "performer"} <= set(group["refused"])
