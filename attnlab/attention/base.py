@@ -247,8 +247,17 @@ SUPPORTED_TYPES: tuple[type, ...] = (TimmAttention, TimmWindowAttention, DaViTWi
                                      DaViTChannelAttention, DaViTChannelAttentionV2)
 
 
+def norm_in_dtype(norm: nn.Module, t: torch.Tensor) -> torch.Tensor:
+    """``norm(t)`` with a LayerNorm's parameters detached and cast to ``t``'s dtype: the QK-norm inside a
+    ``head_output``, which the Jacobian instrument differentiates in float64 with respect to its input alone."""
+    if isinstance(norm, nn.Identity):
+        return t
+    weight, bias = (p.detach().to(t.dtype) if p is not None else None for p in (norm.weight, norm.bias))
+    return nn.functional.layer_norm(t, norm.normalized_shape, weight, bias, norm.eps)
+
+
 def is_supported(module: nn.Module) -> bool:
     return type(module) in SUPPORTED_TYPES or isinstance(module, AttnlabAttention)
 
 
-__all__ = ["AttnlabAttention", "SUPPORTED_TYPES", "is_supported"]
+__all__ = ["AttnlabAttention", "SUPPORTED_TYPES", "is_supported", "norm_in_dtype"]

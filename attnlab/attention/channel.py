@@ -26,14 +26,13 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from timm.models.davit import ChannelAttention as TimmChannelAttention
 from timm.models.davit import ChannelAttentionV2 as TimmChannelAttentionV2
 from timm.models.xcit import XCA as TimmXCA
 
 from torch import nn
 
-from .base import AttnlabAttention
+from .base import AttnlabAttention, norm_in_dtype
 
 
 #: why a term does not apply to a channel map, by term; a kernel term missing here gets the generic sentence
@@ -47,13 +46,6 @@ CHANNEL_REFUSALS: dict[str, str] = {
     "qkclip": "QK-clip caps the token logits q k^T / sqrt(D) by rescaling W_q and W_k, which a channel map's "
               "logits are not",
 }
-
-
-def norm_in_dtype(norm: nn.Module, t: torch.Tensor) -> torch.Tensor:
-    """``norm(t)`` with a LayerNorm's parameters in ``t``'s dtype (the Jacobian instrument works in float64)."""
-    if isinstance(norm, nn.Identity):
-        return t
-    return F.layer_norm(t, norm.normalized_shape, norm.weight.to(t.dtype), norm.bias.to(t.dtype), norm.eps)
 
 
 class ChannelMapAttention(AttnlabAttention):
@@ -149,4 +141,4 @@ def channel_mechanism(module) -> type[ChannelMapAttention] | None:
             TimmChannelAttentionV2: DaViTChannelAttention}.get(type(module))
 
 
-__all__ = ["CHANNEL_REFUSALS", "ChannelMapAttention", "DaViTChannelAttention", "channel_mechanism", "norm_in_dtype"]
+__all__ = ["CHANNEL_REFUSALS", "ChannelMapAttention", "DaViTChannelAttention", "channel_mechanism"]

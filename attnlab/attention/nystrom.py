@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import SpecError, UnsupportedModelError
 from ..ops.lowrank import nystrom_attention
-from .base import AttnlabAttention
+from .base import AttnlabAttention, norm_in_dtype
 
 
 class NystromAttention(AttnlabAttention):
@@ -60,7 +60,7 @@ class NystromAttention(AttnlabAttention):
     def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
         """One head's o (N, D) from x (N, C) and its weights (D, C): the Jacobian instrument's formula."""
         q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
-        o = nystrom_attention(self.q_norm(q), self.k_norm(k), v, self.landmarks, scale=self.scale,
+        o = nystrom_attention(norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k), v, self.landmarks, scale=self.scale,
                               pinv_iters=None if self.pinv == "exact" else self.iters)
         if self.conv is not None:
             weight = self.conv.weight[head : head + 1].detach().to(x.dtype)

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .channel import ChannelMapAttention, norm_in_dtype
+from .base import norm_in_dtype
+from .channel import ChannelMapAttention
 
 
 class XCAttention(ChannelMapAttention):
