@@ -20,12 +20,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from timm.layers import RmsNorm
 
 from ..errors import UnsupportedModelError
+from ..ops.sdpa import sdpa
 from .base import AttnlabAttention
 
 
@@ -122,8 +122,7 @@ class DiffAttention(AttnlabAttention):
         if self.fused_attn:
             bias = self.attn_bias(q.shape[0], q.shape[2], mask, attn_mask)
             p = self.attn_drop.p if self.training else 0.0
-            return (F.scaled_dot_product_attention(q1, k1, v, attn_mask=bias, dropout_p=p),
-                    F.scaled_dot_product_attention(q2, k2, v, attn_mask=bias, dropout_p=p))
+            return sdpa(q1, k1, v, attn_mask=bias, dropout_p=p), sdpa(q2, k2, v, attn_mask=bias, dropout_p=p)
         a1 = self.add_bias((q1 * self.scale) @ k1.transpose(-2, -1), mask, attn_mask).softmax(dim=-1)
         a2 = self.add_bias((q2 * self.scale) @ k2.transpose(-2, -1), mask, attn_mask).softmax(dim=-1)
         return self.attn_drop(a1) @ v, self.attn_drop(a2) @ v

@@ -53,6 +53,7 @@ from timm.layers import trunc_normal_
 from ..errors import ConfigError, SpecError
 from ..ops import dna_cpu
 from ..ops.dna_triton import dna_attention_triton, triton_error
+from ..ops.sdpa import sdpa
 from .base import AttnlabAttention
 
 VARIANTS = ("qv", "q", "v", "shared", "sum")
@@ -108,13 +109,11 @@ def dna_branches(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_po
 
     q_*: (B, H, N, D), k and v_*: (B, H, M, D). ``bias_neg`` is in negated-logit form (see :func:`negative_bias`).
     """
-    o_pos = F.scaled_dot_product_attention(q_pos, k, v_pos, attn_mask=bias_pos, dropout_p=dropout_p, scale=scale_pos)
+    o_pos = sdpa(q_pos, k, v_pos, attn_mask=bias_pos, dropout_p=dropout_p, scale=scale_pos)
     if q_neg.device.type == "cpu":  # the CPU kernels scale before the row maximum: a negative scale costs nothing
-        o_neg = F.scaled_dot_product_attention(q_neg, k, v_neg, attn_mask=bias_neg, dropout_p=dropout_p,
-                                               scale=-scale_neg)
+        o_neg = sdpa(q_neg, k, v_neg, attn_mask=bias_neg, dropout_p=dropout_p, scale=-scale_neg)
     else:
-        o_neg = F.scaled_dot_product_attention(-q_neg, k, v_neg, attn_mask=bias_neg, dropout_p=dropout_p,
-                                               scale=scale_neg)
+        o_neg = sdpa(-q_neg, k, v_neg, attn_mask=bias_neg, dropout_p=dropout_p, scale=scale_neg)
     return o_pos, o_neg
 
 

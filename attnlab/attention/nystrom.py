@@ -60,7 +60,8 @@ class NystromAttention(AttnlabAttention):
     def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
         """One head's o (N, D) from x (N, C) and its weights (D, C): the Jacobian instrument's formula."""
         q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
-        o = nystrom_attention(norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k), v, self.landmarks, scale=self.scale,
+        q, k = norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k)
+        o = nystrom_attention(q, k, v, self.landmarks, scale=self.scale,
                               pinv_iters=None if self.pinv == "exact" else self.iters)
         if self.conv is not None:
             weight = self.conv.weight[head : head + 1].detach().to(x.dtype)

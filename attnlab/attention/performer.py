@@ -81,7 +81,8 @@ class PerformerAttention(AttnlabAttention):
     def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
         """One head's o (N, D) from x (N, C) and its weights (D, C), with the current features."""
         q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
-        return performer_attention(norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k), v, self.projection.to(x.dtype))
+        q, k = norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k)
+        return performer_attention(q, k, v, self.projection.to(x.dtype))
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, features={self.features}, redraw={self.redraw}, seed={self.seed}, "

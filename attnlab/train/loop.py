@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from tqdm.auto import tqdm
 
 from attnlab.errors import ConfigError, NonFiniteLossError
+from attnlab.ops.sdpa import short_sequence_products
 
 from . import distributed
 from .checkpoint import (
@@ -254,7 +255,7 @@ def train_one_epoch(model, batches, optimizer, scheduler, criterion, *, steps: i
     for step, (images, targets, labels) in enumerate(bar, start=1):
         if cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
-        with autocast:
+        with autocast, short_sequence_products():
             logits = model(images)
         loss = criterion(logits.float(), targets)
         optimizer.zero_grad(set_to_none=True)
