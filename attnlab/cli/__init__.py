@@ -15,7 +15,7 @@ import os
 import re
 import sys
 
-from ..errors import AttnlabError, NonFiniteLossError, did_you_mean
+from ..errors import AttnlabError, ConfigError, NonFiniteLossError, did_you_mean
 
 COMMANDS = {
     "train": "train one model with a recipe (the NS-Attn paper's ns_cifar by default)",
@@ -132,10 +132,22 @@ def _quiet(err: BaseException) -> bool:
     return True
 
 
+def _check_launch(command: str) -> None:
+    """Only ``train`` is data-parallel: under torchrun every other command would run once per rank, and ``compare``
+    would start each run of its grid N times into the same directories."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if command != "train" and world not in ("", "1"):
+        hint = (" (it places runs on GPUs itself: --jobs N; on a cluster: --launcher submitit)"
+                if command == "compare" else "")
+        raise ConfigError(f"this command runs in one process, but torchrun started {world} of it (WORLD_SIZE); only "
+                          f"`attnlab train` is distributed: run `attnlab {command}` without torchrun{hint}.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _check_launch(args.command)
         return int(args._run(args) or 0)
     except NonFiniteLossError as err:
         if not _quiet(err):

@@ -34,3 +34,20 @@ def test_every_command_has_help():
         with pytest.raises(SystemExit) as exit_info:
             parser.parse_args([name, "--help"])
         assert exit_info.value.code == 0
+
+
+@pytest.mark.parametrize("command", ["compare", "analyze", "report"])
+def test_only_train_runs_under_torchrun(command, tmp_path, monkeypatch, capsys):
+    # under torchrun a grid would start each run once per rank, into the same directories: refused before anything
+    from attnlab.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.chdir(tmp_path)
+    argv = {"compare": ["compare", "--preset", "demo", "--runs-dir", str(tmp_path / "runs")],
+            "analyze": ["analyze", str(tmp_path)], "report": ["report", str(tmp_path)]}[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "only `attnlab train` is distributed" in err[0], err
+    assert ("--jobs N" in err[0]) == (command == "compare")
+    assert list(tmp_path.iterdir()) == []  # nothing written
