@@ -208,12 +208,15 @@ class Checkpoint:
 
     @property
     def note(self) -> str | None:
-        """One line for the user when a newer checkpoint file could not be used, else None."""
+        """One line for the user when a newer checkpoint file could not be used, else None (training's words)."""
+        return self.fallback("continuing from")
+
+    def fallback(self, verb: str) -> str | None:
+        """``note`` with its own verb ("continuing from" when training, "using" when reading a run)."""
         if self.files == (WEIGHTS, STATE) or not self.skipped:
             return None
         why = "; ".join(f"{name}: {reason}" for name, reason in self.skipped.items())
-        return (f"the latest checkpoint is unusable ({why}); continuing from epoch {self.epoch}, "
-                "the previous intact one.")
+        return f"the latest checkpoint is unusable ({why}); {verb} epoch {self.epoch}, the previous intact one."
 
 
 def _reason(err: Exception) -> str:

@@ -37,7 +37,6 @@ from .checkpoint import (
     find_checkpoint,
     get_rng_state,
     has_checkpoint,
-    load_checkpoint,
     save_checkpoint,
     seed_everything,
     set_rng_state,
@@ -390,8 +389,10 @@ def load_run(run_dir: str | Path, map_location: str | torch.device = "cpu") -> t
     cfg = load_config(run_dir / CONFIG)
     model = build_run_model(cfg, dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options),
                             pretrained=False)
-    weights, _ = load_checkpoint(run_dir, map_location="cpu")
-    model.load_state_dict(weights)
+    found = find_checkpoint(run_dir, map_location="cpu")
+    if found.fallback("using"):  # analysis and eval read a run too: say which epoch they measure
+        print(f"{run_dir.name}: {found.fallback('using')}", file=sys.stderr, flush=True)
+    model.load_state_dict(found.weights)
     # built on the CPU and then moved, as training does: sigma's set-up calls .item(), which meta cannot
     return model.to(map_location).eval(), cfg
 

@@ -214,3 +214,24 @@ def test_atomic_write_text_replaces_content(tmp_path):
     ckpt.atomic_write_text(path, "two")
     assert path.read_text() == "two"
     assert os.listdir(tmp_path) == ["f.txt"]
+
+
+def test_load_run_says_when_it_reads_the_previous_checkpoint(tmp_path, capsys):
+    # analysis and eval read runs through load_run: a damaged latest checkpoint is named, not silently skipped
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    from attnlab.train import RECIPES, load_run, train
+
+    result = train(dataclasses.replace(RECIPES["demo"], epochs=2, runs_dir=str(tmp_path), progress=False))
+    run = tmp_path / result["name"]
+    capsys.readouterr()
+    model, _ = load_run(run)
+    assert capsys.readouterr().err == ""
+    previous = load_file(run / ckpt.PREV_WEIGHTS)
+    (run / ckpt.WEIGHTS).write_bytes(b"")
+    model, _ = load_run(run)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unusable" in err[0] and "using epoch 1" in err[0] and ckpt.WEIGHTS in err[0], err
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in previous.items())
