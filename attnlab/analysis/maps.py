@@ -24,10 +24,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..attention.cog import CogAttention
-from ..attention.diff import DiffAttention
-from ..attention.dna import DnAAttention
-from ..attention.standard import StandardAttention
 from ..errors import UnsupportedModelError
 from ..models.convert import attention_modules
 
@@ -42,18 +38,9 @@ class Branch:
 
 
 def kind_of(module: nn.Module) -> str | None:
-    """``softmax``, ``cog``, ``dna`` or ``diff`` for a module whose maps this file can read, else None (a
-    subclass that overrides ``attend`` computes something else)."""
-    kind = type(module).attend
-    if kind is StandardAttention.attend:
-        return "softmax"
-    if kind is CogAttention.attend:
-        return "cog"
-    if kind is DnAAttention.attend and type(module).weights is DnAAttention.weights:
-        return "dna"
-    if kind is DiffAttention.attend:
-        return "diff"
-    return None
+    """``softmax``, ``cog``, ``dna`` or ``diff`` for a module whose maps this file can read (its declared
+    ``map_kind`` capability; a subclass that overrides ``attend`` computes something else and loses it), else None."""
+    return getattr(type(module), "map_kind", None)
 
 
 def map_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

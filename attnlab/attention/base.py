@@ -56,11 +56,17 @@ class AttnlabAttention(nn.Module):
     #: :meth:`project` (the first two blocks of ``qkv``). Entropy, the attention Jacobian and QK-clip act only on
     #: modules that have it; a subclass that overrides ``attend`` loses it unless it declares it again.
     plain_softmax: ClassVar[bool] = False
+    #: capability: which weight maps the map instruments (entropy, head redundancy, relevance) can read back from
+    #: the module: "softmax", "cog", "dna" or "diff" (``attnlab.analysis.maps``), None for none. Lost, like
+    #: ``plain_softmax``, by a subclass that overrides ``attend`` or ``weights`` without declaring it again.
+    map_kind: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         if "attend" in cls.__dict__ and "plain_softmax" not in cls.__dict__:
             cls.plain_softmax = False
+        if ("attend" in cls.__dict__ or "weights" in cls.__dict__) and "map_kind" not in cls.__dict__:
+            cls.map_kind = None
 
     def __init__(
         self,

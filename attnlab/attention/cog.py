@@ -27,6 +27,8 @@ class CogAttention(StandardAttention):
         all_layers: use signed weights in every layer, including the first and last (default: those stay softmax).
     """
 
+    map_kind = "cog"
+
     def __init__(self, dim: int, num_heads: int = 8, *, all_layers: bool = False, **kwargs) -> None:
         super().__init__(dim, num_heads, **kwargs)
         self.all_layers = all_layers

@@ -40,6 +40,8 @@ class DiffAttention(AttnlabAttention):
     is ``d ** -0.5`` as in timm. ``layer_index`` is timm's ``depth``.
     """
 
+    map_kind = "diff"
+
     def __init__(self, dim: int, num_heads: int = 8, *, dual_lambda: bool = False, qk_norm: bool = False,
                  norm_layer: type[nn.Module] | None = None, **kwargs) -> None:
         super().__init__(dim, num_heads, qk_norm=qk_norm, norm_layer=norm_layer, **kwargs)

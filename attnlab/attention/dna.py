@@ -265,6 +265,8 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         neg_init: the warm-start factor (1e-4, paper Sec. 4.2 and Table 13).
     """
 
+    map_kind = "dna"
+
     adopts_wide_qkv = True  # reads Q+, K, V+ (and Q-, V-) out of another DnA module's fused projection
 
     def __init__(self, dim: int, num_heads: int = 8, *, variant: str = "qv", alpha_init: float = 0.5,

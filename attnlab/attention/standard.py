@@ -20,6 +20,7 @@ class StandardAttention(AttnlabAttention):
     """Softmax attention; the reference every other mechanism is compared against. Arguments as AttnlabAttention."""
 
     plain_softmax = True
+    map_kind = "softmax"
 
     def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:
         if self.fused_attn:

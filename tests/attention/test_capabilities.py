@@ -64,3 +64,20 @@ def test_the_trainer_names_no_method_and_gets_qkclip_from_the_registry():
     for name in VARIANTS:
         assert f"reparam.{name}" not in loop and f"import {name}" not in loop, name
     assert qkclip.TRAINING in training_hooks()
+
+
+class OwnCog(CogAttention):
+    def attend(self, q, k, v, mask=None, attn_mask=None):
+        return v
+
+
+def test_map_kind_is_declared_per_family_and_lost_by_overriding_attend():
+    from attnlab.analysis.maps import kind_of, map_modules
+
+    assert [c.map_kind for c in (StandardAttention, CogAttention, DnAAttention, DiffAttention)] == \
+        ["softmax", "cog", "dna", "diff"]
+    assert OwnAttend.map_kind is None and OwnCog.map_kind is None and DeclaredSoftmax.map_kind is None
+    model = _model_with(OwnCog)
+    assert kind_of(model.blocks[0].attn) is None
+    with pytest.raises(UnsupportedModelError):
+        map_modules(model)
