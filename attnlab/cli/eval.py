@@ -9,11 +9,14 @@ Examples:
   attnlab eval --model vit_base_patch16_224 --attn dna --checkpoint theirs.pth --dna-layout legacy --folder val
   attnlab eval --model deit_tiny_patch16_224 --pretrained --folder imagenet-a --classes imagenet_wnids.txt
   attnlab eval --model deit_tiny_patch16_224 --pretrained-file w.safetensors --folder val --ood imagenet-o
+  attnlab eval runs/c10/vit_cifar-cifar10-dna-s0 --ood svhn_images
 
 --folder DIR reads one subfolder of images per class (ImageNet-A/-R/-O as you bring them); with --classes FILE (the
 model's class names, one per line in output order, e.g. the 1000 ImageNet wnids) each subfolder name is looked up
 and the logits are restricted to those classes, as Hendrycks et al. evaluate ImageNet-A and -R; without it the sorted
-subfolders are the model's classes 0, 1, ... Images are resized and centre-cropped to the model's input size."""
+subfolders are the model's classes 0, 1, ... Images are resized and centre-cropped to the model's input size.
+--ood DIR is an image folder (any subfolders) compared with --folder's images, or with the dataset split's, in
+which case it is read like the dataset (its channels, size and normalisation)."""
 
 from __future__ import annotations
 
@@ -68,6 +71,20 @@ def _folder(path: str, what: str):
     return root
 
 
+def _ood_like(root, info):
+    """The --ood folder read as the dataset's own images: its channels, size (resize and centre crop) and
+    normalisation, so that only the content differs from the in-distribution split."""
+    from torchvision import transforms
+    from torchvision.datasets import ImageFolder
+
+    from ..data.folder import folder_transform
+
+    transform = folder_transform(False, "none", image_size=info.image_size, mean=info.mean, std=info.std)
+    if info.in_chans == 1:
+        transform = transforms.Compose([transforms.Grayscale(1), transform])
+    return ImageFolder(str(root), transform=transform, allow_empty=True)
+
+
 def _class_indices(classes_file: str, folder_classes: list[str]) -> list[int]:
     from pathlib import Path
 
@@ -108,9 +125,6 @@ def run(args) -> int:
                           "as well.")
     if args.classes and not args.folder:
         raise ConfigError("--classes maps --folder's subfolders to the model's outputs; give --folder as well.")
-    if args.ood and not args.folder:
-        raise ConfigError("--ood compares with the images of --folder (both read as image folders); give --folder "
-                          "as well.")
     folder = _folder(args.folder, "--folder") if args.folder else None
     ood = _folder(args.ood, "--ood") if args.ood else None
 
@@ -170,7 +184,7 @@ def run(args) -> int:
         label["folder"] = str(folder)
     else:
         data = build_dataset(dataset, args.split == "train", data_dir=data_dir, augment="none", **data_opts)
-        ood_data = None
+        ood_data = _ood_like(ood, dataset_info(dataset, data_dir=data_dir, **data_opts)) if ood else None
         label.update(dataset=dataset, split=args.split)
     result = evaluate(model, data, ood=ood_data, batch_size=args.batch_size, device=device, noise_std=args.noise,
                       seed=args.seed, limit=args.images, class_indices=class_indices)

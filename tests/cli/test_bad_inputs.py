@@ -158,7 +158,7 @@ CASES = [
     case("eval-nothing", "eval", "give a run directory, or --model"),
     case("eval-not-a-run", "eval {tmp}", "is not a run directory"),
     case("eval-run-and-checkpoint", "eval {run} --checkpoint w.pt", "--checkpoint goes with --model"),
-    case("eval-ood-without-folder", "eval {run} --ood o", "give --folder as well"),
+    case("eval-ood-missing", "eval {run} --ood o", "--ood o is not a directory"),
     case("eval-dna-layout-without-checkpoint", "eval --model vit_digits --dna-layout legacy", "give --checkpoint"),
     case("eval-dna-layout-typo", "eval --model vit_digits --checkpoint w.pt --dna-layout legasy",
          "invalid choice 'legasy' (did you mean 'legacy'?)"),

@@ -77,6 +77,27 @@ def test_folder_with_classes_and_ood(tmp_path, capsys):
         assert out[key] == pytest.approx(expected[key], rel=1e-5), key
 
 
+def test_ood_folder_against_a_dataset_split(tmp_path, capsys):
+    # a digits model: the OOD folder's RGB 40 x 40 images are read as the split's 1-channel 8 x 8, normalised alike
+    torch.manual_seed(4)
+    model = attnlab.build_model("vit_digits", num_classes=10).eval()
+    save_file(model.state_dict(), tmp_path / "w.safetensors")
+    _write_folder(tmp_path / "ood", ["a", "b"], 3, seed=5)
+    out = run_eval(capsys, "--model", "vit_digits", "--checkpoint", tmp_path / "w.safetensors", "--dataset", "digits",
+                   "--images", 50, "--ood", tmp_path / "ood")
+    from torchvision import transforms
+
+    from attnlab.data import dataset_info
+
+    info = dataset_info("digits")
+    ood = [(transforms.functional.normalize(
+        transforms.functional.pil_to_tensor(Image.open(p).convert("L").resize((9, 9), Image.BICUBIC)).float()
+        .div(255)[:, :8, :8], info.mean, info.std), 0) for p in sorted((tmp_path / "ood").rglob("*.png"))]
+    expected = evaluate(model, build_dataset("digits", False), limit=50, ood=ood)
+    assert out["ood_n"] == 6
+    assert out["auroc"] == pytest.approx(expected["auroc"], abs=1e-6)  # timm's eval transform: resize 9, crop 8
+
+
 def test_dna_authors_checkpoint_from_the_command_line(tmp_path, capsys):
     """--dna-layout legacy reads their converter's row order (Q+, K, V+, Q-, V-) into attnlab's fused qkv."""
     torch.manual_seed(4)
