@@ -107,6 +107,9 @@ class AttnlabAttention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
 
         self.window_size = tuple(window_size) if window_size is not None else None
+        why = self.geometry_refusal({"window_size": self.window_size})
+        if why:
+            raise UnsupportedModelError(f"{why}.")
         if self.window_size is not None:
             win_h, win_w = self.window_size
             self.window_area = win_h * win_w
@@ -117,10 +120,17 @@ class AttnlabAttention(nn.Module):
                                  persistent=False)
 
     # ---- construction from an existing module ------------------------------------------------------------------
+    #: the term name of a global-attention approximation that takes no additive bias (nystrom, performer): such a
+    #: mechanism refuses Swin's window attention, whose logits carry a relative-position bias
+    global_only: ClassVar[str | None] = None
+
     @classmethod
-    def refusal(cls, geometry: dict) -> str | None:
+    def geometry_refusal(cls, geometry: dict) -> str | None:
         """Why this mechanism cannot replace an attention of ``geometry`` (:meth:`geometry`), or None: asked by
         the constructor and by ``variants --support``, so the two always agree."""
+        if cls.global_only and geometry.get("window_size") is not None:
+            return (f"{cls.global_only} approximates global attention without an additive bias, and Swin's window "
+                    "attention adds a relative-position bias; use it on a ViT-family or sequence model")
         return None
 
     @staticmethod

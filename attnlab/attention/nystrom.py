@@ -31,24 +31,16 @@ class NystromAttention(AttnlabAttention):
         conv: kernel length of the depthwise-convolution skip on v (odd; 0: none).
     """
 
+    global_only = "nystrom"
+
     def __init__(self, dim: int, num_heads: int = 8, *, landmarks: int = 64, pinv: str = "iterative",
                  iters: int = 6, conv: int = 0, **kwargs) -> None:
         super().__init__(dim, num_heads, **kwargs)
-        why = self.refusal({"window_size": self.window_size})
-        if why:
-            raise UnsupportedModelError(f"{why}.")
         if conv and conv % 2 == 0:
             raise SpecError(f"nystrom(conv={conv}) is not valid; conv is an odd kernel length (e.g. 33) or 0.")
         self.landmarks, self.pinv, self.iters, self.conv_size = landmarks, pinv, iters, conv
         self.conv = (nn.Conv2d(self.num_heads, self.num_heads, (conv, 1), padding=(conv // 2, 0), bias=False,
                                groups=self.num_heads) if conv else None)
-
-    @classmethod
-    def refusal(cls, geometry: dict) -> str | None:
-        if geometry.get("window_size") is not None:
-            return ("nystrom approximates global attention without an additive bias, and Swin's window "
-                    "attention adds a relative-position bias; use it on a ViT-family or sequence model")
-        return None
 
     def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:
         if attn_mask is not None or mask is not None:

@@ -35,25 +35,17 @@ class PerformerAttention(AttnlabAttention):
             gradient outside ``torch.compile``; else torch ops), ``torch`` or ``kernel`` (an error where it cannot run).
     """
 
+    global_only = "performer"
+
     def __init__(self, dim: int, num_heads: int = 8, *, features: int = 256, redraw: int = 0, seed: int = 0,
                  impl: str = "auto", **kwargs) -> None:
         super().__init__(dim, num_heads, **kwargs)
         if impl not in ("auto", "torch", "kernel"):
             raise ConfigError(f"performer impl must be auto, torch or kernel, got {impl!r}.")
         self.impl = impl
-        why = self.refusal({"window_size": self.window_size})
-        if why:
-            raise UnsupportedModelError(f"{why}.")
         self.features, self.redraw, self.seed = features, redraw, seed
         self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
         self.register_buffer("projection", self.draw(0))
-
-    @classmethod
-    def refusal(cls, geometry: dict) -> str | None:
-        if geometry.get("window_size") is not None:
-            return ("performer approximates global attention without an additive bias, and Swin's window "
-                    "attention adds a relative-position bias; use it on a ViT-family or sequence model")
-        return None
 
     def draw(self, number: int) -> torch.Tensor:
         """Draw ``number`` of this block's projection (M, D): a function of (seed, layer_index, number) alone."""

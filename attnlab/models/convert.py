@@ -110,7 +110,7 @@ def term_support(model: nn.Module) -> list[dict]:
                 if mechanism:
                     reason = mechanism.refusal(term, variant.kind)
                 elif variant.kind == "kernel":  # the mechanism's own constructor check, on this module's geometry
-                    reason = variant.load().refusal(AttnlabAttention.geometry(module))
+                    reason = variant.load().geometry_refusal(AttnlabAttention.geometry(module))
                 else:
                     reason = None
                 if reason:

@@ -41,6 +41,16 @@ def ns_kernel(private_kernel_cache):
 
 
 @pytest.fixture
+def performer_kernel(private_kernel_cache):
+    """Skip, saying why, where the fused Performer kernel cannot run (no C compiler, ATTNLAB_KERNELS=0)."""
+    from attnlab.ops import performer_cpu
+
+    why = performer_cpu.unavailable()
+    if why:
+        pytest.skip(why)
+
+
+@pytest.fixture
 def c_compiler():
     """Skip where tests that build kernels in a subprocess cannot: kernels switched off, or no C compiler."""
     from attnlab.ops import ckernel

@@ -20,13 +20,6 @@ from tests.reference_lowrank import favor_attention
 pytestmark = pytest.mark.usefixtures("private_kernel_cache")
 
 
-@pytest.fixture
-def kernel():
-    why = performer_cpu.unavailable()
-    if why:
-        pytest.skip(why)
-
-
 def _qkv(B, H, N, D, *, scale=1.0, seed=0):
     """q, k, v as attention's projection leaves them: strided views of one (B, N, 3, H, D) buffer."""
     g = torch.Generator().manual_seed(seed)
@@ -44,7 +37,7 @@ def _projection(M, D, seed=1):
     (2, 1, 130, 48, 1024), # the largest feature count
     (1, 2, 300, 32, 16),   # one feature block
 ])
-def test_matches_float64_favor(kernel, B, H, N, D, M):
+def test_matches_float64_favor(performer_kernel, B, H, N, D, M):
     q, k, v = _qkv(B, H, N, D)
     w = _projection(M, D)
     with torch.no_grad():
@@ -53,7 +46,7 @@ def test_matches_float64_favor(kernel, B, H, N, D, M):
     assert got.transpose(1, 2).is_contiguous()  # (B, N, H, D): the head merge is a view
 
 
-def test_rising_key_exponents_rescale_exactly(kernel):
+def test_rising_key_exponents_rescale_exactly(performer_kernel):
     # keys sorted by growing norm raise the running maximum at nearly every tile, so phi(k)^T v and phi(k)^T 1
     # are rescaled again and again; and long vectors (|k| up to ~35) whose unstabilised exp overflows float32
     q, k, v = _qkv(1, 2, 203, 32, seed=2)
@@ -66,7 +59,7 @@ def test_rising_key_exponents_rescale_exactly(kernel):
     np.testing.assert_allclose(got.numpy(), ref, rtol=1e-3, atol=1e-4)
 
 
-def test_three_dimensional_inputs(kernel):
+def test_three_dimensional_inputs(performer_kernel):
     q, k, v = (t[0] for t in _qkv(1, 3, 20, 16))  # (H, N, D)
     w = _projection(32, 16)
     with torch.no_grad():
@@ -75,7 +68,7 @@ def test_three_dimensional_inputs(kernel):
     np.testing.assert_allclose(got.numpy(), favor_attention(q, k, v, w), rtol=2e-4, atol=2e-5)
 
 
-def test_kernel_and_python_agree_on_supported_shapes(kernel):
+def test_kernel_and_python_agree_on_supported_shapes(performer_kernel):
     supports = performer_cpu._load()[1].attnlab_performer_supports
     supports.argtypes = [ctypes.c_int64, ctypes.c_int64]
     for D in range(8, 80, 8):
@@ -99,7 +92,7 @@ def _model(impl):
                                drop_rate=0.0, attn_drop_rate=0.0).eval()
 
 
-def test_module_uses_the_kernel_without_gradient_and_torch_with_it(kernel, monkeypatch):
+def test_module_uses_the_kernel_without_gradient_and_torch_with_it(performer_kernel, monkeypatch):
     tokens = torch.randint(1, 16, (2, 64), generator=torch.Generator().manual_seed(0))
     calls = []
     real = performer_cpu.performer_kernel
@@ -114,7 +107,7 @@ def test_module_uses_the_kernel_without_gradient_and_torch_with_it(kernel, monke
     assert not calls and auto.blocks[0].attn.qkv.weight.grad is not None
 
 
-def test_impl_kernel_refuses_a_call_it_cannot_serve(kernel):
+def test_impl_kernel_refuses_a_call_it_cannot_serve(performer_kernel):
     model = _model("kernel")
     with pytest.raises(ConfigError, match="performer\\(impl=kernel\\) cannot run here: .*gradient"):
         model(torch.randint(1, 16, (1, 64)))
@@ -137,7 +130,7 @@ def test_fake_tensor_shape_and_flop_count():
     assert counter.get_total_flops() == B * H * (4 * 2 * N * M * D + 2 * 2 * N * M)
 
 
-def test_flop_count_is_the_same_with_and_without_gradient(kernel):
+def test_flop_count_is_the_same_with_and_without_gradient(performer_kernel):
     model = _model("auto")
     tokens = torch.randint(1, 16, (2, 64))
     counts = []
@@ -148,7 +141,7 @@ def test_flop_count_is_the_same_with_and_without_gradient(kernel):
     assert counts[0] == counts[1]
 
 
-def test_compile_fullgraph_traces_the_op(kernel):
+def test_compile_fullgraph_traces_the_op(performer_kernel):
     import torch._dynamo
 
     torch._dynamo.reset()
