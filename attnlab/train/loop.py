@@ -390,8 +390,9 @@ def load_run(run_dir: str | Path, map_location: str | torch.device = "cpu") -> t
     model = build_run_model(cfg, dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options),
                             pretrained=False)
     found = find_checkpoint(run_dir, map_location="cpu")
-    if found.fallback("using"):  # analysis and eval read a run too: say which epoch they measure
-        print(f"{run_dir.name}: {found.fallback('using')}", file=sys.stderr, flush=True)
+    note = found.fallback("using")  # analysis and eval read a run too: say which epoch they measure
+    if note:
+        print(f"{run_dir.name}: {note}", file=sys.stderr, flush=True)
     model.load_state_dict(found.weights)
     # built on the CPU and then moved, as training does: sigma's set-up calls .item(), which meta cannot
     return model.to(map_location).eval(), cfg
