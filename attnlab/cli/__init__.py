@@ -14,6 +14,8 @@ import importlib
 import os
 import re
 import sys
+import traceback
+from typing import NoReturn
 
 from ..errors import AttnlabError, ConfigError, NonFiniteLossError, did_you_mean
 
@@ -144,6 +146,30 @@ def _check_launch(command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("WORLD_SIZE", "1") in ("", "1"):
+        return _main(argv)
+    _exit_worker(argv)
+
+
+def _exit_worker(argv: list[str] | None) -> NoReturn:
+    """A torchrun worker leaves with ``os._exit``, after its output is flushed and its files are written.
+
+    Python's own shutdown is unsafe there: a gloo thread can still be releasing the last collective's tensors while
+    the interpreter finalises, and taking the GIL then aborts the process (SIGABRT in place of the run's exit code).
+    """
+    try:
+        code = _main(argv)
+    except SystemExit as stop:  # argparse: --help, or a bad flag already printed
+        code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+    except BaseException:  # noqa: BLE001 - a crash keeps its traceback, as it would without os._exit
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -1,5 +1,6 @@
 """A user's mistake gives one line on stderr and exit code 2, never a traceback (run as a real process)."""
 
+import os
 import subprocess
 import sys
 
@@ -46,8 +47,37 @@ def test_only_train_runs_under_torchrun(command, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     argv = {"compare": ["compare", "--preset", "demo", "--runs-dir", str(tmp_path / "runs")],
             "analyze": ["analyze", str(tmp_path)], "report": ["report", str(tmp_path)]}[command]
-    assert main(argv) == 2
+    monkeypatch.setattr("os._exit", lambda code: sys.exit(code))  # a torchrun worker leaves with os._exit
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "only `attnlab train` is distributed" in err[0], err
     assert ("--jobs N" in err[0]) == (command == "compare")
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+WORKER_EXIT = """
+import atexit, sys
+import attnlab.cli as cli
+atexit.register(lambda: print("interpreter shutdown ran", flush=True))
+if sys.argv[1] == "crash":
+    cli._main = lambda argv: 1 / 0
+print("buffered output", end="")  # not flushed by the command: os._exit must not lose it
+cli.main(["report", sys.argv[2]])
+"""
+
+
+@pytest.mark.parametrize("case", ["error", "crash"])
+def test_a_torchrun_worker_exits_without_interpreter_shutdown(case, tmp_path):
+    # gloo threads can still release tensors while Python finalises, which aborts the process: workers skip it
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0"}
+    proc = subprocess.run([sys.executable, "-c", WORKER_EXIT, case, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.stdout == "buffered output", proc.stdout
+    if case == "error":
+        assert proc.returncode == 2
+        assert proc.stderr.count("\n") == 1 and "only `attnlab train` is distributed" in proc.stderr, proc.stderr
+    else:
+        assert proc.returncode == 1
+        assert "ZeroDivisionError" in proc.stderr and "Traceback" in proc.stderr, proc.stderr
