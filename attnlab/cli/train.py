@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 import typing
 from pathlib import Path
 from typing import Any
@@ -78,11 +79,21 @@ def _missing_dirs(run_dir: Path) -> list[Path]:
     return missing
 
 
+def _unstarted(run_dir: Path) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    return ({p.name for p in run_dir.iterdir()} <= {"config.yaml", "metrics.jsonl", "tensorboard"}
+            and (not metrics.exists() or metrics.stat().st_size == 0))
+
+
 def _remove_unstarted(made: list[Path]) -> None:
-    """Undo a run that failed before its first epoch: remove the directories it created, if they hold at most
-    its config.yaml (a run with a checkpoint or metrics stays, to be resumed)."""
-    if made and made[0].is_dir() and {p.name for p in made[0].iterdir()} <= {"config.yaml"}:
-        (made[0] / "config.yaml").unlink(missing_ok=True)
+    """Undo a run that failed before its first epoch: remove the directories it created, if they hold no more than
+    set-up writes (config.yaml, an empty metrics.jsonl, TensorBoard's first events); a run with a checkpoint or a
+    logged epoch stays, to be resumed."""
+    run_dir = made[0] if made else None
+    if run_dir is not None and run_dir.is_dir() and _unstarted(run_dir):
+        for name in ("config.yaml", "metrics.jsonl"):
+            (run_dir / name).unlink(missing_ok=True)
+        shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
     for directory in made:
         try:
             directory.rmdir()
@@ -139,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = train(cfg, probe)  # NonFiniteLossError -> attnlab.cli.main: one stderr line, exit code 3
     except AttnlabError as err:
-        if not isinstance(err, NonFiniteLossError):
+        # rank 0 writes the run's files, so it alone removes them: two ranks would race in iterdir and rmdir
+        if not isinstance(err, NonFiniteLossError) and not current_rank():
             _remove_unstarted(made)
         raise
     if not current_rank():  # under torchrun, rank 0 speaks for the run

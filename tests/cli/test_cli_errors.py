@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,21 @@ def test_a_torchrun_worker_exits_without_interpreter_shutdown(case, tmp_path):
     else:
         assert proc.returncode == 1
         assert "ZeroDivisionError" in proc.stderr and "Traceback" in proc.stderr, proc.stderr
+
+
+def test_a_run_that_failed_in_set_up_is_removed_one_with_a_logged_epoch_stays(tmp_path):
+    from attnlab.cli.train import _missing_dirs, _remove_unstarted
+
+    def make(name: str, metrics: str) -> list[Path]:
+        made = _missing_dirs(tmp_path / "new" / name)
+        run = made[0]
+        (run / "tensorboard").mkdir(parents=True)
+        (run / "tensorboard" / "events.out.tfevents.1").write_bytes(b"header")
+        (run / "config.yaml").write_text("model: vit_digits\n")
+        (run / "metrics.jsonl").write_text(metrics)
+        return made
+
+    _remove_unstarted(make("set_up", ""))  # what set-up writes: gone, with the parent it made
+    assert not (tmp_path / "new").exists()
+    _remove_unstarted(make("epoch", '{"epoch": 1}\n'))  # one epoch logged: kept, to resume
+    assert (tmp_path / "new" / "epoch" / "metrics.jsonl").read_text() == '{"epoch": 1}\n'

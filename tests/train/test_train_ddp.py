@@ -210,6 +210,8 @@ def test_an_error_on_one_rank_ends_both_with_one_line(tmp_path, rank, where, mes
     assert "attnlab/train" not in run.stderr, run.stderr  # no worker traceback (torchrun prints its own)
     # rank 0 exits first, with the user-error code; torchrun then stops rank 1, which waits for that
     assert _root_cause(run.stderr) == (0, "2"), run.stderr
+    if where == "data":  # failed before its first epoch: rank 0 removed the run directory it had made
+        assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
