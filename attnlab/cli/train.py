@@ -79,10 +79,18 @@ def _missing_dirs(run_dir: Path) -> list[Path]:
     return missing
 
 
+def _set_up_files() -> tuple[str, str, str]:
+    """The names set-up writes into a run directory: config.yaml, metrics.jsonl and the TensorBoard folder."""
+    from attnlab.train.loop import CONFIG, METRICS  # loaded by now: called after a run has started
+    from attnlab.train.tb import LOG_DIR
+
+    return CONFIG, METRICS, LOG_DIR
+
+
 def _unstarted(run_dir: Path) -> bool:
-    metrics = run_dir / "metrics.jsonl"
-    return ({p.name for p in run_dir.iterdir()} <= {"config.yaml", "metrics.jsonl", "tensorboard"}
-            and (not metrics.exists() or metrics.stat().st_size == 0))
+    config, metrics, log_dir = _set_up_files()
+    return ({p.name for p in run_dir.iterdir()} <= {config, metrics, log_dir}
+            and (not (run_dir / metrics).exists() or (run_dir / metrics).stat().st_size == 0))
 
 
 def _remove_unstarted(made: list[Path]) -> None:
@@ -91,9 +99,10 @@ def _remove_unstarted(made: list[Path]) -> None:
     logged epoch stays, to be resumed."""
     run_dir = made[0] if made else None
     if run_dir is not None and run_dir.is_dir() and _unstarted(run_dir):
-        for name in ("config.yaml", "metrics.jsonl"):
+        config, metrics, log_dir = _set_up_files()
+        for name in (config, metrics):
             (run_dir / name).unlink(missing_ok=True)
-        shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
+        shutil.rmtree(run_dir / log_dir, ignore_errors=True)
     for directory in made:
         try:
             directory.rmdir()
