@@ -191,24 +191,24 @@ def annotate_runs(run_dirs: list[str | Path], what: list[str], images: int = 160
     already have them), measured on the first ``images`` test images of the run's dataset."""
     import json
 
-    from ..data import build_dataset
-    from ..train import load_run
     from ..train.checkpoint import atomic_write_json
+    from ..train.files import RESULT
+    from ..train.run import Run
 
     cache: dict = {}
     for run_dir in map(Path, run_dirs):
-        result_path = run_dir / "result.json"
+        result_path = run_dir / RESULT
         if not result_path.exists():
             continue
         result = json.loads(result_path.read_text())
         todo = [w for w in what if not result.get("analyzed", {}).get(w)]
         if not todo:
             continue
-        model, cfg = load_run(run_dir)
-        key = (cfg.dataset, cfg.data_dir)
+        run = Run.open(run_dir)
+        model, cfg = run.load_model(), run.cfg
+        key = (cfg.dataset, cfg.data_dir, repr(sorted(cfg.data_options.items())))
         if key not in cache:
-            test = build_dataset(cfg.dataset, False, data_dir=cfg.data_dir, **cfg.data_options)
-            cache[key] = torch.stack([test[i][0] for i in range(min(images, len(test)))])
+            cache[key] = run.task.inputs(images)
         summary = analyze_model(model, cache[key], todo, batch_size=batch_size)["summary"]
         result.setdefault("extra", {}).update(summary)
         result.setdefault("analyzed", {}).update({w: True for w in todo})

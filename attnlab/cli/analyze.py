@@ -68,7 +68,7 @@ def run(args) -> int:
     from ..data import build_dataset, dataset_info
     from ..errors import UnsupportedModelError
     from ..spec import parse_spec
-    from ..train.loop import resolve_device
+    from ..train.run import resolve_device
 
     device = resolve_device(args.device)
 

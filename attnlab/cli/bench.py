@@ -42,7 +42,7 @@ def run(args) -> int:
         raise ConfigError("--attn names no variant; give comma-separated specs such as 'standard,ns'.")
 
     from ..bench import bench_variants, format_latency
-    from ..train.loop import resolve_device
+    from ..train.run import resolve_device
     resolve_device(args.device)  # a device this machine lacks is a one-line error before any model is built
     result = bench_variants(args.model, specs, batch_size=args.batch_size, warmup=args.warmup, iters=args.iters,
                             rounds=args.rounds, device=args.device, dtype=args.dtype, compile=args.compile,

@@ -133,7 +133,7 @@ def run(args) -> int:
     from ..analysis.evaluation import evaluate
     from ..data import build_dataset, dataset_info
     from ..data.registry import resolve_options
-    from ..train.loop import resolve_device
+    from ..train.run import resolve_device
 
     device = resolve_device(args.device)
     if args.run_dir:

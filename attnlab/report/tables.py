@@ -251,22 +251,17 @@ def run_costs(run_dir: Path) -> dict:
     import torch
 
     from attnlab.analysis.cost import count_macs
-    from attnlab.data import dataset_info
-    from attnlab.train.config import load_config
-    from attnlab.train.loop import build_run_model
+    from attnlab.train.run import Run
 
-    cfg = load_config(run_dir / "config.yaml")
-    info = dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options)
-    size = info.image_size if isinstance(info.image_size, (tuple, list)) else (info.image_size, info.image_size)
-    shape = (1, info.in_chans, *size)
+    run = Run.open(run_dir)
     try:  # on the meta device nothing is allocated or initialised
         with torch.device("meta"):
-            model = build_run_model(cfg, info).eval()
-        macs = count_macs(model, shape)
+            model = run.build_model().eval()
+            macs = count_macs(model, run.task.example_input(1, "meta"))
     except (RuntimeError, NotImplementedError):  # sigma's set-up reads a value (.item()), which meta cannot give
         with torch.random.fork_rng(devices=[]):
-            model = build_run_model(cfg, info).eval()
-        macs = count_macs(model, shape)
+            model = run.build_model().eval()
+        macs = count_macs(model, run.task.example_input(1))
     return {"params": sum(p.numel() for p in model.parameters()), "macs": macs}
 
 

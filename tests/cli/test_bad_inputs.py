@@ -177,7 +177,8 @@ CASES = [
          slow=True),
     # ---- low-rank kernels, ListOps and the LRA text task (issue 14 items 2 and 3)
     case("train-listops-image-recipe", "train --dataset listops --model seq_listops",
-         "dataset listops holds token sequences, which image augmentation and Mixup/CutMix cannot take"),
+         "dataset listops (LRA ListOps, generated locally once) cannot take image augmentation and Mixup/CutMix; use "
+         "--recipe lra_listops"),
     case("train-norm-choice", "train --recipe lra_listops --norm nope", "must be one of pre, post, none"),
     case("train-nystrom-even-conv", ["train", "--recipe", "demo", "--attn", "nystrom(conv=4)"],
          "nystrom(conv=4) is not valid; conv is an odd kernel length", slow=True),
