@@ -209,9 +209,41 @@ def annotate_runs(run_dirs: list[str | Path], what: list[str], images: int = 160
         key = (cfg.dataset, cfg.data_dir, repr(sorted(cfg.data_options.items())))
         if key not in cache:
             cache[key] = run.task.inputs(images)
-        summary = analyze_model(model, cache[key], todo, batch_size=batch_size)["summary"]
+        out = analyze_model(model, cache[key], todo, batch_size=batch_size, skip_unsupported=True)
+        summary = out["summary"]
         result.setdefault("extra", {}).update(summary)
-        result.setdefault("analyzed", {}).update({w: True for w in todo})
+        result.setdefault("analyzed", {}).update({w: w not in out.get("skipped", {}) for w in todo})
+        result.setdefault("skipped", {}).update(out.get("skipped", {}))
         atomic_write_json(result_path, result)
         if progress:
             print(f"  {run_dir.name}: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()), flush=True)
+
+
+def check_instruments(what: list[str], configs: list) -> None:
+    """ConfigError, before a grid trains, for an instrument of ``what`` that applies to none of its runs (``branches``
+    on a grid without a two-branch variant, say): each distinct model of the grid is built untrained and the
+    instruments run on two of its test inputs (runs an instrument does not apply to are skipped after training)."""
+    from ..errors import ConfigError
+    from ..train.run import Run
+
+    reasons: dict[str, str] = {}
+    applies: set[str] = set()
+    seen = set()
+    for cfg in configs:
+        run = Run(cfg)
+        key = (run.cfg.model, run.cfg.attn, run.cfg.dataset, run.cfg.norm, repr(sorted(run.cfg.model_options.items())))
+        if key in seen or applies >= set(what):
+            continue
+        seen.add(key)
+        with torch.random.fork_rng(devices=[]):
+            model = run.build_model(pretrained=False).eval()
+        inputs = run.task.inputs(2)
+        skipped = analyze_model(model, inputs, [w for w in what if w not in applies], batch_size=2,
+                                skip_unsupported=True).get("skipped", {})
+        applies |= {w for w in what if w not in skipped}
+        for name, reason in skipped.items():
+            reasons.setdefault(name, reason)
+    missing = [w for w in what if w not in applies]
+    if missing:
+        raise ConfigError(f"--analyze {missing[0]} applies to none of the grid's runs ({reasons[missing[0]]}); drop it "
+                          f"from --analyze or add a variant it measures.")
