@@ -244,6 +244,6 @@ def check_instruments(what: list[str], configs: list) -> None:
         for name, reason in skipped.items():
             reasons.setdefault(name, reason)
     missing = [w for w in what if w not in applies]
-    if missing:
+    if missing and configs:
         raise ConfigError(f"--analyze {missing[0]} applies to none of the grid's runs ({reasons[missing[0]]}); drop it "
                           f"from --analyze or add a variant it measures.")

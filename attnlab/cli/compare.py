@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     results = run_grid(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
                        grid["runs_dir"], progress=progress, variations=grid["variations"], jobs=int(grid["jobs"]),
-                       probe=training_probe, launcher=grid["launcher"], launcher_options=grid["launcher_options"])
+                       probe=training_probe, launcher=grid["launcher"], launcher_options=grid["launcher_options"],
+                       plans=plans)
     if what:
         from attnlab.analysis.instruments import annotate_runs
 

@@ -97,7 +97,8 @@ def run_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Seque
              datasets: Sequence[str] | None, models: Sequence[str] | None, runs_dir: str | Path,
              progress: bool = True, variations: dict[str, dict[str, Any]] | None = None,
              jobs: int = 1, probe=None, launcher: str = "local",
-             launcher_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+             launcher_options: dict[str, Any] | None = None,
+             plans: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Train every (model, dataset, seed, variant) of the grid; return their result dicts in grid order.
 
     Every run is checked first (:func:`plan_grid`, and the launcher), so a grid with a bad run trains or submits
@@ -109,14 +110,16 @@ def run_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Seque
     ``threads`` so that N x threads fits the cores, e.g. the demo's 2 x 1 on 2 cores). ``launcher="submitit"``
     (or ``"submitit-local"``) submits one job per run instead, ``launcher_options`` being
     :data:`~attnlab.train.launch.SLURM_OPTIONS` keys. ``probe`` goes to :func:`~attnlab.train.loop.train` (runs
-    with ``probe_every`` need one; a module-level function, for workers).
+    with ``probe_every`` need one; a module-level function, for workers). ``plans``: :func:`plan_grid`'s result
+    for these arguments, when the caller has checked the grid already.
     """
     from .launch import check_launcher, run_local, run_submitit
 
     if jobs < 1:
         raise ConfigError(f"jobs must be at least 1, not {jobs}.")
     check_launcher(launcher, launcher_options)
-    plans = plan_grid(base_cfg, variants, seeds, datasets, models, runs_dir, variations)
+    if plans is None:
+        plans = plan_grid(base_cfg, variants, seeds, datasets, models, runs_dir, variations)
     parallel = jobs > 1 or launcher != "local"
     configs = [dataclasses.replace(p["cfg"], progress=progress and not parallel) for p in plans]
     todo = [c for c, p in zip(configs, plans) if p["action"] != "skip"]

@@ -212,6 +212,10 @@ def _train(run: Run, probe=None) -> dict[str, Any]:
     # Model and data. Seeding first makes the initial weights a function of the seed.
     seed_everything(cfg.seed)
     model = run.build_model(pretrained=found is None).to(device)  # a checkpoint replaces the weights
+    if found is None:  # a geometry the data cannot pass is one line before the run directory exists
+        with torch.random.fork_rng(devices=[]):
+            run.check_forward(model.eval(), device)
+        model.train()
     # The run directory appears together with its config.yaml, so that a killed run continues with
     # `train --resume RUN_DIR`: before a download (minutes), else once the data has loaded (bad input makes none).
     config_file = {CONFIG: yaml.safe_dump(run.config_dict(), sort_keys=False).encode()}

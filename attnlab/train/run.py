@@ -172,15 +172,34 @@ class Run:
         if key in cache:
             return
         with torch.random.fork_rng(devices=[]):  # leave the caller's random streams as they were
-            if cfg.pretrained or cfg.pretrained_file:
-                self.build_model(pretrained=True, checking=True)  # the weights are read and fitted too
-            else:
+            model, device = None, "cpu"
+            if not (cfg.pretrained or cfg.pretrained_file):  # else the weights are read and fitted too, on the CPU
                 try:  # nothing is allocated or initialised on the meta device
                     with torch.device("meta"):
-                        self.build_model(checking=True)
+                        model, device = self.build_model(checking=True), "meta"
                 except (NotImplementedError, RuntimeError):  # a set-up that reads a value (sigma's .item())
-                    self.build_model(checking=True)
+                    pass
+            if model is None:
+                model = self.build_model(pretrained=True, checking=True)
+            self.check_forward(model.eval(), device)
         cache[key] = True
+
+    def check_forward(self, model: nn.Module, device: torch.device | str) -> None:
+        """One forward of the task's example input, so that a geometry the data cannot pass (an ``img_size`` other
+        than the images') is found now; on the meta device it costs nothing."""
+        try:
+            with torch.no_grad():
+                model(self.task.example_input(2, device))
+        except NotImplementedError:
+            if str(device) == "meta":  # an op without a meta kernel: the check is left to training
+                return
+            raise
+        except Exception as err:  # noqa: BLE001 - timm and torch raise what they raise for a shape
+            given = f" with model options {self.cfg.model_options}" if self.cfg.model_options else ""
+            reason = " ".join(str(err).split()) or type(err).__name__
+            raise ConfigError(f"model {self.cfg.model}{given} cannot be built for dataset {self.cfg.dataset}: it "
+                              f"does not take the dataset's inputs ({type(err).__name__}: {reason[:200]}); check "
+                              f"the options against the data (image size, channels, length).") from None
 
     def check_same_config(self) -> None:
         saved = yaml.safe_load((self.dir / CONFIG).read_text()) or {}
