@@ -14,7 +14,10 @@ Examples:
 --folder DIR reads one subfolder of images per class (ImageNet-A/-R/-O as you bring them); with --classes FILE (the
 model's class names, one per line in output order, e.g. the 1000 ImageNet wnids) each subfolder name is looked up
 and the logits are restricted to those classes, as Hendrycks et al. evaluate ImageNet-A and -R; without it the sorted
-subfolders are the model's classes 0, 1, ... Images are resized and centre-cropped to the model's input size.
+subfolders are the model's classes 0, 1, ... Images are read in the model's channels, resized and centre-cropped to
+its input size; a file that is not an image, or has more than 64 megapixels, is refused before any is evaluated.
+--model needs weights (--checkpoint, --pretrained, --pretrained-file); --random-weights evaluates its seeded random
+initialisation on purpose.
 --ood DIR is an image folder (any subfolders) compared with --folder's images, or with the dataset split's, in
 which case it is read like the dataset (its channels, size and normalisation)."""
 
