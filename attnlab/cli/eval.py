@@ -54,8 +54,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="the model's class names, one per line in output order, to map --folder's subfolders")
     p.add_argument("--ood", default=None, metavar="DIR", help="image folder of out-of-distribution images: AUROC")
     p.add_argument("--num-classes", type=count(1), default=None, help="classes of --model (default: the dataset's)")
-    p.add_argument("--image-size", type=count(1), default=None, help="input size for folders (default: the "
-                                                                      "dataset's)")
+    p.add_argument("--image-size", type=count(1), default=None,
+                   help="input size of --model and of folder images (default: the dataset's, else the model's own)")
     p.add_argument("--noise", type=float, default=0.0, metavar="STD",
                    help="Gaussian noise N(0, STD^2) added to each normalised input (default 0)")
     p.add_argument("--images", type=count(1), default=None, help="evaluate only the first N images of each set")
