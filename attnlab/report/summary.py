@@ -82,7 +82,7 @@ def run_settings(run_dir: str | Path) -> dict[str, Any]:
         data = None
     if not isinstance(data, dict):
         return {"config.yaml": "unreadable"}
-    base = RECIPES.get(str(data.get("recipe")), RECIPES.get("ns_cifar", TrainConfig()))
+    base = RECIPES.get(str(data.get("recipe")), TrainConfig())  # TrainConfig(): the default recipe's values
     settings = dataclasses.asdict(base)
     for key, value in data.items():
         try:

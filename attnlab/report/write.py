@@ -8,6 +8,7 @@ import json
 import os
 import re
 import time
+from collections import Counter
 from pathlib import Path
 
 from attnlab.errors import AttnlabError
@@ -57,7 +58,7 @@ def group_figure(rows: list[dict], title: str, colors: dict[str, str] | None = N
         ax.annotate(f"{m:.1f}", (i, m + sd), xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
                     fontsize=7)
     ax.set_xticks(list(x), [r["variant"] for r in rows], rotation=35, ha="right", fontsize=8)
-    ax.set_ylim(0, min(100.0, max(m + s for m, s in zip(means, sds)) * 1.12) or 1.0)  # from 0: bars read as ratios
+    ax.set_ylim(0, min(110.0, max(m + s for m, s in zip(means, sds)) * 1.12) or 1.0)  # from 0: bars read as ratios
     ax.set_ylabel("Top-1 (%)")
     ax.set_title(title, fontsize=9)
     if gains:
@@ -263,14 +264,14 @@ def _utc_day(seconds: float) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(seconds))
 
 
-def _counted(values: list[str]) -> str:
-    """"a" when all alike, else "a (3 runs), b (1 run)"."""
-    counts: dict[str, int] = {}
-    for v in values:
-        counts[v] = counts.get(v, 0) + 1
-    if len(counts) == 1:
-        return next(iter(counts))
-    return ", ".join(f"{v} ({n} run{'s' if n != 1 else ''})" for v, n in sorted(counts.items()))
+def _counted(values: list[str], of: int | None = None) -> str:
+    """"a" when all alike, else "a (3 runs), b (1 run)"; with ``of`` (the number of runs) also how many did not
+    record a value."""
+    counts = Counter(values)
+    text = (next(iter(counts)) if len(counts) == 1 else
+            ", ".join(f"{v} ({n} run{'s' if n != 1 else ''})" for v, n in sorted(counts.items())))
+    missing = (of or 0) - len(values)
+    return text + (f" ({missing} run{'s' if missing != 1 else ''} recorded none)" if missing > 0 else "")
 
 
 def provenance(runs_dir: Path, runs: list[dict], rows: list[dict], *, unfinished: list[str] = (),
@@ -307,8 +308,9 @@ def provenance(runs_dir: Path, runs: list[dict], rows: list[dict], *, unfinished
         "Recipe": _counted([f"{setting(r, 'recipe') or NO_VALUE}, {setting(r, 'epochs') or NO_VALUE} epochs"
                             for r in runs]),
         "Finished": (f"{min(days)} to {max(days)}" if len(set(days)) > 1 else days[0] if days else NO_VALUE) + " (UTC)",
-        "Machine": _counted(recorded) if recorded else "not recorded in the runs' result.json",
-        "attnlab": (f"runs trained with {_counted(versions)}; " if versions else "") + f"report by {__version__}",
+        "Machine": _counted(recorded, len(runs)) if recorded else "not recorded in the runs' result.json",
+        "attnlab": (f"runs trained with {_counted(versions, len(runs))}; " if versions else "") +
+                   f"report by {__version__}",
     }
 
 

@@ -121,8 +121,8 @@ def test_provenance_header(tmp_path):
     assert "- **Models and datasets**: vit_cifar on cifar10" in header
     assert "- **Recipe**: ns_cifar, 12 epochs" in header
     assert "- **Finished**: " in header and "2025-03-04 to " in header  # the recorded date, then the files' times
-    assert "- **Machine**: cuda:0 (NVIDIA H200)" in header
-    assert "- **attnlab**: runs trained with 0.1.0; report by " in header
+    assert "- **Machine**: cuda:0 (NVIDIA H200) (2 runs recorded none)" in header
+    assert "- **attnlab**: runs trained with 0.1.0 (2 runs recorded none); report by " in header
 
 
 def rows(*variants, baseline="standard"):
