@@ -14,7 +14,8 @@ Examples:
 
 --what all runs every instrument. An instrument that does not apply to a model (relevance on Swin, entropy on
 DnA...) is reported in one line on stderr and the others go on; entries that are not run directories (the report
-files compare writes beside the runs) are passed over with one note. A progress bar over instruments and images shows on a terminal."""
+files compare writes beside the runs) are passed over with one note. A progress bar over instruments and images
+shows on a terminal."""
 
 from __future__ import annotations
 

@@ -96,9 +96,9 @@ def _bytes_per_image(models: dict, shape, device) -> int:
     return max(Tally.total, 1)
 
 
-def largest_fitting_batch(args, device) -> int | None:
-    """The largest of batch/2, batch/4, ... for which one forward of every variant runs on ``device`` (probes
-    beyond the memory budget are not tried), or None when not even batch 1 does."""
+def largest_fitting_batch(args, specs: list[str], device) -> int | None:
+    """The largest of batch/2, batch/4, ... for which one forward of every variant in ``specs`` runs on ``device``
+    (probes beyond the memory budget are not tried), or None when not even batch 1 does."""
     import gc
 
     import torch
@@ -106,7 +106,6 @@ def largest_fitting_batch(args, device) -> int | None:
     from ..bench import input_shape, matched_models
     from ..models import build_model
 
-    specs = [s for s in args.attn.split(",") if s.strip()]
     models = matched_models(args.model, specs, num_classes=args.num_classes, seed=args.seed, device=device,
                             dtype=args.dtype)
     shape = input_shape(build_model(args.model, num_classes=args.num_classes, attn=None))
@@ -162,7 +161,7 @@ def run(args) -> int:
         failure = _what_failed(str(err))
     if failure is not None:  # out of the except block, so that the failed attempt's tensors are freed
         gc.collect()
-        fits = largest_fitting_batch(args, device)
+        fits = largest_fitting_batch(args, specs, device)
         if fits is None:
             raise ConfigError(f"{args.model} does not fit in memory on {device} even at batch 1 "
                               f"({failure}); try a smaller model, --dtype bf16 or another device.")

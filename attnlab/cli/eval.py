@@ -191,10 +191,6 @@ def run(args) -> int:
         data_opts = cfg.data_options if dataset == cfg.dataset else {}
         trained_on = cfg.dataset
         label = {"run": str(args.run_dir), "attn": cfg.attn}
-        shape = _input_shape(model)
-        if args.image_size and shape and (args.image_size, args.image_size) != tuple(shape[1:]):
-            raise ConfigError(f"--image-size {args.image_size} does not fit the run's model, which takes "
-                              f"{_shape_words(shape[0], tuple(shape[1:]))} images; drop --image-size.")
     else:
         from ..models import build_model
         from ..models.pretrained import load_dna_authors, load_strict, read_state_dict
@@ -222,6 +218,9 @@ def run(args) -> int:
 
     class_indices = None
     shape = _input_shape(model)
+    if args.run_dir and args.image_size and shape and (args.image_size, args.image_size) != tuple(shape[1:]):
+        raise ConfigError(f"--image-size {args.image_size} does not fit the run's model, which takes "
+                          f"{_shape_words(shape[0], tuple(shape[1:]))} images; drop --image-size.")
     if folder is not None:
         from ..data.folder import folder_transform
 

@@ -314,8 +314,8 @@ def format_gain(gain: float | None) -> str:
 
 
 def accuracy_tables(rows: list[dict]) -> list[Table]:
-    """One :class:`~attnlab.report.page.Table` per comparison (:func:`group_key`): Variant | Top-1 (mean ± SD) | Gain (pp)
-    | Wins | n | extras..., the baseline first (as :func:`summarize` orders the rows)."""
+    """One :class:`~attnlab.report.page.Table` per comparison (:func:`group_key`): Variant | Top-1 (mean ± SD) |
+    Gain (pp) | Wins | n | extras..., the baseline first (as :func:`summarize` orders the rows)."""
     tables: list[Table] = []
     for key, group in groups(rows).items():
         extra_names = sorted({name for row in group for name in row.get("extras", {})})
