@@ -162,8 +162,12 @@ def analyze_model(model: nn.Module, images: torch.Tensor, what: list[str], batch
 
 def plot_results(results: dict[str, dict], out_dir: str | Path) -> list[Path]:
     """PNG figures for what ``results`` (label -> analyze_model output + ``attn``) holds; returns their paths."""
+    from .figures import variant_colors
+
     out_dir = Path(out_dir)
     paths = []
+    by_variant = variant_colors({r["attn"] for r in results.values() if "attn" in r})
+    colors = {label: by_variant["".join(str(r["attn"]).split())] for label, r in results.items() if "attn" in r}
     curves: dict[tuple[str, int], list[list[float]]] = defaultdict(list)
     for result in results.values():
         spectrum = result.get("spectra", {}).get("mean_spectrum")
@@ -173,14 +177,16 @@ def plot_results(results: dict[str, dict], out_dir: str | Path) -> list[Path]:
         mixed = len({n for _, n in curves}) > 1
         mean = {(f"{attn} (D={n})" if mixed else attn): torch.tensor(c).mean(0).tolist()
                 for (attn, n), c in curves.items()}
-        paths.append(Path(plot_spectra(mean, out_dir / "spectra.png")))
+        spectrum_colors = {(f"{attn} (D={n})" if mixed else attn): by_variant["".join(attn.split())]
+                           for attn, n in curves}
+        paths.append(Path(plot_spectra(mean, out_dir / "spectra.png", colors=spectrum_colors)))
     redundancy = {label: r["redundancy"] for label, r in results.items() if r.get("redundancy")}
     if redundancy:  # DnA Figure 12: one line per run and branch
-        plot_redundancy(redundancy, out_dir / "redundancy.png")
+        plot_redundancy(redundancy, out_dir / "redundancy.png", colors=colors)
         paths.append(out_dir / "redundancy.png")
     robustness = {label: r["robustness"] for label, r in results.items() if r.get("robustness")}
     if robustness:  # DnA Figure 9: one panel per sigma
-        plot_robustness(robustness, out_dir / "robustness.png")
+        plot_robustness(robustness, out_dir / "robustness.png", colors=colors)
         paths.append(out_dir / "robustness.png")
     return paths
 

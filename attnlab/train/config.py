@@ -251,6 +251,9 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     raise ConfigError(f"config key '{key}' got {value!r}, but it must be {type_words(key)}.")
 
 
+MAX_SEED = 2**63 - 1  # the largest seed every generator takes (torch's is 64-bit, int64 in tensors)
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check value ranges; return cfg unchanged or raise ConfigError with one sentence."""
     for key, allowed in _CHOICES.items():
@@ -268,6 +271,21 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in ("label_smoothing", "mixup_prob", "mixup_switch_prob", "drop_path"):
         if getattr(cfg, key) is not None and not 0.0 <= getattr(cfg, key) <= 1.0:
             raise ConfigError(f"config key '{key}' is {getattr(cfg, key)}, but it must lie in [0, 1].")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise ConfigError(f"config key 'seed' is {cfg.seed}, but it must be an integer from 0 to 2**63 - 1 (torch and "
+                          "NumPy seed their generators with non-negative integers).")
+    if not cfg.momentum < 1.0:
+        raise ConfigError(f"config key 'momentum' is {cfg.momentum}, but it must lie in [0, 1) (LARS keeps that share "
+                          "of the previous step; 0.9 is usual).")
+    if cfg.min_lr > cfg.lr:
+        raise ConfigError(f"config key 'min_lr' is {cfg.min_lr}, above lr {cfg.lr}; the cosine decay ends at min_lr, "
+                          f"so give --min-lr at most {cfg.lr} (or a larger --lr).")
+    if cfg.warmup_steps is None and cfg.max_steps is None and cfg.warmup_epochs > cfg.epochs:
+        raise ConfigError(f"config key 'warmup_epochs' is {cfg.warmup_epochs:g}, longer than the {cfg.epochs} epochs "
+                          f"of training; give --warmup-epochs at most {cfg.epochs} (or more --epochs).")
+    if cfg.warmup_steps is not None and cfg.max_steps is not None and cfg.warmup_steps > cfg.max_steps:
+        raise ConfigError(f"config key 'warmup_steps' is {cfg.warmup_steps}, longer than the {cfg.max_steps} steps of "
+                          f"training (max_steps); give --warmup-steps at most {cfg.max_steps}.")
     if not 0.0 <= cfg.ema_decay < 1.0:
         raise ConfigError(f"config key 'ema_decay' is {cfg.ema_decay}, but it must lie in [0, 1) (0.9998 averages "
                           "about the last 5,000 steps).")
