@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..train.files import CONFIG, METRICS
 
 METRICS = ("train_loss", "test_loss", "top1")
 
@@ -77,12 +78,12 @@ def training_curves(run_dirs: list[str | Path]) -> dict[str, dict]:
 
     found = []
     for run_dir in map(Path, run_dirs):
-        config = run_dir / "config.yaml"
+        config = run_dir / CONFIG
         if not config.is_file():
             raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give directories written by "
                               f"attnlab train or compare.")
         cfg = load_config(config)
-        found.append(((cfg.model, cfg.dataset), cfg.attn, read_metrics(run_dir / "metrics.jsonl")))
+        found.append(((cfg.model, cfg.dataset), cfg.attn, read_metrics(run_dir / METRICS)))
     if not found:
         raise ConfigError("training curves need at least one run directory.")
     mixed = len({group for group, _, _ in found}) > 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 
 from .checks import count
+from ..train.files import CONFIG
 
 # attnlab.analysis.instruments.INSTRUMENTS by name: that module imports torch, which --help must not wait for
 INSTRUMENTS = ("spectra", "entropy", "qk", "branches", "jacobian", "redundancy", "robustness", "relevance",
@@ -60,7 +61,7 @@ def run(args) -> int:
         raise ConfigError("give run directories to analyse, or --model (with --attn and --dataset) for a fresh model.")
     # `analyze runs/demo/*` also matches what compare writes beside the runs (report.md, its PNGs): passed over,
     # with a note; when nothing is left, the first entry's error says why
-    runs = [path for path in args.runs if (Path(path) / "config.yaml").is_file()]
+    runs = [path for path in args.runs if (Path(path) / CONFIG).is_file()]
     not_runs = [path for path in args.runs if path not in runs]
     if not_runs and not runs:
         run_dir(not_runs[0])

@@ -28,6 +28,7 @@ from typing import Any
 
 from attnlab.errors import AttnlabError
 from attnlab.report.page import Table, table_markdown
+from attnlab.train.files import CONFIG, METRICS, RESULT
 
 REQUIRED_KEYS = ("name", "model", "dataset", "attn", "seed", "top1")
 NO_VALUE = "—"
@@ -73,15 +74,15 @@ def run_settings(run_dir: str | Path) -> dict[str, Any]:
     from attnlab.errors import ConfigError
     from attnlab.train.config import RECIPES, RUNTIME_KEYS, TrainConfig, coerce, read_yaml
 
-    path = Path(run_dir) / "config.yaml"
+    path = Path(run_dir) / CONFIG
     if not path.is_file():
-        return {"config.yaml": "missing"}
+        return {CONFIG: "missing"}
     try:
-        data = read_yaml(path, "config.yaml")
+        data = read_yaml(path, CONFIG)
     except ConfigError:
         data = None
     if not isinstance(data, dict):
-        return {"config.yaml": "unreadable"}
+        return {CONFIG: "unreadable"}
     base = RECIPES.get(str(data.get("recipe")), TrainConfig())  # TrainConfig(): the default recipe's values
     settings = dataclasses.asdict(base)
     for key, value in data.items():
@@ -159,7 +160,7 @@ def scan_runs(runs_dir: str | Path) -> tuple[list[dict], list[dict]]:
     root = Path(runs_dir)
     if not root.is_dir():
         raise AttnlabError(f"runs directory '{root}' does not exist; pass the folder that holds the runs/<name>/ directories.")
-    paths = sorted(root.rglob("result.json"))
+    paths = sorted(root.rglob(RESULT))
     if not paths:
         raise AttnlabError(
             f"no finished runs found under '{root}' (no result.json); train some runs first or pass the folder that holds them."
@@ -198,8 +199,8 @@ def find_unfinished(runs_dir: str | Path) -> list[str]:
     root = Path(runs_dir)
     if not root.is_dir():
         return []
-    dirs = {p.parent for name in ("metrics.jsonl", "config.yaml") for p in root.rglob(name)}
-    return sorted(d.relative_to(root).as_posix() for d in dirs if not (d / "result.json").exists())
+    dirs = {p.parent for name in (METRICS, CONFIG) for p in root.rglob(name)}
+    return sorted(d.relative_to(root).as_posix() for d in dirs if not (d / RESULT).exists())
 
 
 def _mean(xs: list[float]) -> float:

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from attnlab.errors import AttnlabError
+from attnlab.train.files import METRICS, RESULT
 
 from attnlab.report.summary import (NO_VALUE, find_unfinished, format_markdown, group_key, group_title, groups,
                                     label_settings, scan_runs, summarize)
@@ -205,7 +206,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
             dirs = []
             for run in (r for r in runs if group_key(r) == key):
                 try:
-                    read_metrics(runs_dir / run["run_dir"] / "metrics.jsonl")
+                    read_metrics(runs_dir / run["run_dir"] / METRICS)
                     dirs.append(runs_dir / run["run_dir"])
                 except AttnlabError as err:
                     problems.append({"path": f"{run['run_dir']}/metrics.jsonl",
@@ -293,7 +294,7 @@ def provenance(runs_dir: Path, runs: list[dict], rows: list[dict], *, unfinished
             days.append(finished[:10])
         else:
             try:
-                days.append(_utc_day((runs_dir / run["run_dir"] / "result.json").stat().st_mtime))
+                days.append(_utc_day((runs_dir / run["run_dir"] / RESULT).stat().st_mtime))
             except OSError:
                 pass
     seeds = sorted({r["seed"] for r in runs}, key=lambda s: (str(type(s)), s))
