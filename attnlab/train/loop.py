@@ -55,6 +55,19 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
 
 
+def provenance(device: torch.device) -> dict[str, str]:
+    """Where and with what a run finished, for the report's header: UTC time, the machine, attnlab's version."""
+    import datetime
+    import platform
+
+    from attnlab import __version__
+
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or
+                                                                              platform.machine())
+    return {"finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{where}, {platform.system()}, torch {torch.__version__}", "attnlab_version": __version__}
+
+
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -368,7 +381,7 @@ def _train(run: Run, probe=None) -> dict[str, Any]:
               "attn": cfg.attn, "seed": cfg.seed, "epochs": epochs, **task.result(last), "metric": task.headline,
               "params": params, "seconds": sum(h["epoch_seconds"] for h in history),
               "extra": {k: v for k, v in last.items() if k.startswith("ema_")},
-              "world_size": ranks.world_size}
+              "world_size": ranks.world_size, **provenance(device)}
     if cfg.max_steps or cfg.eval_every:
         result["steps"] = num_updates
     atomic_write_json(run.dir / RESULT, result)
