@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import shlex
 import shutil
@@ -124,8 +123,7 @@ class Plan:
     @classmethod
     def for_gpu(cls, py: str, work: Path, cache: Path) -> "Plan":
         return cls(dry=False, py=py, work=work, cache=cache,
-                   jobs=int(os.environ.get("GPU_SUITE_JOBS") or os.cpu_count() or 1),
-                   child_env={"TORCHINDUCTOR_COMPILE_THREADS": "2"})
+                   jobs=int(os.environ.get("GPU_SUITE_JOBS") or os.cpu_count() or 1))
 
     @classmethod
     def for_dry_run(cls, py: str, work: Path, cache: Path) -> "Plan":
@@ -203,7 +201,16 @@ def compile_phases(plan: Plan) -> list:
         kids.append(dna_cmd(plan, "dna_triton", "dna[triton]", precompile=True))
     if not plan.dry:  # the trainer's own train and (padded) eval graphs, on 8 steps of the same shapes
         kids.append(cli_cmd(plan, "train_cli", plan.small_data, 1, "precompile"))
+    for kid in kids:  # 2 Triton build workers each: the children share the cores
+        kid.env["TORCHINDUCTOR_COMPILE_THREADS"] = "2"
     return [kids if plan.precompile_all else kids[:2]]
+
+
+def ns_phases(plan: Plan, label: str, dtypes: str, compiled: bool) -> list:
+    """Both models in one process; in the dry run one process each, since each has its own tiny options."""
+    if not plan.dry:
+        return [ns_cmd(plan, label, "vit_cifar,swin_cifar", dtypes, compiled)]
+    return [ns_cmd(plan, f"{label}_{m}", m, dtypes, compiled) for m in ("vit_cifar", "swin_cifar")]
 
 
 def packed_phases(plan: Plan) -> list:
@@ -260,7 +267,7 @@ def steps_table() -> list[Step]:
              lambda p: [e2e_cmd(p, "variants", "vit_cifar", ",".join(("standard", *p.variants)))]),
         Step("ns_compiled", 40, 90, "ns_overhead.py, batch 128, compiled, bf16 then fp32, vit_cifar and swin_cifar",
              "8 forward graphs from the cache ~3.5 s each, 8 x 300 forwards of 1-6 ms, start ~6",
-             lambda p: [ns_cmd(p, "ns_compiled", "vit_cifar,swin_cifar", "bf16,fp32", True)]),
+             lambda p: ns_phases(p, "ns_compiled", "bf16,fp32", True)),
         Step("e2e_swin", 25, 90, "swin_cifar full recipe, compiled, bf16, batch 128: the end-to-end target",
              "graph from the cache ~10 s, 3 rounds of 100 steps at ~10k img/s ~4 s, start ~6",
              lambda p: [e2e_cmd(p, "e2e_swin", "swin_cifar", "standard", rounds=3)]),
@@ -270,7 +277,7 @@ def steps_table() -> list[Step]:
              lambda p: [dna_cmd(p, "dna_vit_b", p.dna_attn)]),
         Step("ns_eager", 22, 90, "ns_overhead.py, batch 128, eager, fp32 and bf16, vit_cifar and swin_cifar",
              "1,200 eager forwards of 4-12 ms (launch-bound) ~10 s, start ~6",
-             lambda p: [ns_cmd(p, "ns_eager", "vit_cifar,swin_cifar", "fp32,bf16", False)]),
+             lambda p: ns_phases(p, "ns_eager", "fp32,bf16", False)),
         Step("packed", 28, 90, "swin_cifar training steps (model step alone, eager, bf16): one process, then 3 "
              "started together behind a barrier", "alone: start ~6 + 100 steps at 3.0k img/s ~4 s; together: "
              "start ~6 + 100 steps at ~2k img/s each ~6 s; warm-ups ~4", packed_phases, packed_after,
@@ -326,7 +333,7 @@ def error_lines(text: str, n: int = 5) -> list[str]:
         block = lines[starts[-1] + 1:]
         first = next((i for i, line in enumerate(block) if line and not line[0].isspace()), None)
         if first is not None:
-            return [line for line in block[first:first + n]]
+            return block[first:first + n]
     return [line for line in lines if line.strip()][-n:]
 
 
