@@ -22,6 +22,8 @@ import sys
 
 import torch
 
+from common import failure, model_options
+
 from attnlab.bench import bench_variants
 from attnlab.spec import split_specs
 
@@ -37,6 +39,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--compile-backend", default="inductor", help="aot_eager: the compiled path, checked on a CPU")
+    p.add_argument("--num-classes", type=int, default=None, help="default: the preset's")
+    p.add_argument("--model-options", default=None, help="YAML mapping for build_model, e.g. '{depth: 1}'")
     p.add_argument("--config", default=None, help="YAML with the same keys (e.g. configs/ns_attn_latency.yaml); "
                    "flags given explicitly on the command line still win")
     args = p.parse_args()
@@ -49,23 +54,30 @@ def main() -> None:
                 setattr(args, key, ",".join(map(str, value)) if isinstance(value, list) else value)
 
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"threads {torch.get_num_threads()}, device {args.device}, batch {args.batch_size}")
+          f"threads {torch.get_num_threads()}, device {args.device}, batch {args.batch_size}", flush=True)
     compiles = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
     specs = split_specs(args.attn)
     print("| model | dtype | mode | " + " | ".join(f"{s} ms" for s in specs) + " | " +
-          " | ".join(f"{s} / {specs[0]}" for s in specs[1:]) + " |")
-    print("|---" * (3 + 2 * len(specs) - 1) + "|")
+          " | ".join(f"{s} / {specs[0]}" for s in specs[1:]) + " | status |")
+    print("|---" * (3 + 2 * len(specs)) + "|", flush=True)
+    failed = 0
     for model in args.models.split(","):
         for dtype in args.dtypes.split(","):
             for compiled in compiles:
-                r = bench_variants(model, specs, batch_size=args.batch_size, warmup=args.warmup, iters=args.iters,
-                                   rounds=args.rounds, device=args.device, dtype=dtype, compile=compiled,
-                                   progress=False)
-                ms = [r["models"][name]["mean_ms"] for name in r["models"]]
-                ratios = [m / ms[0] for m in ms[1:]]
-                print(f"| {model} | {dtype} | {'compiled' if compiled else 'eager'} | "
-                      + " | ".join(f"{m:.2f}" for m in ms) + " | " + " | ".join(f"{x:.3f}" for x in ratios) + " |",
-                      flush=True)
+                cells = [model, dtype, "compiled" if compiled else "eager"]
+                try:  # a failing row is recorded and the next one runs
+                    r = bench_variants(model, specs, batch_size=args.batch_size, warmup=args.warmup,
+                                       iters=args.iters, rounds=args.rounds, device=args.device, dtype=dtype,
+                                       compile=compiled, compile_backend=args.compile_backend,
+                                       num_classes=args.num_classes, model_options=model_options(args.model_options),
+                                       progress=False)
+                    ms = [r["models"][name]["mean_ms"] for name in r["models"]]
+                    cells += [f"{m:.2f}" for m in ms] + [f"{m / ms[0]:.3f}" for m in ms[1:]] + ["ok"]
+                except Exception as err:  # noqa: BLE001
+                    failed += 1
+                    cells += ["-"] * (2 * len(specs) - 1) + [failure(err)]
+                print("| " + " | ".join(cells) + " |", flush=True)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

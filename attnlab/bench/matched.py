@@ -31,10 +31,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def matched_models(model: str, specs: list[str], *, num_classes: int | None = None, seed: int = 0,
                    device: str | torch.device = "cpu", dtype: str = "fp32", compile: bool = False,
-                   **overrides) -> dict[str, nn.Module]:
+                   compile_backend: str = "inductor", **overrides) -> dict[str, nn.Module]:
     """``{spec: model}`` for each spec, all carrying the first spec's parameters wherever names and shapes agree.
 
     Parameters a variant adds (DnA's negative branch, for example) keep their own seeded initialisation.
+    ``compile_backend``: torch.compile's backend when ``compile`` (``aot_eager`` traces without generating code).
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not one of: {', '.join(DTYPES)}.")
@@ -54,7 +55,7 @@ def matched_models(model: str, specs: list[str], *, num_classes: int | None = No
         if dtype != "fp32":
             net = Autocast(net, DTYPES[dtype])
         if compile:
-            net = torch.compile(net)
+            net = torch.compile(net, backend=compile_backend)
         models[str(parse_spec(spec))] = net
     return models
 
@@ -70,14 +71,17 @@ def input_shape(model: nn.Module) -> tuple[int, int, int]:
 
 def bench_variants(model: str, specs: list[str], *, batch_size: int = 128, warmup: int = 50, iters: int = 200,
                    rounds: int = 3, device: str = "auto", dtype: str = "fp32", compile: bool = False, seed: int = 0,
-                   num_classes: int | None = None, progress: bool = True) -> dict:
-    """The NS-Attn paper's latency protocol for ``specs`` on ``model`` (first spec = baseline), identical parameters."""
+                   num_classes: int | None = None, progress: bool = True, compile_backend: str = "inductor",
+                   model_options: dict | None = None) -> dict:
+    """The NS-Attn paper's latency protocol for ``specs`` on ``model`` (first spec = baseline), identical parameters;
+    ``model_options``: build_model keyword arguments for every model (``{"depth": 1}``)."""
     from .latency import measure_latency
 
     dev = resolve_device(device)
+    options = model_options or {}
     models = matched_models(model, specs, num_classes=num_classes, seed=seed, device=dev, dtype=dtype,
-                            compile=compile)
-    shape = input_shape(build_model(model, num_classes=num_classes, attn=None))
+                            compile=compile, compile_backend=compile_backend, **options)
+    shape = input_shape(build_model(model, num_classes=num_classes, attn=None, **options))
     inputs = torch.randn(batch_size, *shape, generator=torch.Generator().manual_seed(seed)).to(dev)
     result = measure_latency(models, inputs, warmup=warmup, iters=iters, rounds=rounds, progress=progress)
     result.update(model=model, dtype=dtype, compiled=compile)

@@ -8,8 +8,10 @@ full batches ``(images, targets, labels)`` built there, sample by sample in the 
 2. AutoAugment(CIFAR10 policy), NEAREST, fill 0 (torchvision's ``AutoAugment.forward``): per sample a sub-policy
    k ~ U{0..24}, and for op s = 1, 2 of it ``u_s <= p_s`` decides whether it applies, a fair coin its sign when
    signed; the magnitude is bin m of torchvision's 10-bin table. Samples are grouped by (op, magnitude, sign),
-   at most a few dozen groups per stage, and each group goes through torchvision's own functional op as one
-   batch, so every image is exactly what torchvision gives it (no loop over samples).
+   at most a few dozen groups per stage, and each colour group goes through torchvision's own functional op as
+   one batch; the geometric ops (Shear, Translate, Rotate) of a stage go through one ``grid_sample`` with one
+   grid per sample, built with torchvision's inverse affine matrix and grid arithmetic. Every image is exactly
+   what torchvision gives it (no loop over samples).
 3. ToTensor + Normalize: x = (u / 255 - mean) / std.
 4. RandomErasing(p=0.25, scale=(0.02, 0.33), ratio=(0.3, 3.3), value=0): per sample up to 10 attempts
    (area ~ U(scale) * H * W, log r ~ U(log ratio), h = round(sqrt(area r)), w = round(sqrt(area / r)), the first
@@ -24,8 +26,10 @@ Sample order is timm's ``RepeatAugSampler`` (each image ``repeated_aug`` times i
 ``num_replicas``/``rank`` for DDP) shuffled with the seed ``SeedSequence([seed, epoch])``, as the CPU loader does;
 with ``repeated_aug=1`` a permutation from the same seed, strided by rank. Every random parameter is drawn on the
 host from ``numpy.random.default_rng([seed, epoch, rank])``, so an epoch's images are a function of
-(seed, epoch, rank) alone (what resume and DDP need), the device never waits on the host, and CPU and CUDA draw
-the same parameters. Numbers and measurements: ``docs/perf.md``.
+(seed, epoch, rank) alone (what resume and DDP need), and CPU and CUDA draw the same parameters. A chunk's
+parameters (sample indices, crop, flip, erasing boxes, AutoAugment's groups and affine matrices) reach the device
+in one non-blocking copy of one pinned buffer, and nothing in the chunk path reads the device: the host never
+waits for it. Numbers and measurements: ``docs/perf.md``.
 """
 
 from __future__ import annotations
@@ -89,25 +93,16 @@ def apply_op(images: torch.Tensor, op: str, magnitude: float) -> torch.Tensor:
     """torchvision's ``autoaugment._apply_op`` (NEAREST, fill None = 0) on uint8 (B, C, H, W), one magnitude for all.
 
     torchvision's functional ops treat leading dimensions as a batch, image by image (per-image means, ranges and
-    histograms); equalize uses the v2 kernel, which is vectorised over the batch where v1 loops in Python, and
-    sharpness :func:`adjust_sharpness`, the same numbers without a depthwise convolution.
+    histograms); equalize uses the v2 kernel, which is vectorised over the batch where v1 loops in Python,
+    sharpness :func:`adjust_sharpness`, the same numbers without a depthwise convolution, and the geometric ops
+    :func:`warp_nearest` (torchvision's grid, without its tensor built from a Python list per call).
     """
     import torchvision.transforms.functional as TF
     import torchvision.transforms.v2.functional as TF2
-    from torchvision.transforms import InterpolationMode
 
-    nearest = InterpolationMode.NEAREST
-    if op in ("ShearX", "ShearY"):
-        angle = math.degrees(math.atan(magnitude))
-        shear = [angle, 0.0] if op == "ShearX" else [0.0, angle]
-        return TF.affine(images, angle=0.0, translate=[0, 0], scale=1.0, shear=shear, interpolation=nearest,
-                         fill=None, center=[0, 0])
-    if op in ("TranslateX", "TranslateY"):
-        shift = [int(magnitude), 0] if op == "TranslateX" else [0, int(magnitude)]
-        return TF.affine(images, angle=0.0, translate=shift, scale=1.0, shear=[0.0, 0.0], interpolation=nearest,
-                         fill=None)
-    if op == "Rotate":
-        return TF.rotate(images, magnitude, interpolation=nearest, fill=None)
+    if op in GEOMETRIC:  # torchvision's TF.affine / TF.rotate, the grid built as in warp_nearest
+        theta = torch.from_numpy(affine_thetas([op], [magnitude], *images.shape[-2:])).to(images.device)
+        return warp_nearest(images, theta.expand(images.shape[0], 3, 2))
     if op == "Brightness":
         return TF.adjust_brightness(images, 1.0 + magnitude)
     if op == "Color":
@@ -127,6 +122,52 @@ def apply_op(images: torch.Tensor, op: str, magnitude: float) -> torch.Tensor:
     if op == "Invert":
         return TF.invert(images)
     raise ValueError(f"unknown AutoAugment op {op!r}")
+
+
+GEOMETRIC = ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate")
+
+
+def affine_thetas(ops, magnitudes, height: int, width: int) -> np.ndarray:
+    """(m, 3, 2) float32: each (op, signed magnitude)'s inverse affine matrix as ``TF.affine`` / ``TF.rotate`` form
+    it for ``_apply_op`` (torchvision's ``_get_inverse_affine_matrix`` in float64, rounded to float32), transposed
+    and divided by (W / 2, H / 2) in float32, as torchvision's ``_gen_affine_grid`` scales it before its product."""
+    from torchvision.transforms.functional import _get_inverse_affine_matrix
+
+    rows = []
+    for op, magnitude in zip(ops, magnitudes):
+        if op in ("ShearX", "ShearY"):  # _apply_op shears about center=[0, 0], which TF.affine moves by -(W/2, H/2)
+            angle = math.degrees(math.atan(magnitude))
+            shear = [angle, 0.0] if op == "ShearX" else [0.0, angle]
+            rows.append(_get_inverse_affine_matrix([-0.5 * width, -0.5 * height], 0.0, [0.0, 0.0], 1.0, shear))
+        elif op in ("TranslateX", "TranslateY"):
+            shift = [float(int(magnitude)), 0.0] if op == "TranslateX" else [0.0, float(int(magnitude))]
+            rows.append(_get_inverse_affine_matrix([0.0, 0.0], 0.0, shift, 1.0, [0.0, 0.0]))
+        elif op == "Rotate":  # TF.rotate negates the angle
+            rows.append(_get_inverse_affine_matrix([0.0, 0.0], -magnitude, [0.0, 0.0], 1.0, [0.0, 0.0]))
+        else:
+            raise ValueError(f"{op!r} is not a geometric AutoAugment op")
+    theta = np.asarray(rows, dtype=np.float64).astype(np.float32).reshape(-1, 2, 3)
+    return (theta.transpose(0, 2, 1) / np.array([0.5 * width, 0.5 * height], dtype=np.float32)).astype(np.float32)
+
+
+def _base_grid(height: int, width: int, device) -> torch.Tensor:
+    """(1, H W, 3) pixel-centre coordinates and ones: torchvision's ``_gen_affine_grid`` base grid, term by term."""
+    base = torch.empty(1, height, width, 3, dtype=torch.float32, device=device)
+    base[..., 0].copy_(torch.linspace(-width * 0.5 + 0.5, width * 0.5 + 0.5 - 1, steps=width, device=device))
+    base[..., 1].copy_(torch.linspace(-height * 0.5 + 0.5, height * 0.5 + 0.5 - 1, steps=height,
+                                      device=device).unsqueeze_(-1))
+    base[..., 2].fill_(1)
+    return base.view(1, height * width, 3)
+
+
+def warp_nearest(images: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """Each uint8 image (m, C, H, W) resampled through its own grid, nearest, zeros outside: torchvision's
+    ``_apply_grid_transform`` with ``fill=None``; ``theta`` (m, 3, 2) float32 from :func:`affine_thetas`."""
+    m, _, height, width = images.shape
+    grid = _base_grid(height, width, images.device).expand(m, height * width, 3).bmm(theta)
+    out = F.grid_sample(images.float(), grid.view(m, height, width, 2), mode="nearest", padding_mode="zeros",
+                        align_corners=False)
+    return out.round_().to(images.dtype)
 
 
 # ------------------------------------------------------------------------------------------ per-sample params
@@ -256,14 +297,15 @@ def adjust_sharpness(images: torch.Tensor, factor: float) -> torch.Tensor:
     return (ratio * images + (1.0 - ratio) * smooth).clamp(0, 255).to(torch.uint8)
 
 
-def auto_augment(images: torch.Tensor, policy: np.ndarray, op_u: np.ndarray, op_sign: np.ndarray) -> torch.Tensor:
-    """torchvision's AutoAugment(CIFAR10) with per-sample (sub-policy, u, sign); uint8 (B, C, H, W), in place.
-
-    policy: (B,) sub-policy ids; op_u: (B, 2) uniforms, op s applies where u_s <= p_s; op_sign: (B, 2), 0 = negative.
-    """
-    _, _, height, width = images.shape
+def plan_auto_augment(policy: np.ndarray, op_u: np.ndarray, op_sign: np.ndarray, height: int,
+                      width: int) -> list[tuple[list[tuple[str, float, np.ndarray]], np.ndarray, np.ndarray]]:
+    """Per stage of AutoAugment(CIFAR10), on the host: the colour groups ``[(op, signed magnitude, rows)]`` and the
+    geometric samples ``(rows, thetas (m, 3, 2))`` (:func:`affine_thetas`); samples that skip the stage appear in
+    neither. policy: (B,) sub-policy ids; op_u: (B, 2) uniforms, op s applies where u_s <= p_s; op_sign: (B, 2),
+    0 = negative."""
+    stages = []
     for stage in range(2):
-        # (op, signed magnitude) -> the samples that apply it; sub-policies sharing an op and bin share one call
+        # (op, signed magnitude) -> the samples that apply it; sub-policies sharing an op and bin share one group
         groups: dict[tuple[str, float], np.ndarray] = {}
         for k, sub in enumerate(CIFAR10_POLICY):
             name, prob, bin_ = sub[stage]
@@ -274,11 +316,74 @@ def auto_augment(images: torch.Tensor, policy: np.ndarray, op_u: np.ndarray, op_
                 rows = hit & (op_sign[:, stage] == sign) if signed else hit
                 what = (name, -magnitude if sign == 0 else magnitude)
                 groups[what] = groups[what] | rows if what in groups else rows
+        colour, geo_rows, geo_thetas = [], [np.zeros(0, np.int64)], [np.zeros((0, 3, 2), np.float32)]
         for (name, magnitude), rows in groups.items():
-            if rows.any():
-                at = torch.from_numpy(np.flatnonzero(rows)).to(images.device, non_blocking=True)
-                images.index_copy_(0, at, apply_op(images.index_select(0, at), name, magnitude))
+            at = np.flatnonzero(rows)
+            if not len(at):
+                continue
+            if name in GEOMETRIC:
+                geo_rows.append(at)
+                geo_thetas.append(np.repeat(affine_thetas([name], [magnitude], height, width), len(at), axis=0))
+            else:
+                colour.append((name, magnitude, at))
+        stages.append((colour, np.concatenate(geo_rows), np.concatenate(geo_thetas)))
+    return stages
+
+
+def plan_arrays(stages) -> dict[str, np.ndarray]:
+    """The host arrays of a :func:`plan_auto_augment` plan, named for :func:`apply_auto_augment`."""
+    out = {}
+    for s, (colour, rows, thetas) in enumerate(stages):
+        out.update({f"aa{s}_{k}": at for k, (_, _, at) in enumerate(colour)})
+        out.update({f"aa{s}_geo": rows, f"aa{s}_theta": thetas})
+    return out
+
+
+def apply_auto_augment(images: torch.Tensor, stages, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The plan on uint8 (B, C, H, W) images, in place; ``arrays``: :func:`plan_arrays` on the images' device."""
+    for s, (colour, _, _) in enumerate(stages):
+        for k, (name, magnitude, _) in enumerate(colour):
+            at = arrays[f"aa{s}_{k}"]
+            images.index_copy_(0, at, apply_op(images.index_select(0, at), name, magnitude))
+        at = arrays[f"aa{s}_geo"]
+        if at.numel():  # a shape, known on the host
+            images.index_copy_(0, at, warp_nearest(images.index_select(0, at), arrays[f"aa{s}_theta"]))
     return images
+
+
+def auto_augment(images: torch.Tensor, policy: np.ndarray, op_u: np.ndarray, op_sign: np.ndarray) -> torch.Tensor:
+    """torchvision's AutoAugment(CIFAR10) with per-sample (sub-policy, u, sign); uint8 (B, C, H, W), in place
+    (arguments as :func:`plan_auto_augment`)."""
+    stages = plan_auto_augment(policy, op_u, op_sign, *images.shape[-2:])
+    return apply_auto_augment(images, stages, host_to_device(plan_arrays(stages), images.device))
+
+
+def host_to_device(arrays: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
+    """Host arrays (integers as int64, floats as float32) on ``device`` through ONE buffer and one non-blocking copy
+    (pinned on CUDA, so that the copy does not wait for the host): every copy from pageable memory or from a Python
+    list would be a transfer of its own, and a blocking one."""
+    device = torch.device(device)
+    words, spans, at = [], {}, 0
+    for key, a in arrays.items():
+        a = np.asarray(a)
+        floating = a.dtype.kind == "f"
+        if floating:  # float32 pairs stored as int64 words, viewed back as float32 on the device
+            flat = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
+            w = np.concatenate([flat, np.zeros(flat.size % 2, np.float32)]).view(np.int64)
+        else:
+            w = np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
+        spans[key] = (at, w.size, a.shape, floating)
+        words.append(w)
+        at += w.size
+    host = torch.from_numpy(np.concatenate(words) if words else np.zeros(0, np.int64))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    buf = host.to(device, non_blocking=True)
+    out = {}
+    for key, (start, n, shape, floating) in spans.items():
+        t = buf[start:start + n]
+        out[key] = (t.view(torch.float32)[:math.prod(shape)] if floating else t).view(shape)
+    return out
 
 
 def random_erase(images: torch.Tensor, i: torch.Tensor, j: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
@@ -434,16 +539,20 @@ class DevicePipeline:
 
     def _augment(self, index: torch.Tensor, p: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.recipe
-        idx = index.to(self.device, non_blocking=True)
-        x, labels = self.images.index_select(0, idx), self.labels.index_select(0, idx)
-        height = x.shape[-2]
+        height, width = self.images.shape[-2:]
         size = self.out_size or height
-        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)  # noqa: E731
+        arrays = {"index": index.numpy(), "crop_i": p["crop_i"], "crop_j": p["crop_j"],
+                  "flip": np.flatnonzero(p["flip"])}
+        stages = plan_auto_augment(p["policy"], p["op_u"], p["op_sign"], height, width) if r.auto_augment else []
+        arrays.update(plan_arrays(stages))
+        if r.random_erasing > 0:
+            arrays.update({f"erase_{k}": p[f"erase_{k}"] for k in "ijhw"})
+        on = host_to_device(arrays, self.device)  # the chunk's one transfer
+        x, labels = self.images.index_select(0, on["index"]), self.labels.index_select(0, on["index"])
         if r.crop_padding or r.flip:
-            x = crop_flip(x, dev(p["crop_i"]), dev(p["crop_j"]), dev(np.flatnonzero(p["flip"])), r.crop_padding,
-                          self.pad_value)
+            x = crop_flip(x, on["crop_i"], on["crop_j"], on["flip"], r.crop_padding, self.pad_value)
         if r.auto_augment:
-            x = auto_augment(x.contiguous(), p["policy"], p["op_u"], p["op_sign"])
+            x = apply_auto_augment(x.contiguous(), stages, on)
         if size != height:
             import torchvision.transforms.functional as TF
 
@@ -451,7 +560,7 @@ class DevicePipeline:
         if self.raw:
             x = x.float().div_(255).sub_(self.mean).div_(self.std)
         if r.random_erasing > 0:
-            x = random_erase(x, dev(p["erase_i"]), dev(p["erase_j"]), dev(p["erase_h"]), dev(p["erase_w"]))
+            x = random_erase(x, on["erase_i"], on["erase_j"], on["erase_h"], on["erase_w"])
         return x, labels
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision.transforms as T
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnlab.data import device_pipeline as dp
 from attnlab.errors import AttnlabError, ConfigError
@@ -303,6 +304,46 @@ def test_cpu_threads_split_the_chunk_without_changing_it():
     finally:
         torch.set_num_threads(1)
     assert all(torch.equal(a, b) for ba, bb in zip(one, three) for a, b in zip(ba, bb))
+
+
+class DeviceWaits(TorchDispatchMode):
+    """What would make a CUDA chunk copy from the host or wait for the device, seen at the dispatcher on the CPU:
+    a tensor made from host data with elements (``aten.lift_fresh``: ``torch.tensor(list)``, ``torch.from_numpy``;
+    a 0-dim one is a scalar that kernels take by value, no copy) and a read of device values on the host
+    (``aten._local_scalar_dense``: ``.item()``, ``bool()``, ``int()``) or an op whose output size depends on them."""
+
+    READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten._unique2", "aten.unique_dim")
+
+    def __init__(self):
+        super().__init__()
+        self.transfers, self.reads = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        if name == "aten.lift_fresh" and out.dim() > 0:
+            self.transfers.append(tuple(out.shape))
+        if name in self.READS or (name == "aten.index" and any(
+                t is not None and t.dtype == torch.bool for t in args[1])):
+            self.reads.append(name)
+        return out
+
+
+def test_a_chunk_moves_its_parameters_in_one_transfer_and_never_reads_the_device():
+    """Per chunk: one copy from the host (indices, crop, flip, erasing, AutoAugment's groups and affine matrices),
+    and no host read of device values anywhere in the epoch (on CUDA each would block the host)."""
+    x, y = images(96, seed=8), torch.arange(96) % 10
+    pipe = dp.DevicePipeline(x, y, num_classes=10, batch_size=16, mean=MEAN, std=STD, seed=3, chunk=48,
+                             recipe=dp.AugmentRecipe(mix_prob=1.0, random_erasing=0.5))  # every batch mixed
+    with DeviceWaits() as seen:
+        batches = list(pipe.epoch(1))
+    assert len(batches) == 6
+    assert seen.reads == []
+    assert len(seen.transfers) == 2  # one per chunk of 48
+    p = dp.draw_params(np.random.default_rng(0), 500, 32, 32, dp.AugmentRecipe())
+    with DeviceWaits() as seen:  # every op of the policy, each in many groups
+        dp.auto_augment(images(500), p["policy"], p["op_u"], p["op_sign"])
+    assert seen.reads == [] and len(seen.transfers) == 1
 
 
 def test_float_images_and_no_mixing_give_hard_labels():
