@@ -23,7 +23,7 @@ def compiler(backend: str, device, compiled: bool = True):
     checking the compiled code paths on a CPU, where inductor takes minutes per model."""
     import torch
 
-    from attnlab.train.loop import compile_mode
+    from attnlab.train.run import compile_mode
 
     if not compiled:
         return (lambda m: m), False

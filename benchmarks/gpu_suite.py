@@ -173,6 +173,7 @@ def dna_cmd(plan: Plan, label: str, attn: str, *, precompile: bool = False):
 def cli_cmd(plan: Plan, label: str, data: Path, epochs: int, name: str):
     train = ["-m", "attnlab", "train", "--recipe", "ns_cifar", "--model", "vit_cifar", "--dataset", "cifar100",
              "--data-dir", str(data), "--data-options", "{verify_md5: false}", "--epochs", str(epochs),
+             "--warmup-epochs", "0",  # a 2-epoch throughput run: the recipe's 10 warm-up epochs would not fit
              "--batch-size", str(plan.cli_batch), "--device", plan.device, "--amp", plan.amp, "--compile",
              "--data-on-device", "--runs-dir", str(plan.work / "runs"), "--name", name, "--no-progress",
              *opts(plan.vit_opts)]

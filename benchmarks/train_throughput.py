@@ -56,7 +56,7 @@ class EndToEnd:
                                    device=device, mean=CIFAR100_MEAN, std=CIFAR100_STD, recipe=AugmentRecipe(),
                                    repeated_aug=3, chunk=min(8192, args.batch_size * args.steps))  # as trained
         self.optimizer = build_optimizer(self.model, 1e-3, 0.05)
-        self.scheduler = build_scheduler(self.optimizer, epochs=1000, steps_per_epoch=args.steps, warmup_epochs=1,
+        self.scheduler = build_scheduler(self.optimizer, total_steps=1000 * args.steps, warmup_steps=args.steps,
                                          warmup_lr=1e-6, min_lr=1e-5)
         compile_fn, self.cudagraphs = compiler(args.compile_backend, device, compiled)
         self.forward = compile_fn(self.model)
@@ -67,13 +67,14 @@ class EndToEnd:
         from timm.loss import SoftTargetCrossEntropy
 
         from attnlab.train.loop import train_one_epoch
+        from attnlab.train.tasks.classify import classification_stats, classification_step
 
-        stats, self.updates = train_one_epoch(
+        sums, self.updates = train_one_epoch(
             self.forward, itertools.islice(self.pipe.epoch(e), steps), self.optimizer, self.scheduler,
-            SoftTargetCrossEntropy(), steps=steps, device=self.device, amp_dtype=self.amp, epoch=e, epochs=e,
-            num_updates=self.updates, clip_grad=None, log_every=self.log_every, progress=False,
+            classification_step(SoftTargetCrossEntropy()), steps=steps, device=self.device, amp_dtype=self.amp,
+            epoch=e, epochs=e, num_updates=self.updates, clip_grad=None, log_every=self.log_every, progress=False,
             cudagraphs=self.cudagraphs)
-        return stats["img_per_s"]
+        return classification_stats(sums, sums["seconds"])["img_per_s"]
 
 
 def end_to_end(name: str, specs: list[str], args, device: torch.device, amp) -> int:

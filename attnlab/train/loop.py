@@ -99,7 +99,8 @@ def train_one_epoch(model, batches: Iterator[Any], optimizer, scheduler, step_lo
     ``describe(sums, seconds) -> dict`` gives the progress bar's numbers (the task's ``train_stats``).
 
     Nothing in a step waits for the device: the sums and a non-finite flag (the first bad step and its loss)
-    accumulate there and are read every ``log_every`` steps and at the end, where a non-finite loss raises
+    accumulate there and are read every ``log_every`` steps (on CUDA at least 100, where each read drains the
+    queue of launched steps) and at the end, where a non-finite loss raises
     NonFiniteLossError naming its step and the window it was found in. ``cudagraphs``: mark each forward's start
     for torch.compile's CUDA graphs (mode reduce-overhead), whose outputs the next replay overwrites. Under DDP
     the gradients of all but the last micro-batch of a step are not all-reduced (``no_sync``).
@@ -111,6 +112,7 @@ def train_one_epoch(model, batches: Iterator[Any], optimizer, scheduler, step_lo
     bad_step, bad_loss = zero(torch.int64), zero(torch.float32)
     checked, stats = 0, {}
     no_sync = getattr(model, "no_sync", None) if accum > 1 else None
+    every = max(log_every, 100) if device.type == "cuda" else log_every  # a CUDA read stalls the queued steps
     start = time.perf_counter()
     batches = iter(batches)
     bar = tqdm(range(1, steps + 1), total=steps, desc=f"epoch {epoch}/{epochs}", disable=not progress, leave=False,
@@ -145,7 +147,7 @@ def train_one_epoch(model, batches: Iterator[Any], optimizer, scheduler, step_lo
         bad_step.masked_fill_(first_bad, step)
         bad_loss.copy_(torch.where(first_bad, step_loss_sum, bad_loss))
         sums["bad"] += first_bad
-        if step % log_every == 0 or step == steps:
+        if step % every == 0 or step == steps:
             stats = _read_stats(sums)
             if stats["bad"]:  # a step since the last check (on this rank or another) had a non-finite loss
                 where = int(bad_step) or None
