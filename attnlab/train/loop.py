@@ -28,21 +28,24 @@ from attnlab.ops.sdpa import short_sequence_products
 
 from . import distributed
 from .checkpoint import (
+    RESUME_KEYS,
     STATE,
     WEIGHTS,
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
     create_dir_with,
-    find_checkpoint,
+    find_weights,
     get_rng_state,
     has_checkpoint,
+    resume_point,
     save_checkpoint,
     seed_everything,
     set_rng_state,
     weights_of,
 )
 from .config import RUNTIME_KEYS, TrainConfig, config_to_dict, run_name, uses_mixing, validate
+from .lock import RunLock, check_unlocked
 from .optim import build_optimizer, build_scheduler
 
 CONFIG, METRICS, RESULT = "config.yaml", "metrics.jsonl", "result.json"
@@ -192,6 +195,7 @@ def check_run(cfg: TrainConfig, cache: dict | None = None) -> dict[str, Any]:
         cache[model_key] = True
 
     plan = {"name": name, "run_dir": run_dir, "action": "train", "epoch": 0, "note": None, "result": None}
+    check_unlocked(run_dir)  # another process is training it
     finished, resumable = (run_dir / RESULT).exists(), has_checkpoint(run_dir)
     if resumable and not cfg.resume:
         raise ConfigError(f"run directory {run_dir} already holds a checkpoint; pass --resume to continue it or "
@@ -201,8 +205,8 @@ def check_run(cfg: TrainConfig, cache: dict | None = None) -> dict[str, Any]:
     if cfg.resume and finished:
         plan.update(action="skip", result=_read_result(run_dir))
     elif resumable:
-        found = find_checkpoint(run_dir)
-        plan.update(action="resume", epoch=found.epoch, note=found.note)
+        found, note = resume_point(run_dir)  # None: no intact pair, the run starts afresh
+        plan.update(action="resume" if found else "train", epoch=found.epoch if found else 0, note=note)
     return plan
 
 
@@ -354,7 +358,8 @@ def train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     try:
         with distributed.session(resolve_device(cfg.device)) as ranks:
             try:
-                return _train(cfg, probe, ranks)
+                with RunLock(run_dir_of(cfg), enabled=ranks.is_main) as lock:  # one writer per run directory
+                    return _train(cfg, probe, ranks, lock)
             except Exception as err:
                 raise distributed.settle(err)  # under torchrun: the same error on every rank
     finally:
@@ -389,7 +394,7 @@ def load_run(run_dir: str | Path, map_location: str | torch.device = "cpu") -> t
     cfg = load_config(run_dir / CONFIG)
     model = build_run_model(cfg, dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options),
                             pretrained=False)
-    found = find_checkpoint(run_dir, map_location="cpu")
+    found = find_weights(run_dir, model=model)  # the weights alone: a reader never loads the trainer state
     note = found.fallback("using")  # analysis and eval read a run too: say which epoch they measure
     if note:
         print(f"{run_dir.name}: {note}", file=sys.stderr, flush=True)
@@ -398,7 +403,8 @@ def load_run(run_dir: str | Path, map_location: str | torch.device = "cpu") -> t
     return model.to(map_location).eval(), cfg
 
 
-def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.SINGLE) -> dict[str, Any]:
+def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.SINGLE,
+           lock: RunLock | None = None) -> dict[str, Any]:
     from attnlab import parse_spec
     from attnlab.data import build_dataset, dataset_info
     from attnlab.variants import training_hooks
@@ -428,18 +434,25 @@ def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.
         _check_same_run(run_dir, resolved)
         if (run_dir / RESULT).exists():
             return _read_result(run_dir)
-    # read before anything is built, so that a run with no intact checkpoint stops at once
-    found = find_checkpoint(run_dir, map_location="cpu") if resuming else None
 
     # Model and data. Seeding first makes the initial weights a function of the seed.
     seed_everything(cfg.seed)
     info = dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options)
-    model = build_run_model(cfg, info, pretrained=found is None).to(device)  # a checkpoint replaces the weights
+    model = build_run_model(cfg, info, pretrained=not resuming).to(device)  # a checkpoint replaces the weights
+    # the newest pair that is intact and fits the model; with none (a kill in the first save) start afresh, saying so
+    found, note = None, None
+    if resuming:
+        found, note = resume_point(run_dir, model, RESUME_KEYS + (("ema",) if cfg.ema else ()))
+    if note and main:
+        print(f"{name}: {note}", file=sys.stderr, flush=True)
+    if resuming and found is None and (cfg.pretrained or cfg.pretrained_file):
+        seed_everything(cfg.seed)  # built again as a fresh run builds it, from its pretrained weights
+        model = build_run_model(cfg, info).to(device)
     # The run directory appears together with its config.yaml, so that a killed run continues with
     # `train --resume RUN_DIR`: before a download (minutes), else once the data has loaded (bad input makes none).
     config_file = {CONFIG: yaml.safe_dump(resolved, sort_keys=False).encode()}
     if cfg.download and main:
-        create_dir_with(run_dir, config_file)
+        create_dir_with(run_dir, config_file, lock)
     if cfg.download and ranks.distributed and not main:
         distributed.agree(None)  # rank 0 downloads first
     on_device = data_on_device(cfg, device)
@@ -460,7 +473,7 @@ def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.
     if cfg.download and ranks.distributed and main:
         distributed.agree(None)
     if main:
-        create_dir_with(run_dir, config_file)
+        create_dir_with(run_dir, config_file, lock)
 
     # One generator drives the sampler and the workers' seeds (the DataLoader draws its base seed from it);
     # it is re-seeded from (seed, epoch) at the start of every epoch. Workers are not persistent so that each
@@ -503,8 +516,6 @@ def _train(cfg: TrainConfig, probe=None, ranks: distributed.Ranks = distributed.
     start_epoch, num_updates, history = 0, 0, []
     previous = None  # the checkpoint pair the first new checkpoint keeps as the previous one
     if found is not None:
-        if found.note and main:
-            print(f"{name}: {found.note}", file=sys.stderr, flush=True)
         weights, state, previous = found.weights, found.state, found.files
         model.load_state_dict(weights)
         optimizer.load_state_dict(state["optimizer"])
