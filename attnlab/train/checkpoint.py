@@ -55,15 +55,20 @@ class CheckpointError(AttnlabError):
 class NoIntactCheckpoint(CheckpointError):
     """Checkpoint files, none of them usable; ``why`` names each file and its fault."""
 
-    def __init__(self, run_dir: Path, skipped: dict[str, str], what: str = "checkpoint"):
-        self.why = "; ".join(f"{name}: {reason}" for name, reason in skipped.items()) or "trainer state without weights"
-        super().__init__(f"{run_dir} holds no intact {what} ({self.why}); train the run again with `attnlab train "
-                         f"--resume {run_dir}`, which starts it afresh.")
+    why = ""
 
     @property
     def afresh(self) -> str:
         """Training's one line when it starts such a run afresh."""
         return f"no intact checkpoint ({self.why}); starting the run afresh, replacing its checkpoint files."
+
+
+def _no_intact(run_dir: Path, skipped: dict[str, str], what: str) -> NoIntactCheckpoint:
+    why = "; ".join(f"{name}: {reason}" for name, reason in skipped.items()) or "trainer state without weights"
+    err = NoIntactCheckpoint(f"{run_dir} holds no intact {what} ({why}); train the run again with `attnlab train "
+                             f"--resume {run_dir}`, which starts it afresh.")
+    err.why = why  # kept when the error is pickled (to another rank or process), unlike arguments of __init__
+    return err
 
 
 def _fsync_dir(path: Path) -> None:
@@ -399,7 +404,7 @@ def find_checkpoint(run_dir: str | Path, map_location: str | torch.device = "cpu
             continue
         return Checkpoint(epoch, (weights_name, state_name), weights, state, skipped)
     if heads or states or skipped:
-        raise NoIntactCheckpoint(run_dir, skipped, "checkpoint")
+        raise _no_intact(run_dir, skipped, "checkpoint")
     return None
 
 
@@ -436,7 +441,7 @@ def find_weights(run_dir: str | Path, map_location: str | torch.device = "cpu", 
         except Exception as err:  # noqa: BLE001
             skipped[name] = _reason(err)
     if heads or skipped or has_checkpoint(run_dir):
-        raise NoIntactCheckpoint(run_dir, skipped, "weights")
+        raise _no_intact(run_dir, skipped, "weights")
     return None
 
 

@@ -162,10 +162,11 @@ def check_run(cfg: TrainConfig, cache: dict | None = None) -> dict[str, Any]:
     """Resolve everything :func:`train` needs before its first step, and say what it would do, without training.
 
     Raises the AttnlabError that ``train(cfg)`` would raise: options, spec, device, dataset (name, options, files,
-    at least one batch per epoch), model, and a run directory it could not continue (another config, no intact
-    checkpoint, a checkpoint without ``cfg.resume``). Returns ``{"name", "run_dir", "action", "epoch", "note",
-    "result"}``: action ``"skip"`` (finished; ``result`` holds its result.json), ``"resume"`` (after completed
-    epoch ``epoch``; ``note`` says why if not from the latest checkpoint) or ``"train"``. ``cache``, a dict kept
+    at least one batch per epoch), model, and a run directory it could not continue (another config, a checkpoint
+    without ``cfg.resume``, another process holding its lock). Returns ``{"name", "run_dir", "action", "epoch",
+    "note", "result"}``: action ``"skip"`` (finished; ``result`` holds its result.json), ``"resume"`` (after
+    completed epoch ``epoch``; ``note`` says why if not from the latest checkpoint) or ``"train"`` (``note`` says
+    why when checkpoint files without an intact pair make it start afresh). ``cache``, a dict kept
     across calls, makes a grid load each dataset and build each model once.
     """
     from attnlab import parse_spec
