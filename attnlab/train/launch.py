@@ -89,6 +89,11 @@ def _worker_init(parent: int) -> None:
     """A grid worker's set-up: a process group of its own, ended when the parent dies (PR_SET_PDEATHSIG where
     Linux has it, a thread watching the parent's pid elsewhere too) or when the worker gets SIGTERM. POSIX only
     (Windows has no process groups to kill)."""
+    import multiprocessing
+
+    # DataLoader workers start as under `attnlab train` (the platform's default, fork on Linux), not by the spawn
+    # this process inherited: spawned ones register semaphores that a killed worker would leave to be reported
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     if not hasattr(os, "killpg"):
         return
     os.setpgid(0, 0)
