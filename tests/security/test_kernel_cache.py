@@ -100,6 +100,7 @@ def _probe(cases: dict[str, Path]) -> dict[str, list]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_planted_library_is_never_loaded(tmp_path, genuine, compiler):
     markers, cases = {}, {}
     for case in ("dir-world-writable", "dir-of-another-user", "library-of-another-user", "record-of-another-user",
