@@ -10,11 +10,13 @@ directory it then renames, so no second process can slip in between.
 Temporary files and directories (:func:`temp_name`) carry their writer's pid; the next holder of the lock removes
 those whose process is gone (a kill in the middle of an atomic write or of ``create_dir_with``).
 
-Where ``fcntl`` does not exist (Windows) there is no lock.
+Where ``fcntl`` does not exist (Windows), or the file system does not lock (``ENOLCK``, ``ENOTSUP``), there is no
+lock.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -34,6 +36,7 @@ except ImportError:  # pragma: no cover - Windows
 LOCK = ".lock"
 _TEMP = re.compile(r"^\.(?P<name>.+?)\.(?:(?P<pid>\d+)\.)?[0-9a-f]{12}\.tmp$")  # without a pid: older versions
 _held: weakref.WeakSet[RunLock] = weakref.WeakSet()
+_NO_LOCKS = (errno.ENOLCK, errno.ENOTSUP, errno.EOPNOTSUPP)  # a file system that cannot lock: no lock there
 
 
 class RunLockedError(AttnlabError):
@@ -109,6 +112,9 @@ def check_unlocked(run_dir: str | Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         raise _locked_error(Path(run_dir), lock_file) from None
+    except OSError as err:
+        if err.errno not in _NO_LOCKS:
+            raise
     finally:
         os.close(fd)  # closing drops the probe's shared lock
 
@@ -155,6 +161,13 @@ class RunLock:
                     time.sleep(0.05)
                     continue
                 raise _locked_error(self.run_dir, lock_file) from None
+            except OSError as err:
+                os.close(fd)
+                if err.errno not in _NO_LOCKS:
+                    raise OSError(err.errno, err.strerror, str(lock_file)) from None
+                lock_file.unlink(missing_ok=True)
+                self.enabled = False  # this file system cannot lock: write unlocked, as without fcntl
+                return
             try:
                 same = os.stat(lock_file).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:

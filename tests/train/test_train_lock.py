@@ -96,6 +96,22 @@ def test_the_next_holder_removes_what_killed_writers_left(tmp_path):
         assert all(p.exists() for p in (*kept, live_dir, other_run))
 
 
+def test_a_file_system_that_cannot_lock_writes_unlocked(tmp_path, monkeypatch):
+    import errno
+
+    import attnlab.train.lock as lock_module
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(lock_module.fcntl, "flock", no_locks)
+    run = tmp_path / "run"
+    with RunLock(run) as lock:
+        ckpt.create_dir_with(run, {"config.yaml": b"a: 1\n"}, lock)
+        assert lock.held and not (run / LOCK).exists()
+    check_unlocked(run)
+
+
 FORKED = textwrap.dedent("""
     import os, sys, time
     from attnlab.train.lock import RunLock
