@@ -3,7 +3,8 @@
 Each subcommand lives in its own module with ``configure(parser)`` and ``run(args) -> int``; ``configure`` imports
 nothing heavy (no torch), so that ``--help`` and argument errors answer at once. Errors a user can cause
 (:class:`attnlab.AttnlabError`, a bad flag, a path that cannot be read or written) become one line on stderr and
-exit code 2, never a traceback.
+exit code 2, never a traceback. Ctrl-C and SIGTERM (what SLURM and Kubernetes send) stop the command at once with
+one line, exit code 130 and 143; files are written atomically, so what was written stays whole.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import errno
 import importlib
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 from typing import NoReturn
 
@@ -108,7 +111,10 @@ _PATH_ERRORS = {
 
 
 def path_error(err: OSError) -> str | None:
-    """One sentence for an OSError about a named path, or None for any other OSError (left to propagate)."""
+    """One sentence for an OSError about a named path, or None for any other OSError (left to propagate). A full
+    disk is one sentence even when the error names no file."""
+    if err.filename is None and err.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return "no space left on the device (or the disk quota is used up); free some space or choose another path."
     if err.filename is None or err.errno not in _PATH_ERRORS:
         return None
     return f"cannot use {str(err.filename)!r}: {_PATH_ERRORS[err.errno]}."
@@ -145,10 +151,24 @@ def _check_launch(command: str) -> None:
                           f"`attnlab train` is distributed: run `attnlab {command}` without torchrun{hint}.")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that the same code stops both."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
-    if os.environ.get("WORLD_SIZE", "1") in ("", "1"):
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+        _exit_worker(argv)  # torchrun's workers keep SIGTERM's default: torchrun sends it to end every rank
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set a handler
         return _main(argv)
-    _exit_worker(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _exit_worker(argv: list[str] | None) -> NoReturn:
@@ -194,7 +214,11 @@ def _main(argv: list[str] | None) -> int:
             raise
         print(f"attnlab {args.command}: error: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:  # DataLoader workers end with the process (daemonic children are joined)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM while shutting down ends it at once
+        if isinstance(stop, Terminated):
+            print(f"attnlab {args.command}: terminated (SIGTERM)", file=sys.stderr)
+            return 143
         print(f"attnlab {args.command}: interrupted", file=sys.stderr)
         return 130
 

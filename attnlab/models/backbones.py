@@ -146,7 +146,7 @@ def _build(name: str, num_classes: int | None, overrides: dict, pretrained: bool
             _fix_drop_path(model, kwargs.get("drop_path_rate", 0.0))
         if pretrained_file is not None:
             model.attnlab_model = name
-            load_strict(model, read_state_dict(pretrained_file), f"pretrained file {pretrained_file}")
+            load_strict(model, read_state_dict(pretrained_file, model), f"pretrained file {pretrained_file}")
     elif pretrained or pretrained_file is not None:
         if num_classes is not None:
             overrides = {**overrides, "num_classes": num_classes}

@@ -2,7 +2,9 @@
 authors' state dicts ("DnA: Denoising Attention for Visual Tasks"), loaded by meaning into attnlab's modules.
 
 Files are read without running code: safetensors, or ``torch.load(weights_only=True)`` (tensors and plain
-containers only; a pickle that would construct anything else is refused).
+containers only; a pickle that would construct anything else is refused). A safetensors header is checked before
+any tensor is read: at most ``MAX_HEADER_BYTES``, and, given the model, the same names and shapes as its state
+dict, so a file of a million tiny tensors or of another model costs nothing to refuse.
 
 The DnA authors' formats (per attention module, ``H`` heads, ``dim`` features):
 
@@ -28,8 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from ..errors import ConfigError, ModelNotFoundError
@@ -37,11 +38,50 @@ from ..errors import ConfigError, ModelNotFoundError
 DNA_LAYOUTS = ("auto", "forward", "legacy", "separate")
 _LEGACY_ORDER = ("q_pos", "k", "v_pos", "q_neg", "v_neg")
 _CONTAINER_KEYS = ("state_dict", "model", "module", "state_dict_ema", "model_ema")
+# A safetensors header lists every tensor in about 100 bytes: 16 MiB is ~150k tensors, where timm's largest models
+# have a few thousand. safetensors itself parses up to 100 MB of header, which a hostile file fills with entries.
+MAX_HEADER_BYTES = 16 * 2**20
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+def safetensors_header(f) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) of every tensor in ``f`` (an open ``safe_open`` file), read from its header."""
+    return {k: (sl.get_dtype(), tuple(sl.get_shape())) for k in f.keys() for sl in (f.get_slice(k),)}
+
+
+def open_safetensors(path: str | Path, device: str = "cpu"):
+    """``safe_open(path)`` once the header's declared size is known to be at most ``MAX_HEADER_BYTES``;
+    ValueError otherwise (a file too short to hold a header, or a header too large)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8:
+        raise ValueError("too short for a safetensors header")
+    size = int.from_bytes(head, "little")
+    if size > MAX_HEADER_BYTES:
+        raise ValueError(f"a {size}-byte header, more than the {MAX_HEADER_BYTES >> 20} MiB attnlab reads")
+    return safe_open(str(path), framework="pt", device=device)
+
+
+def mismatch(own: Mapping[str, tuple[int, ...]], given: Mapping[str, tuple[int, ...]], model: str) -> str | None:
+    """How the shapes ``given`` (name -> shape) differ from ``model``'s own (its first missing, mismatching or
+    unexpected key), or None when they are the same."""
+    for name, shape in own.items():
+        if name not in given:
+            return f"lacks {name!r} that {model} needs"
+        if tuple(given[name]) != tuple(shape):
+            return f"holds {name!r} with shape {tuple(given[name])} where {model} has {tuple(shape)}"
+    extra = next((k for k in given if k not in own), None)
+    return None if extra is None else f"holds {extra!r}, which {model} does not have"
+
+
+def shapes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in state_dict.items()}
+
+
+def read_state_dict(path: str | Path, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file or a weights-only torch file (a bare state dict, or one under
-    ``state_dict`` / ``model`` / ``module``), on the CPU; ConfigError for a missing, damaged or hostile file."""
+    ``state_dict`` / ``model`` / ``module``), on the CPU; ConfigError for a missing, damaged or hostile file.
+    ``model``: a safetensors file must hold its state dict's names and shapes, checked from the header before
+    any tensor is read (ConfigError as :func:`load_strict` words it)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"pretrained file {path} does not exist; give a .safetensors or a weights-only torch file.")
@@ -49,9 +89,17 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         head = f.read(8)
     try:
         if path.suffix == ".safetensors" or not (zipfile.is_zipfile(path) or head[:1] == b"\x80"):
-            state = load_file(str(path), device="cpu")
+            with open_safetensors(path) as f:
+                if model is not None:
+                    header = {re.sub(r"^module\.", "", k): shape for k, (_, shape) in safetensors_header(f).items()}
+                    why = mismatch(shapes(model.state_dict()), header, _model_name(model))
+                    if why:
+                        raise ConfigError(f"pretrained file {path} {why}; give weights of the same architecture.")
+                state = {k: f.get_tensor(k) for k in f.keys()}
         else:  # torch.save's zip archive, or its legacy pickle format
             state = torch.load(path, map_location="cpu", weights_only=True)
+    except ConfigError:  # the header does not fit the model
+        raise
     except (SafetensorError, pickle.UnpicklingError, RuntimeError, ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError,
             AttributeError, TypeError) as err:
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -71,18 +119,9 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 def load_strict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], source: str) -> nn.Module:
     """``model.load_state_dict(state_dict)`` that names the first missing, unexpected or mismatching key in a
     ConfigError (a state dict for another model) instead of torch's multi-line RuntimeError."""
-    own = model.state_dict()
-    for name, tensor in own.items():
-        if name not in state_dict:
-            raise ConfigError(f"{source} lacks {name!r} that {_model_name(model)} needs; give weights of the same "
-                              f"architecture.")
-        if tuple(state_dict[name].shape) != tuple(tensor.shape):
-            raise ConfigError(f"{source} holds {name!r} with shape {tuple(state_dict[name].shape)} where "
-                              f"{_model_name(model)} has {tuple(tensor.shape)}; give weights of the same architecture.")
-    extra = next((k for k in state_dict if k not in own), None)
-    if extra is not None:
-        raise ConfigError(f"{source} holds {extra!r}, which {_model_name(model)} does not have; give weights of the "
-                          f"same architecture.")
+    why = mismatch(shapes(model.state_dict()), shapes(state_dict), _model_name(model))
+    if why:
+        raise ConfigError(f"{source} {why}; give weights of the same architecture.")
     model.load_state_dict(state_dict)
     return model
 
@@ -231,5 +270,5 @@ def load_dna_authors(model: nn.Module, source: str | Path | Mapping[str, torch.T
     return load_strict(model, dna_authors_state_dict(model, state, layout, sign), name)
 
 
-__all__ = ["DNA_LAYOUTS", "create_pretrained", "dna_authors_state_dict", "load_dna_authors", "load_strict",
-           "read_state_dict"]
+__all__ = ["DNA_LAYOUTS", "MAX_HEADER_BYTES", "create_pretrained", "dna_authors_state_dict", "load_dna_authors",
+           "load_strict", "mismatch", "open_safetensors", "read_state_dict", "safetensors_header"]

@@ -6,10 +6,17 @@ name that hashes the source, the flags and the CPU (``-march=native``), then loa
 (no compiler, read-only cache) is remembered and reported by :func:`load_error`; callers then use their torch
 path. ``ATTNLAB_KERNELS=0`` switches every kernel off.
 
-Safety. The cache directory is created private (mode 0700) and refused when another user could write to it (a
-library loaded from there runs in this process). Every kernel exports ``attnlab_abi()``, its interface version, and
-the sizes of the structs it reads (``abi_sizes``); :func:`load` checks both against what the Python side was written
-for, so a kernel and its ctypes declarations can never drift apart silently. Kernels keep their per-thread working
+Safety: a library loaded from the cache runs in this process, so nothing is trusted there that another user could
+have put there. The cache directory is created private (mode 0700); a cache directory, library or record that
+belongs to another user, or that group or others can write, is refused (the kernel is not used, and
+:func:`load_error` says why). A library is built in a fresh private temporary directory, then renamed into the
+cache beside its record (``NAME.so.sha256``, written by the same user: the sha256 of the source, headers,
+compiler, flags and CPU it was built from, and of the library's bytes); a cached library is loaded only when both
+match, through the file descriptor its bytes were hashed from, else it is built again.
+
+Every kernel exports ``attnlab_abi()``, its interface version, and the sizes of the structs it reads
+(``abi_sizes``); :func:`load` checks both against what the Python side was written for, so a kernel and its
+ctypes declarations can never drift apart silently. Kernels keep their per-thread working
 memory on the heap, not in stack arrays: threads with small stacks (macOS's 512 KiB secondary threads) stay safe.
 
 Threads: a kernel is built with ``-fopenmp`` when the compiler can, and then parallelises inside C over the
@@ -23,8 +30,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
+import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -44,6 +54,11 @@ _libs: dict[tuple[str, tuple[str, ...]], ctypes.CDLL] = {}
 _errors: dict[tuple[str, tuple[str, ...]], str] = {}
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0  # a forked child inherits the pool object but not its threads
+_loaded_fds: list[int] = []  # kept open: dlopen knows "/proc/self/fd/N" by name, so N must never name another file
+
+
+class _Refused(OSError):
+    """A cache directory or file that someone other than this user could have written."""
 
 
 def disabled() -> str | None:
@@ -59,15 +74,115 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnlab"
 
 
+def _check_private(path: Path, st: os.stat_result, what: str) -> None:
+    """_Refused unless ``st`` (of ``path``) belongs to this user and neither group nor others can write it (POSIX;
+    elsewhere there are no such owners and modes)."""
+    if not hasattr(os, "getuid"):
+        return
+    if st.st_uid != os.getuid():
+        raise _Refused(f"{what} {path} belongs to another user (uid {st.st_uid}), so it may hold anyone's code; set "
+                       f"ATTNLAB_CACHE to a directory of yours")
+    if st.st_mode & 0o022:  # ours, but anyone could have planted a library there: never trusted, never repaired
+        raise _Refused(f"{what} {path} can be written by group or others (mode {stat.S_IMODE(st.st_mode):o}), so it "
+                       f"may hold anyone's code; delete it, or set ATTNLAB_CACHE to a private directory")
+
+
 def _private_dir(path: Path) -> Path:
-    """``path``, created with mode 0700 if missing; OSError when another user owns it or could write into it."""
+    """``path``, created with mode 0700 if missing; _Refused when another user owns it or could write into it."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise OSError(f"the kernel cache {path} belongs to another user; set ATTNLAB_CACHE to a directory of yours")
-    if st.st_mode & 0o022:  # ours, but group- or world-writable: anyone could plant a library there
-        os.chmod(path, 0o700)
+    _check_private(path, path.stat(), "the kernel cache")
     return path
+
+
+def _open_private(path: Path) -> int | None:
+    """A file descriptor of the regular file ``path`` (not followed if a link), None if there is none; _Refused if
+    another user owns it or group or others can write it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise _Refused(f"the cached file {path} cannot be opened as a plain file ({err.strerror}); delete it") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Refused(f"the cached file {path} is not a plain file; delete it")
+        _check_private(path, st, "the cached file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_fd(fd: int) -> bytes:
+    with open(fd, "rb", closefd=False) as f:
+        f.seek(0)
+        return f.read()
+
+
+def _dlopen(fd: int, path: Path) -> ctypes.CDLL:
+    """Load the library open as ``fd`` (what was hashed), by its /proc name where there is one, else by ``path``."""
+    if os.path.isdir("/proc/self/fd"):
+        _loaded_fds.append(fd)
+        return ctypes.CDLL(f"/proc/self/fd/{fd}")
+    try:
+        return ctypes.CDLL(str(path))
+    finally:
+        os.close(fd)
+
+
+def _load_cached(target: Path, source_key: str) -> ctypes.CDLL | None:
+    """The cached library ``target`` if its record (``target.sha256``, as private as the library) names
+    ``source_key`` and the sha256 of the bytes read from it; None when either is missing or differs (build it
+    again); _Refused when either file is someone else's."""
+    lib_fd = _open_private(target)
+    if lib_fd is None:
+        return None
+    try:
+        record_fd = _open_private(target.with_name(target.name + ".sha256"))
+        if record_fd is None:
+            os.close(lib_fd)
+            return None
+        try:
+            record = json.loads(_read_fd(record_fd))
+        except ValueError:
+            record = {}
+        finally:
+            os.close(record_fd)
+        if not isinstance(record, dict) or record.get("source") != source_key or \
+                record.get("library") != hashlib.sha256(_read_fd(lib_fd)).hexdigest():
+            os.close(lib_fd)
+            return None
+    except BaseException:
+        os.close(lib_fd)
+        raise
+    return _dlopen(lib_fd, target)
+
+
+def _compile(compiler: str, flags: tuple[str, ...], source: Path, target: Path, source_key: str) -> ctypes.CDLL:
+    """Build ``source`` in a fresh private directory (the linker may re-create its output file, so a private file
+    alone is not enough), record its hashes, rename both into the cache and load what was hashed."""
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))  # mode 0700; unique: concurrent builds
+    try:
+        out = work / target.name
+        proc = subprocess.run([compiler, *flags, "-o", str(out), str(source), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise OSError(f"{compiler} failed: {proc.stderr.strip()[:500]}")
+        os.chmod(out, 0o700)  # the linker's mode follows the umask, which may let others write
+        lib_fd = os.open(out, os.O_RDONLY)
+        try:
+            record = {"source": source_key, "library": hashlib.sha256(_read_fd(lib_fd)).hexdigest()}
+            record_fd = os.open(work / "record", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with open(record_fd, "w") as f:
+                json.dump(record, f)
+            os.replace(work / "record", target.with_name(target.name + ".sha256"))
+            os.replace(out, target)  # atomic: another process sees the old pair or the whole new one
+        except BaseException:
+            os.close(lib_fd)
+            raise
+        return _dlopen(lib_fd, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _cpu_id() -> str:
@@ -85,6 +200,8 @@ def _build(source: Path, defines: tuple[str, ...]) -> ctypes.CDLL:
     try:
         lib = _build_with(source, (*defines, _OPENMP))
         lib.built_with_openmp = True
+    except _Refused:
+        raise
     except OSError:  # a compiler without OpenMP (e.g. clang without libomp): Python threads split the work
         lib = _build_with(source, defines)
         lib.built_with_openmp = False
@@ -96,20 +213,9 @@ def _build_with(source: Path, defines: tuple[str, ...]) -> ctypes.CDLL:
     flags = (*_FLAGS, *defines)
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what its #include "..." lines read
     parts = [source.read_text(), *headers, compiler, *flags, _cpu_id()]
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    target = _private_dir(_cache_dir()) / f"{source.stem}_{key}.so"
-    if not target.exists():
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # unique name: concurrent builds do not clash
-        os.close(fd)
-        try:
-            proc = subprocess.run([compiler, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise OSError(f"{compiler} failed: {proc.stderr.strip()[:500]}")
-            os.replace(tmp, target)  # atomic: another process sees the old state or the whole file
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-    return ctypes.CDLL(str(target))
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
+    target = _private_dir(_cache_dir()) / f"{source.stem}_{key[:16]}.so"
+    return _load_cached(target, key) or _compile(compiler, flags, source, target, key)
 
 
 def _handshake(lib: ctypes.CDLL, name: str, abi: int, abi_sizes: dict[str, int]) -> None:
@@ -143,7 +249,9 @@ def load(name: str, defines: tuple[str, ...] = (), *, abi: int, abi_sizes: dict[
                 lib = _build(Path(__file__).with_name(name), defines)
                 _handshake(lib, name, abi, abi_sizes or {})
                 _libs[key] = lib
-            except OSError as err:  # no compiler, private cache refused, failed build, load or handshake
+            except _Refused as err:  # a cache that others could have written: nothing from it runs here
+                _errors[key] = f"the fused CPU kernel is not used: {err}"
+            except OSError as err:  # no compiler, failed build, load or handshake
                 _errors[key] = f"the fused CPU kernel could not be built ({err})"
     return _libs.get(key)
 

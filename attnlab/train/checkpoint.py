@@ -4,41 +4,68 @@ A run directory keeps the checkpoints of its last two completed epochs, each a p
 ``checkpoint.safetensors`` (model weights) + ``trainer_state.pt`` (optimizer, scheduler, sampler and RNG states,
 epoch, metrics history) for the latest epoch, ``checkpoint.prev.safetensors`` + ``trainer_state.prev.pt`` for the
 one before. Both files of a pair record the epoch and a random save id (the weights in their metadata); a pair is
-intact when both files read and their ids match, so weights and state of different saves are never mixed.
+intact when both files read, their ids match and each matches the sha256 it records of its own content
+(:func:`content_sha256`: the weights' tensors, epoch and save id in their metadata; every value of the trainer
+state in it), so weights and state of different saves are never mixed and damage that still parses is noticed.
 Resuming takes the newest intact pair wherever its two files lie (a kill in the middle of the rotation leaves
-one of them renamed), so an unreadable latest checkpoint falls back to the previous one.
+one of them renamed), so an unusable latest checkpoint falls back to the previous one. Readers of a run's weights
+(:func:`find_weights`: ``eval``, ``export``, ``analyze``) never read the trainer state. Files written before
+checksums existed carry none and are read unchecked.
 
 Every file is written to a temporary file in the same directory, flushed and fsynced, then moved over the old
 one with ``os.replace``: a crash at any moment leaves either the old or the new file, never a torn one. Files
 are created with mode 0666 and directories with 0777, both less the user's umask, like any other program's.
+One process writes a run directory at a time (:mod:`attnlab.train.lock`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import random
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 from attnlab.errors import AttnlabError
 
 from .files import PREV_STATE, PREV_WEIGHTS, STATE, WEIGHTS
+from .lock import RunLock, temp_name
+
+# what resuming reads from a trainer state (with cfg.ema also "ema"): a state without one of them is unusable
+RESUME_KEYS = ("epoch", "num_updates", "optimizer", "scheduler", "rng", "history")
 
 
 class CheckpointError(AttnlabError):
     """A run directory holds checkpoint files but no intact pair of weights and trainer state."""
+
+
+class NoIntactCheckpoint(CheckpointError):
+    """Checkpoint files, none of them usable; ``why`` names each file and its fault."""
+
+    why = ""
+
+    @property
+    def afresh(self) -> str:
+        """Training's one line when it starts such a run afresh."""
+        return f"no intact checkpoint ({self.why}); starting the run afresh, replacing its checkpoint files."
+
+
+def _no_intact(run_dir: Path, skipped: dict[str, str], what: str) -> NoIntactCheckpoint:
+    why = "; ".join(f"{name}: {reason}" for name, reason in skipped.items()) or "trainer state without weights"
+    err = NoIntactCheckpoint(f"{run_dir} holds no intact {what} ({why}); train the run again with `attnlab train "
+                             f"--resume {run_dir}`, which starts it afresh.")
+    err.why = why  # kept when the error is pickled (to another rank or process), unlike arguments of __init__
+    return err
 
 
 def _fsync_dir(path: Path) -> None:
@@ -55,30 +82,32 @@ def _fsync_dir(path: Path) -> None:
         os.close(dir_fd)
 
 
-def _temp_name(path: Path) -> Path:
-    return path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-
-
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
     """Write ``path`` through ``write(file)`` on a same-directory temporary file, fsync, then ``os.replace``.
 
     If ``write`` or the rename raises, the temporary file is removed and ``path`` is left as it was. The file is
     opened with mode 0666 so that the umask decides its permissions (``tempfile.mkstemp`` would make it 0600).
+    An OSError names ``path`` (a full disk's ENOSPC names no file of its own).
     """
     path = Path(path)
-    tmp = _temp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    tmp = temp_name(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(path)) from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(err, OSError) and err.filename is None:
+            raise OSError(err.errno, err.strerror, str(path)) from err
         raise
     _fsync_dir(path.parent)
 
@@ -95,30 +124,51 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
-def create_dir_with(path: str | Path, files: dict[str, bytes]) -> None:
+def create_dir_with(path: str | Path, files: dict[str, bytes], lock: RunLock | None = None) -> None:
     """Create directory ``path`` holding ``files`` (name -> bytes) in one rename, so that it never exists without
-    them; if ``path`` already exists the files are written into it, each atomically."""
+    them, locked by ``lock`` (its :class:`~attnlab.train.lock.RunLock`) before it appears; if ``path`` already
+    exists the files are written into it, each atomically, once the lock is held. Raises RunLockedError when
+    another process holds it. Without ``lock``, one is taken for the call.
+
+    A run's own ``lock``, not yet held, that finds ``path`` existing is a ConfigError: another process made it
+    after the run began (which took the lock of a directory that existed then) and decided to train afresh."""
+    from attnlab.errors import ConfigError
+
     path = Path(path)
-    if not path.is_dir():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _temp_name(path)
-        os.mkdir(tmp)
-        try:
-            for name, data in files.items():
-                atomic_write_bytes(tmp / name, data)
-            os.rename(tmp, path)  # fails if another process made a non-empty ``path`` meanwhile
-            _fsync_dir(path.parent)
-            return
-        except OSError:
-            if not path.is_dir():
-                raise
-        finally:
-            if tmp.exists():
-                for child in tmp.iterdir():
-                    child.unlink()
-                tmp.rmdir()
-    for name, data in files.items():
-        atomic_write_bytes(path / name, data)
+    own = lock is None
+    lock = RunLock(path) if own else lock
+    try:
+        if not path.is_dir() and not lock.held:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = temp_name(path)
+            os.mkdir(tmp)
+            try:
+                lock.acquire(tmp)  # held before the directory appears under its name
+                for name, data in files.items():
+                    atomic_write_bytes(tmp / name, data)
+                os.rename(tmp, path)  # fails if another process made a non-empty ``path`` meanwhile
+                lock.moved()
+                _fsync_dir(path.parent)
+                return
+            except OSError:
+                lock.release()
+                if not path.is_dir():
+                    raise
+            finally:
+                if tmp.exists():
+                    for child in tmp.iterdir():
+                        child.unlink()
+                    tmp.rmdir()
+        if not lock.held:  # an existing directory: its own lock would have been taken when the run began
+            lock.acquire()  # RunLockedError while another process holds it
+            if not own:
+                raise ConfigError(f"run directory {path} was made by another process while this run set up; run the "
+                                  f"command again (with --resume to continue that run).")
+        for name, data in files.items():
+            atomic_write_bytes(path / name, data)
+    finally:
+        if own:
+            lock.release()
 
 
 # ----------------------------------------------------------------------------------------------- RNG state
@@ -159,6 +209,36 @@ def weights_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
 
 
+def content_sha256(obj: Any) -> str:
+    """sha256 of the values of a nested structure of tensors (dtype, shape and bytes), dicts (items sorted by key),
+    lists, tuples and scalars (their repr): what a file holds, independent of how it is laid out on disk."""
+    h = hashlib.sha256()
+
+    def feed(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+        elif isinstance(x, dict):
+            h.update(f"D{len(x)};".encode())
+            for k, v in sorted(x.items(), key=lambda kv: (type(kv[0]).__name__, str(kv[0]))):
+                feed(k)
+                feed(v)
+        elif isinstance(x, (list, tuple)):
+            h.update(f"L{len(x)};".encode())
+            for v in x:
+                feed(v)
+        else:
+            h.update(f"{type(x).__name__}:{x!r};".encode())
+
+    feed(obj)
+    return h.hexdigest()
+
+
+def _weights_digest(meta: Mapping[str, str], weights: Mapping[str, torch.Tensor]) -> str:
+    return content_sha256([{k: meta.get(k) for k in ("epoch", "save_id")}, dict(weights)])
+
+
 def save_checkpoint(run_dir: str | Path, model: nn.Module, state: dict[str, Any],
                     previous: tuple[str, str] | None = (WEIGHTS, STATE)) -> None:
     """Write the checkpoint of epoch ``state["epoch"]`` as the latest pair, keeping ``previous`` as the previous pair.
@@ -166,15 +246,20 @@ def save_checkpoint(run_dir: str | Path, model: nn.Module, state: dict[str, Any]
     ``previous`` names the files (weights, state) of the intact pair to keep, by default the current latest pair
     (files that do not exist are skipped); they are renamed to the previous pair's names, then the new weights and
     state are written, each atomically. ``None`` keeps no previous pair. The epoch and a fresh save id go into
-    both files, so that a kill between any two of these steps leaves an intact pair for
-    :func:`find_checkpoint` and never a mixed one.
+    both files, and each records the sha256 of its own content (:func:`content_sha256`), so that a kill between
+    any two of these steps leaves an intact pair for :func:`find_checkpoint` and never a mixed one, and damage is
+    noticed on reading.
     """
     run_dir = Path(run_dir)
     epoch = int(state["epoch"])
     save_id = f"{epoch}-{secrets.token_hex(8)}"
-    data = safetensors_bytes(weights_of(model), metadata={"epoch": str(epoch), "save_id": save_id})
+    weights = weights_of(model)
+    meta = {"epoch": str(epoch), "save_id": save_id}
+    data = safetensors_bytes(weights, metadata={**meta, "sha256": _weights_digest(meta, weights)})
+    state = {**state, "save_id": save_id}
+    state["sha256"] = content_sha256(state)
     buf = io.BytesIO()
-    torch.save({**state, "save_id": save_id}, buf)
+    torch.save(state, buf)
     if previous is None:
         for name in (PREV_WEIGHTS, PREV_STATE):
             (run_dir / name).unlink(missing_ok=True)
@@ -195,10 +280,11 @@ def has_checkpoint(run_dir: str | Path) -> bool:
 
 @dataclass
 class Checkpoint:
-    """The newest intact checkpoint of a run directory (see :func:`find_checkpoint`)."""
+    """The newest intact checkpoint of a run directory (see :func:`find_checkpoint`; from :func:`find_weights`,
+    ``state`` is empty and ``files`` names the weights alone)."""
 
     epoch: int
-    files: tuple[str, str]                    # (weights, state) file names it was read from
+    files: tuple[str, ...]                    # (weights, state) file names it was read from
     weights: dict[str, torch.Tensor]
     state: dict[str, Any]
     skipped: dict[str, str] = field(default_factory=dict)   # file name -> why it was not used
@@ -210,20 +296,80 @@ class Checkpoint:
 
     def fallback(self, verb: str) -> str | None:
         """``note`` with its own verb ("continuing from" when training, "using" when reading a run)."""
-        if self.files == (WEIGHTS, STATE) or not self.skipped:
+        if self.files[0] == WEIGHTS or not self.skipped:
             return None
         why = "; ".join(f"{name}: {reason}" for name, reason in self.skipped.items())
         return f"the latest checkpoint is unusable ({why}); {verb} epoch {self.epoch}, the previous intact one."
 
 
+class _Unusable(Exception):
+    """A checkpoint file that reads but fails a check; the message says which."""
+
+
 def _reason(err: Exception) -> str:
-    return f"unreadable ({type(err).__name__})"
+    return str(err) if isinstance(err, _Unusable) else f"unreadable ({type(err).__name__})"
 
 
-def find_checkpoint(run_dir: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint | None:
+def _open_weights(path: Path):
+    from attnlab.models.pretrained import open_safetensors
+
+    return open_safetensors(path)
+
+
+def _weights_meta(path: Path) -> tuple[int, str]:
+    """(epoch, save id) from a weights file's header."""
+    with _open_weights(path) as f:
+        meta = f.metadata() or {}
+    epoch = int(meta["epoch"])
+    return epoch, meta.get("save_id", f"epoch {epoch}")
+
+
+def _read_weights(path: Path, map_location, model: nn.Module | None) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file, its names and shapes checked against ``model``'s from the header first, then
+    its content against the sha256 in its metadata (files without one are older and unchecked)."""
+    from attnlab.models.pretrained import mismatch, safetensors_header, shapes
+
+    with _open_weights(path) as f:
+        meta = f.metadata() or {}
+        if model is not None:
+            why = mismatch(shapes(model.state_dict()), {k: s for k, (_, s) in safetensors_header(f).items()},
+                           "the model")
+            if why:
+                raise _Unusable(f"parses but {why}")
+        weights = {k: f.get_tensor(k).to(map_location) for k in f.keys()}
+    if "sha256" in meta and meta["sha256"] != _weights_digest(meta, weights):
+        raise _Unusable("damaged (its content does not match its sha256)")
+    return weights
+
+
+def _read_state(path: Path, map_location, state_keys: tuple[str, ...], model: nn.Module | None) -> dict[str, Any]:
+    """A trainer state, checked against the sha256 it records, for the keys ``state_keys``, and (with ``model``
+    and "ema" among them) for EMA weights of the model's shapes."""
+    from attnlab.models.pretrained import mismatch, shapes
+
+    state = torch.load(path, map_location=map_location, weights_only=True)
+    if not isinstance(state, dict):
+        raise _Unusable(f"holds a {type(state).__name__}, not a trainer state")
+    digest = state.pop("sha256", None)
+    if digest is not None and digest != content_sha256(state):
+        raise _Unusable("damaged (its content does not match its sha256)")
+    missing = next((k for k in state_keys if k not in state), None)
+    if missing is not None:
+        raise _Unusable(f"parses but lacks {missing!r}")
+    if model is not None and "ema" in state_keys:
+        why = mismatch(shapes(model.state_dict()), shapes(state["ema"]), "the model")
+        if why:
+            raise _Unusable(f"parses but its EMA state dict {why}")
+    return state
+
+
+def find_checkpoint(run_dir: str | Path, map_location: str | torch.device = "cpu", *, model: nn.Module | None = None,
+                    state_keys: tuple[str, ...] = ()) -> Checkpoint | None:
     """The newest intact (weights, trainer state) pair among the run directory's checkpoint files, or None if it
-    holds none. A pair is intact when both files read and record the same save id (files of older versions,
-    without one, match by epoch). Raises CheckpointError if there are checkpoint files but no intact pair."""
+    holds none. A pair is intact when both files read, match their sha256 (files of older versions have none) and
+    record the same save id (older files without one match by epoch); with ``model``, when the weights have its
+    names and shapes; with ``state_keys``, when the state holds those keys. Raises NoIntactCheckpoint (a
+    CheckpointError) if there are checkpoint files but no intact pair."""
     run_dir = Path(run_dir)
     skipped: dict[str, str] = {}
     heads: list[tuple[int, str, str]] = []  # (epoch, save id, weights file)
@@ -231,10 +377,7 @@ def find_checkpoint(run_dir: str | Path, map_location: str | torch.device = "cpu
         if not (run_dir / name).exists():
             continue
         try:
-            with safe_open(run_dir / name, framework="pt") as f:
-                meta = f.metadata() or {}
-            epoch = int(meta["epoch"])
-            heads.append((epoch, meta.get("save_id", f"epoch {epoch}"), name))
+            heads.append((*_weights_meta(run_dir / name), name))
         except Exception as err:  # noqa: BLE001 -- a damaged file fails in its reader's own way
             skipped[name] = _reason(err)
     states: dict[str, tuple[str, dict[str, Any]]] = {}  # save id -> (state file, state)
@@ -242,7 +385,7 @@ def find_checkpoint(run_dir: str | Path, map_location: str | torch.device = "cpu
         if not (run_dir / name).exists():
             continue
         try:
-            state = torch.load(run_dir / name, map_location=map_location, weights_only=True)
+            state = _read_state(run_dir / name, map_location, state_keys, model)
             states[state.get("save_id", f"epoch {int(state['epoch'])}")] = (name, state)
         except Exception as err:  # noqa: BLE001
             skipped[name] = _reason(err)
@@ -252,15 +395,50 @@ def find_checkpoint(run_dir: str | Path, map_location: str | torch.device = "cpu
             continue
         state_name, state = states[save_id]
         try:
-            weights = load_file(run_dir / weights_name, device=str(map_location))
+            weights = _read_weights(run_dir / weights_name, map_location, model)
         except Exception as err:  # noqa: BLE001
             skipped[weights_name] = _reason(err)
             continue
         return Checkpoint(epoch, (weights_name, state_name), weights, state, skipped)
     if heads or states or skipped:
-        why = "; ".join(f"{name}: {reason}" for name, reason in skipped.items()) or "trainer state without weights"
-        raise CheckpointError(f"{run_dir} holds no intact checkpoint ({why}); delete its checkpoint files to start "
-                              "the run afresh.")
+        raise _no_intact(run_dir, skipped, "checkpoint")
+    return None
+
+
+def resume_point(run_dir: str | Path, model: nn.Module | None = None, state_keys: tuple[str, ...] = ()
+                 ) -> tuple[Checkpoint | None, str | None]:
+    """(checkpoint to continue from, one line for the user) for training a run directory: the newest intact pair
+    (:func:`find_checkpoint`, on the CPU) and its fallback note; with checkpoint files but no intact pair (a kill
+    inside the first save, damage), None and the note that the run starts afresh."""
+    try:
+        found = find_checkpoint(run_dir, "cpu", model=model, state_keys=state_keys)
+    except NoIntactCheckpoint as err:
+        return None, err.afresh
+    return found, found.note if found is not None else None
+
+
+def find_weights(run_dir: str | Path, map_location: str | torch.device = "cpu", *, model: nn.Module | None = None
+                 ) -> Checkpoint | None:
+    """The newest intact weights file of a run directory (checked as in :func:`find_checkpoint`), without reading
+    any trainer state: what reading a run (eval, export, analyze) needs. None without checkpoint files;
+    NoIntactCheckpoint when none of its weights files is intact."""
+    run_dir = Path(run_dir)
+    skipped: dict[str, str] = {}
+    heads: list[tuple[int, str]] = []
+    for name in (WEIGHTS, PREV_WEIGHTS):
+        if not (run_dir / name).exists():
+            continue
+        try:
+            heads.append((_weights_meta(run_dir / name)[0], name))
+        except Exception as err:  # noqa: BLE001
+            skipped[name] = _reason(err)
+    for epoch, name in sorted(heads, reverse=True):
+        try:
+            return Checkpoint(epoch, (name,), _read_weights(run_dir / name, map_location, model), {}, skipped)
+        except Exception as err:  # noqa: BLE001
+            skipped[name] = _reason(err)
+    if heads or skipped or has_checkpoint(run_dir):
+        raise _no_intact(run_dir, skipped, "weights")
     return None
 
 

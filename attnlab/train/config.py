@@ -353,9 +353,43 @@ def make_config(base: TrainConfig | str | None = None, **overrides: Any) -> Trai
     return validate(dataclasses.replace(base, **values))
 
 
+MAX_YAML_NODES = 100_000  # a config or grid file holds hundreds; aliases can make a 1 KB file expand to 10^9
+
+
+class _TooLarge(yaml.YAMLError):
+    pass
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a document whose aliases (``*name``) expand it past ``MAX_YAML_NODES``
+    values ("billion laughs": each alias is one node to the parser, a whole copy to ``dataclasses.asdict``)."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        sizes: dict[int, int] = {}
+
+        def size(n: yaml.Node) -> int:  # the node's values with every alias expanded, each shared node once
+            if id(n) not in sizes:
+                sizes[id(n)] = MAX_YAML_NODES + 1  # while counted: a node that contains itself is unbounded
+                children = [c for pair in n.value for c in pair] if isinstance(n, yaml.MappingNode) else \
+                    n.value if isinstance(n, yaml.SequenceNode) else []
+                total = 1
+                for child in children:
+                    total += size(child)
+                    if total > MAX_YAML_NODES:
+                        raise _TooLarge(f"its aliases expand it to more than {MAX_YAML_NODES} values")
+                sizes[id(n)] = total
+            return sizes[id(n)]
+
+        if node is not None:
+            size(node)
+        return node
+
+
 def read_yaml(path: str | Path, what: str) -> Any:
     """The YAML document in file ``path`` (None if the file is empty), or ConfigError naming ``what`` and the path
-    when it is missing, a directory, unreadable, not text or not YAML."""
+    when it is missing, a directory, unreadable, not text or not YAML, or when its aliases would expand it past
+    ``MAX_YAML_NODES`` values."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -370,7 +404,11 @@ def read_yaml(path: str | Path, what: str) -> Any:
     except OSError as err:
         raise ConfigError(f"{what} {path} cannot be read ({err.strerror or err}); give a readable YAML file.") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_BoundedLoader)
+    except _TooLarge as err:
+        raise ConfigError(f"{what} {path} is refused: {err}; write the values out, or use fewer aliases.") from None
+    except RecursionError:
+        raise ConfigError(f"{what} {path} is nested too deeply to read; a config is a flat mapping of keys.") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{what} {path} is not valid YAML ({str(err).splitlines()[0]}).") from None
 

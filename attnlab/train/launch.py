@@ -9,6 +9,12 @@ the devices listed in ``CUDA_VISIBLE_DEVICES`` from 0 and the workers inherit th
 ``CUDA_VISIBLE_DEVICES`` in each worker: one device count decides, config.yaml records where each run trained, and
 nothing depends on when a worker first touches CUDA. A run on ``cpu`` or on a numbered device stays there.
 
+Workers never outlive the parent: each runs in a process group of its own (with its DataLoader workers), which the
+parent kills when it stops for any reason but a run's error (Ctrl-C, SIGTERM); if the parent is killed outright,
+the kernel tells each worker (``PR_SET_PDEATHSIG`` on Linux) and a watcher thread notices the parent's pid change
+(everywhere), and the worker ends its group. Each run holds its directory's lock (:mod:`attnlab.train.lock`) while
+it trains, so a second grid over the same runs refuses those still training.
+
 ``submitit`` / ``submitit-local``: one job per run through submitit, on SLURM or as local processes (the same code
 path, used by the tests). Jobs train into the same run directories with ``resume``, so a job that SLURM preempts
 or times out is requeued and continues from its last epoch; submitit's files go to ``<runs_dir>/.submitit/``.
@@ -16,9 +22,13 @@ or times out is requeued and continues from its last epoch; submitit's files go 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib.util
+import os
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,10 +72,60 @@ def train_placed(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     return train(cfg, probe)
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _end_group(*_) -> None:
+    """End this worker and its DataLoader workers (its process group) at once."""
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    _end_group()
+
+
+def _worker_init(parent: int) -> None:
+    """A grid worker's set-up: a process group of its own, ended when the parent dies (PR_SET_PDEATHSIG where
+    Linux has it, a thread watching the parent's pid elsewhere too) or when the worker gets SIGTERM. POSIX only
+    (Windows has no process groups to kill)."""
+    import multiprocessing
+
+    # DataLoader workers start as under `attnlab train` (the platform's default, fork on Linux), not by the spawn
+    # this process inherited: spawned ones register semaphores that a killed worker would leave to be reported
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
+    if not hasattr(os, "killpg"):
+        return
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGTERM, _end_group)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which ends the workers
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        pass
+    if os.getppid() != parent:  # the parent died before the line above
+        _end_group()
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="attnlab-parent-watch").start()
+
+
+def _end_workers(slots) -> None:
+    """Kill every worker's process group (the worker and its DataLoader workers)."""
+    if not hasattr(os, "killpg"):
+        return
+    for pool in slots:
+        for pid in list(getattr(pool, "_processes", None) or {}):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 def run_local(todo: Sequence[TrainConfig], jobs: int, probe=None, progress: bool = True) -> None:
     """Train ``todo`` ``jobs`` at a time, each slot a spawned worker process placed by :func:`device_for`; the
     next run goes to the first slot that frees. The first run that fails raises its error once the others
-    running then have finished; runs not started are not started."""
+    running then have finished; runs not started are not started. Anything else that stops the parent (Ctrl-C,
+    SIGTERM) ends the workers at once; so does the parent's death (see the module docstring)."""
     import multiprocessing
     from collections import deque
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -74,7 +134,8 @@ def run_local(todo: Sequence[TrainConfig], jobs: int, probe=None, progress: bool
     pending = deque(todo)
     # spawn, not fork: a forked child of a process that already ran torch's thread pools can deadlock
     spawn = multiprocessing.get_context("spawn")
-    slots = [ProcessPoolExecutor(1, mp_context=spawn) for _ in range(min(jobs, len(todo)))]
+    slots = [ProcessPoolExecutor(1, mp_context=spawn, initializer=_worker_init, initargs=(os.getpid(),))
+             for _ in range(min(jobs, len(todo)))]
     running: dict[Any, tuple[int, TrainConfig]] = {}
 
     def start(slot: int) -> None:
@@ -97,6 +158,10 @@ def run_local(todo: Sequence[TrainConfig], jobs: int, probe=None, progress: bool
                           f"{result['top1']:.2f}% ({result['seconds']:.1f} s)", flush=True)
                 if pending:
                     start(slot)
+    except BaseException as err:
+        if not isinstance(err, Exception):  # Ctrl-C, SIGTERM, exit: stop now, not after the runs in progress
+            _end_workers(slots)
+        raise
     finally:
         for pool in slots:
             pool.shutdown(wait=True, cancel_futures=True)

@@ -28,6 +28,7 @@ from attnlab.ops.sdpa import short_sequence_products
 
 from . import distributed
 from .checkpoint import (
+    RESUME_KEYS,
     STATE,
     WEIGHTS,
     atomic_write_bytes,
@@ -35,6 +36,7 @@ from .checkpoint import (
     atomic_write_text,
     create_dir_with,
     get_rng_state,
+    resume_point,
     save_checkpoint,
     seed_everything,
     set_rng_state,
@@ -42,6 +44,7 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .files import CONFIG, EMA_WEIGHTS, METRICS, RESULT
+from .lock import RunLock
 from .optim import build_optimizer, build_scheduler
 from .run import Plan, Run, compile_mode
 
@@ -198,7 +201,8 @@ def train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
         with distributed.session(run.device) as ranks:
             try:
                 run.join(ranks)
-                return _train(run, probe)
+                with RunLock(run.dir, enabled=ranks.is_main) as lock:  # one writer per run directory
+                    return _train(run, probe, lock)
             except Exception as err:
                 raise distributed.settle(err)  # under torchrun: the same error on every rank
     finally:
@@ -207,7 +211,7 @@ def train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
             torch.set_flush_denormal(False)
 
 
-def _train(run: Run, probe=None) -> dict[str, Any]:
+def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     from attnlab.variants import training_hooks
 
     from .tb import require
@@ -218,15 +222,23 @@ def _train(run: Run, probe=None) -> dict[str, Any]:
     main = ranks.is_main  # rank 0 alone writes files, prints and logs
     require(cfg.log)
 
-    # the checkpoint is read now, before anything is built, so that a run with no intact checkpoint stops at once
-    plan: Plan = run.plan(check=False, keep_checkpoint=True)
+    plan: Plan = run.plan(check=False, read_checkpoint=False)
     if plan.action == "skip":
         return plan.result
-    found = plan.checkpoint
+    resuming = plan.action == "resume"
 
     # Model and data. Seeding first makes the initial weights a function of the seed.
     seed_everything(cfg.seed)
-    model = run.build_model(pretrained=found is None).to(device)  # a checkpoint replaces the weights
+    model = run.build_model(pretrained=not resuming).to(device)  # a checkpoint replaces the weights
+    # the newest pair that is intact and fits the model; with none (a kill in the first save) start afresh, saying so
+    found, note = None, None
+    if resuming:
+        found, note = resume_point(run.dir, model, RESUME_KEYS + (("ema",) if cfg.ema else ()))
+    if note and main:
+        print(f"{run.name}: {note}", file=sys.stderr, flush=True)
+    if resuming and found is None and (cfg.pretrained or cfg.pretrained_file):
+        seed_everything(cfg.seed)  # built again as a fresh run builds it, from its pretrained weights
+        model = run.build_model().to(device)
     if found is None:  # a geometry the data cannot pass is one line before the run directory exists
         with torch.random.fork_rng(devices=[]):
             run.check_forward(model.eval(), device)
@@ -235,7 +247,7 @@ def _train(run: Run, probe=None) -> dict[str, Any]:
     # `train --resume RUN_DIR`: before a download (minutes), else once the data has loaded (bad input makes none).
     config_file = {CONFIG: yaml.safe_dump(run.config_dict(), sort_keys=False).encode()}
     if cfg.download and main:
-        create_dir_with(run.dir, config_file)
+        create_dir_with(run.dir, config_file, lock)
     if cfg.download and ranks.distributed and not main:
         distributed.agree(None)  # rank 0 downloads first
     data = task.train_data(micro_batch, device)
@@ -243,7 +255,7 @@ def _train(run: Run, probe=None) -> dict[str, Any]:
     if cfg.download and ranks.distributed and main:
         distributed.agree(None)
     if main:
-        create_dir_with(run.dir, config_file)
+        create_dir_with(run.dir, config_file, lock)
 
     per_epoch = cfg.eval_every or data.steps
     if per_epoch is None:
@@ -263,8 +275,6 @@ def _train(run: Run, probe=None) -> dict[str, Any]:
     start_epoch, num_updates, history = 0, 0, []
     previous = None  # the checkpoint pair the first new checkpoint keeps as the previous one
     if found is not None:
-        if found.note and main:
-            print(f"{run.name}: {found.note}", file=sys.stderr, flush=True)
         weights, state, previous = found.weights, found.state, found.files
         model.load_state_dict(weights)
         optimizer.load_state_dict(state["optimizer"])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -79,7 +79,6 @@ class Plan:
     epoch: int = 0
     note: str | None = None
     result: dict[str, Any] | None = None
-    checkpoint: Any = field(default=None, repr=False, compare=False)  # the Checkpoint read, when asked to keep it
 
 
 class Run:
@@ -135,14 +134,17 @@ class Run:
                                                   world_size=self.ranks.world_size))
 
     # ---- what training would do ------------------------------------------------------------------------------
-    def plan(self, cache: dict | None = None, *, check: bool = True, keep_checkpoint: bool = False) -> Plan:
+    def plan(self, cache: dict | None = None, *, check: bool = True, read_checkpoint: bool = True) -> Plan:
         """Say what :func:`~attnlab.train.loop.train` would do with this run, raising the AttnlabError it would
         raise before its first step: with ``check``, the device, the data (both splits, at least one step) and
-        the model (built once, its options and geometry); always, a run directory it could not continue
-        (another config, no intact checkpoint, a checkpoint without ``resume``). ``cache``, a dict kept across
-        calls, makes a grid load each dataset and build each model once. ``keep_checkpoint``: the checkpoint a
-        resume reads is kept in the plan (training uses it; a grid's plan does not hold every run's weights)."""
-        from .checkpoint import find_checkpoint, has_checkpoint
+        the model (built once, its options and geometry), and that no other process holds the run's lock;
+        always, a run directory it could not continue (another config, a checkpoint without ``resume``).
+        ``cache``, a dict kept across calls, makes a grid load each dataset and build each model once.
+        A run whose checkpoint files hold no intact pair (a kill inside the first save) plans "train" with a
+        note: it starts afresh. ``read_checkpoint=False`` plans "resume" for any checkpoint files without
+        reading them (training reads them once, when the model exists)."""
+        from .checkpoint import has_checkpoint, resume_point
+        from .lock import check_unlocked
 
         cache = {} if cache is None else cache
         cfg = self.cfg
@@ -150,6 +152,7 @@ class Run:
             self.device  # noqa: B018 - resolved (and checked) here
             self.task.check(cache)
             self.check_model(cache)
+            check_unlocked(self.dir)  # another process is training it
         finished, resumable = (self.dir / RESULT).exists(), has_checkpoint(self.dir)
         if resumable and not cfg.resume:
             raise ConfigError(f"run directory {self.dir} already holds a checkpoint; pass --resume to continue it "
@@ -158,9 +161,11 @@ class Run:
             self.check_same_config()
         if cfg.resume and finished:
             return Plan("skip", result=self.result())
+        if resumable and not read_checkpoint:
+            return Plan("resume")
         if resumable:
-            found = find_checkpoint(self.dir, map_location="cpu")
-            return Plan("resume", found.epoch, found.note, checkpoint=found if keep_checkpoint else None)
+            found, note = resume_point(self.dir)  # None: no intact pair, the run starts afresh
+            return Plan("resume" if found else "train", found.epoch if found else 0, note)
         return Plan("train")
 
     def check_model(self, cache: dict) -> None:
@@ -257,16 +262,19 @@ class Run:
         ``"cuda:1"``); the checkpoint's weights must fit the model its config.yaml describes (one line if not)."""
         import sys
 
-        from .checkpoint import find_checkpoint
+        from .checkpoint import NoIntactCheckpoint, find_weights
 
-        found = find_checkpoint(self.dir, map_location="cpu")
+        model = self.build_model(pretrained=False)
+        try:  # the weights alone (a reader never loads the trainer state), names and shapes checked from the header
+            found = find_weights(self.dir, model=model)
+        except NoIntactCheckpoint:
+            found = find_weights(self.dir)  # intact but for another model: said below, as such
         if found is None:
             raise ConfigError(f"{self.dir} holds no checkpoint ({CONFIG} but no checkpoint.safetensors); train "
                               f"the run first.")
         note = found.fallback("using")  # analysis and eval read a run too: say which epoch they measure
         if note:
             print(f"{self.name}: {note}", file=sys.stderr, flush=True)
-        model = self.build_model(pretrained=False)
         missing, unexpected = _key_mismatch(model, found.weights)
         if missing or unexpected:
             what = (f"missing {', '.join(missing[:3])}" if missing else "") + \

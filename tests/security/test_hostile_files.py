@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from attnlab.errors import ConfigError
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 from test_data_cifar import write_cifar10  # noqa: E402  (the benign generated archive)
 
@@ -166,13 +168,22 @@ def test_hostile_config_yaml_is_refused(run_copy, tmp_path):
     assert_refused(attnlab("compare", "--config", tmp_path / "grid.yaml"), marker, "grid.yaml")
 
 
+def _restarted(proc: subprocess.CompletedProcess, marker: Path, name: str) -> None:
+    """`train --resume` of a run whose only checkpoint is hostile: started afresh, saying why, the payload unrun."""
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    notes = [line for line in proc.stderr.splitlines() if "no intact checkpoint" in line]
+    assert len(notes) == 1 and name in notes[0] and "starting the run afresh" in notes[0], proc.stderr
+    assert not marker.exists(), "the payload ran"
+
+
 def test_hostile_checkpoint_is_refused(run_copy, tmp_path):
     marker = tmp_path / "marker"
     (run_copy / "checkpoint.safetensors").write_bytes(hostile_pickle(marker))
     (run_copy / "result.json").unlink()
     assert_refused(attnlab("export", run_copy, "--out", tmp_path / "w.safetensors"), marker, "checkpoint")
     assert not (tmp_path / "w.safetensors").exists()
-    assert_refused(attnlab("train", "--resume", run_copy), marker, "checkpoint")
+    _restarted(attnlab("train", "--resume", run_copy), marker, "checkpoint.safetensors")
 
 
 def test_hostile_trainer_state_is_refused(run_copy, tmp_path):
@@ -181,7 +192,74 @@ def test_hostile_trainer_state_is_refused(run_copy, tmp_path):
     torch.save({"epoch": 1, "optimizer": Payload(marker)}, buf)  # torch's own zip format, a code payload inside
     (run_copy / "trainer_state.pt").write_bytes(buf.getvalue())
     (run_copy / "result.json").unlink()
-    assert_refused(attnlab("train", "--resume", run_copy), marker, "trainer_state.pt")
+    _restarted(attnlab("train", "--resume", run_copy), marker, "trainer_state.pt")
+
+
+def test_readers_never_read_the_trainer_state(run_copy, tmp_path):
+    """eval, export and analyze read the weights alone: a trainer state they would choke on (a payload here, a
+    zip bomb elsewhere) is never opened."""
+    marker = tmp_path / "marker"
+    buf = io.BytesIO()
+    torch.save({"epoch": 1, "optimizer": Payload(marker)}, buf)
+    (run_copy / "trainer_state.pt").write_bytes(buf.getvalue())
+    proc = attnlab("export", run_copy, "--out", tmp_path / "w.safetensors")
+    assert proc.returncode == 0 and proc.stderr.strip() == "", proc.stderr
+    assert (tmp_path / "w.safetensors").exists() and not marker.exists()
+
+
+def bomb(*keys: str) -> str:
+    """YAML whose ``keys`` (nested) hold nine levels of ten aliases each: 10^9 values once expanded."""
+    pad = "  " * len(keys)
+    head = "".join(f"{'  ' * depth}{key}:\n" for depth, key in enumerate(keys))
+    levels = "".join(f"{pad}{n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))
+    return f"{head}{pad}a: &a [x, x, x, x, x, x, x, x, x, x]\n{levels}"
+
+
+def test_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    """1 KB that nested aliases expand to 10^9 values ("billion laughs"): refused before anything expands it."""
+    marker = tmp_path / "marker"  # no payload: the refusal is what is checked
+    (tmp_path / "bomb.yaml").write_text(bomb("model_options") + "epochs: 1\n")
+    assert (tmp_path / "bomb.yaml").stat().st_size < 1024
+    assert_refused(attnlab("train", "--config", tmp_path / "bomb.yaml", "--runs-dir", tmp_path / "runs"), marker,
+                   "bomb.yaml", "aliases expand it to more than")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_yaml_alias_bomb_grid_is_refused_at_once(tmp_path):
+    (tmp_path / "bomb.yaml").write_text(bomb("base", "model_options") + "seeds: [0]\n")
+    assert_refused(attnlab("compare", "--config", tmp_path / "bomb.yaml"), tmp_path / "marker", "grid file",
+                   "bomb.yaml", "aliases expand it to more than")
+
+
+def _many_tensors(path: Path, n: int) -> None:
+    """A safetensors file of ``n`` one-byte tensors, written header first (safetensors itself would take minutes)."""
+    header = "{" + ",".join(f'"t{i}":{{"dtype":"U8","shape":[1],"data_offsets":[{i},{i + 1}]}}' for i in range(n)) + "}"
+    header += " " * (-len(header) % 8)
+    path.write_bytes(len(header).to_bytes(8, "little") + header.encode() + bytes(n))
+
+
+@pytest.mark.slow
+def test_safetensors_with_too_many_entries_is_refused_from_its_header(tmp_path):
+    big = tmp_path / "big.safetensors"
+    _many_tensors(big, 300_000)  # a 20 MB header
+    marker = tmp_path / "marker"
+    assert_refused(attnlab("eval", "--model", "vit_digits", "--checkpoint", big, cwd=tmp_path), marker,
+                   "big.safetensors", "header")
+    assert_refused(attnlab("train", "--recipe", "demo", "--pretrained-file", big, "--runs-dir", tmp_path / "runs",
+                           cwd=tmp_path), marker, "big.safetensors", "header")
+
+
+def test_safetensors_of_another_model_is_refused_from_its_header(tmp_path):
+    from attnlab.models import build_model
+    from attnlab.models.pretrained import read_state_dict
+
+    small = tmp_path / "small.safetensors"
+    _many_tensors(small, 3)
+    model = build_model("vit_digits", num_classes=10)
+    with pytest.raises(ConfigError, match="small.safetensors lacks '"):
+        read_state_dict(small, model)
+    assert set(read_state_dict(small)) == {"t0", "t1", "t2"}
 
 
 def test_hostile_result_json_is_refused(run_copy, tmp_path):
