@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .gpt import GPT
 from .pretrained import load_strict, read_state_dict
 
 #: (source name, attnlab name) with {i} a block index and {p} weight or bias
@@ -88,9 +89,12 @@ def _strip(key: str) -> str:
     return key[len("transformer."):] if key.startswith("transformer.") else key
 
 
-def _convert(state_dict: Mapping[str, torch.Tensor], layout: str, source: str) -> dict[str, torch.Tensor]:
-    """``state_dict`` of ``layout`` (``nanogpt`` or ``hf``) in attnlab's names (module docstring)."""
+def _convert(state_dict: Mapping[str, torch.Tensor], layout: str, source: str
+             ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``state_dict`` of ``layout`` (``nanogpt`` or ``hf``) in attnlab's names (module docstring), and the source
+    key of each."""
     out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
     head = None
     for key, tensor in state_dict.items():
         name = _strip(str(key))
@@ -105,48 +109,53 @@ def _convert(state_dict: Mapping[str, torch.Tensor], layout: str, source: str) -
                               f"GPT-2-shaped model.")
         if layout == "hf" and _CONV1D.match(name):
             tensor = tensor.t()  # Conv1D keeps (in, out); a Linear keeps (out, in)
-        out[new] = tensor
+        out[new], origin[new] = tensor, str(key)
     if head is not None and "wte.weight" in out and not (
             head.shape == out["wte.weight"].shape and torch.equal(head, out["wte.weight"])):
         raise ConfigError(f"{source} has an lm_head different from the token embedding wte; attnlab's GPT ties the "
                           f"two, so give weights of a tied model.")
     if head is not None and "wte.weight" not in out:
-        out["wte.weight"] = head
-    return out
+        out["wte.weight"], origin["wte.weight"] = head, "lm_head.weight"
+    return out, origin
 
 
 def _check_geometry(model: nn.Module, args: Mapping, source: str) -> None:
     """ConfigError when a checkpoint's recorded geometry disagrees with ``model`` (head count above all: the
     weights' shapes cannot show it)."""
-    blocks = getattr(model, "blocks", None)
-    if not blocks:
+    if not isinstance(model, GPT):
         raise ConfigError(f"{source} holds GPT weights; load them into a GPT (build_model('gpt2_small', ...)), not "
                           f"{type(model).__name__}.")
-    own = {"n_head": blocks[0].attn.num_heads, "n_layer": len(blocks), "n_embd": model.embed_dim,
+    own = {"n_head": model.blocks[0].attn.num_heads, "n_layer": len(model.blocks), "n_embd": model.embed_dim,
            "block_size": model.block_size, "vocab_size": model.vocab_size}
     option = {"n_head": "num_heads", "n_layer": "depth", "n_embd": "embed_dim", "block_size": "block_size",
               "vocab_size": "vocab_size"}
     for key, value in own.items():
         theirs = args.get(key)
         if theirs is not None and int(theirs) != value:
-            raise ConfigError(f"{source} is a model with {key}={int(theirs)} where this one has {value}; build it "
-                              f"with {option[key]}={int(theirs)}.")
+            raise ConfigError(f"the model recorded with {source} has {key}={int(theirs)} where this one has {value}; "
+                              f"build it with {option[key]}={int(theirs)}.")
 
 
-def _load(model: nn.Module, converted: dict[str, torch.Tensor], source: str) -> nn.Module:
-    """Load ``converted`` (attnlab names) strictly, naming the source's own key in every mismatch."""
+def _load(model: nn.Module, converted: tuple[dict[str, torch.Tensor], dict[str, str]], source: str) -> nn.Module:
+    """Load ``converted`` (attnlab names) strictly, naming the source's own key in every mismatch: shapes first
+    (the telling mismatch of a converted model), then what is missing."""
+    converted, origin = converted
     own = model.state_dict()
+    convert_first = ("load into the model before converting it (build_model(..., attn=SPEC, pretrained_file=PATH) "
+                     "does both in that order)")
     for name, tensor in own.items():
         if name in converted and tuple(converted[name].shape) != tuple(tensor.shape):
-            theirs = _rename(name, _BACKWARD) or name
-            hint = (" (load before converting to a variant with a wider projection: build_model(..., attn=SPEC, "
-                    "pretrained_file=PATH) does)" if name.endswith("attn.qkv.weight") else "")
-            raise ConfigError(f"{source} holds {theirs!r} of shape {tuple(converted[name].shape)} where the model has "
-                              f"{tuple(tensor.shape)}{hint}; build the model with the checkpoint's geometry.")
+            hint = convert_first if name.endswith("attn.qkv.weight") else "build the model with the weights' geometry"
+            raise ConfigError(f"{source} holds {origin[name]!r} of shape "
+                              f"{tuple(converted[name].shape)} where the model has {tuple(tensor.shape)}; {hint}.")
+    for name in own:
         if name not in converted:
-            theirs = _rename(name, _BACKWARD) or name
-            raise ConfigError(f"{source} lacks {theirs!r} that the model needs for {name!r}; give weights of the "
-                              f"same geometry (and bias setting), into a model not yet converted to a weight term.")
+            theirs = _rename(name, _BACKWARD)
+            if theirs is None:
+                raise ConfigError(f"the model has {name!r}, which GPT-2 weights do not hold (a variant's own "
+                                  f"parameter); {convert_first}.")
+            raise ConfigError(f"{source} lacks GPT-2's {theirs!r} that the model needs for {name!r}; give weights of the "
+                              f"same geometry and bias setting.")
     return load_strict(model, converted, source)
 
 
