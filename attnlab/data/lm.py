@@ -136,6 +136,11 @@ class TokenStream:
         chunk = torch.from_numpy(chunk)
         return chunk[:, :-1], chunk[:, 1:]
 
+    def eval_batches(self, batch_size: int, block_size: int, iters: int, *, seed: int = 0):
+        """``batch(j)`` for j < ``iters``: the same blocks at every evaluation (nanoGPT's eval_iters)."""
+        for j in range(iters):
+            yield self.batch(j, batch_size, block_size, seed=seed)
+
 
 def check_vocab(data_vocab: int, model_vocab: int, source: str) -> None:
     """ConfigError when the corpus has more token ids than the model has embeddings."""

@@ -126,6 +126,7 @@ class MQAR:
         self.length = num_train if split == "train" else num_test
         self.rows = max(1, _CHUNK_ELEMENTS // seq_len)
         self.name = f"mqar {split}"
+        self.bytes_per_token = None  # not text: no bits per byte
         self._chunk = lru_cache(maxsize=256)(self._generate_chunk)
 
     def __len__(self) -> int:
@@ -167,6 +168,15 @@ class MQAR:
             self.check_block_size(block_size)
         rng = np.random.default_rng([seed, 1 << 20, rank, step])  # a stream apart from the examples' own
         return self.examples(rng.integers(0, self.length, size=batch_size))
+
+    def eval_batches(self, batch_size: int, block_size: int | None = None, iters: int | None = None, *,
+                     seed: int = 0):
+        """The split's examples in order, ``batch_size`` at a time: all of them, or the first ``iters`` batches."""
+        if block_size is not None:
+            self.check_block_size(block_size)
+        stop = self.length if iters is None else min(self.length, iters * batch_size)
+        for start in range(0, stop, batch_size):
+            yield self.examples(range(start, min(start + batch_size, stop)))
 
 
 def mqar_info(*, data_dir="data", vocab_size: int = 8192, seq_len: int = 64, **options) -> LMInfo:

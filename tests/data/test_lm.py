@@ -51,6 +51,8 @@ def test_blocks_depend_on_seed_split_rank_step_alone(tmp_path):
     assert not (b.batch(6, 4, 16, seed=2, rank=1)[0] == first).all()
     val = lm.build_nanogpt(False, data_dir=tmp_path, vocab_size=6000)
     assert (val.batch(0, 4, 16)[0][:, 0] >= 7).all()  # val.bin, memory-mapped as written
+    evals = [list(val.eval_batches(4, 16, iters=3, seed=1)) for _ in range(2)]
+    assert all((a[0] == b[0]).all() for a, b in zip(*evals)) and len(evals[0]) == 3
 
 
 def test_nanogpt_meta_and_errors(tmp_path):

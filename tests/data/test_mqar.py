@@ -79,6 +79,8 @@ def test_info_builder_and_errors():
     assert (info.vocab_size, info.max_block_size) == (512, 128)
     test = build_mqar(False, data_dir="unused", vocab_size=512, seq_len=128, num_kv_pairs=16, num_test=10)
     assert len(test) == 10 and test[9][0].shape == (128,)
+    batches = list(test.eval_batches(4, 128))
+    assert [len(b[0]) for b in batches] == [4, 4, 2] and torch.equal(batches[2][0][1], test[9][0])
     with pytest.raises(ConfigError, match="use block size 128"):
         test.batch(0, 2, block_size=64)
     for bad, match in ((dict(seq_len=63), "must be even"), (dict(seq_len=16, num_kv_pairs=8), "seq_len >= 32"),
