@@ -227,4 +227,36 @@ def load_gpt_file(model: nn.Module, path: str | Path) -> nn.Module:
     return load_strict(model, {_strip_wrappers(k): v for k, v in state.items()}, f"pretrained file {path}")
 
 
-__all__ = ["gpt_layout", "load_gpt2_hf", "load_gpt_file", "load_nanogpt"]
+def gpt_from_file(path: str | Path, **overrides) -> GPT:
+    """A :class:`GPT` of the file's own geometry with its weights, from nanoGPT's checkpoint (``model_args``) or
+    Hugging Face GPT-2 weights with their ``config.json`` beside them (its ``gelu_new`` read as ``gelu="tanh"``);
+    ``overrides`` go to the constructor (``drop_rate=0.1``). Convert it afterwards for a variant. For attnlab's own
+    files, which do not record the head count, use ``build_model(preset, pretrained_file=path)``."""
+    path = Path(path)
+    state = read_state_dict(path)
+    layout = gpt_layout(state)
+    if layout == "nanogpt":
+        args = {} if path.suffix == ".safetensors" else _nanogpt_args(path)
+        if "n_head" not in args:
+            raise ConfigError(f"{path} records no model_args (n_head); build the model with build_model(preset, "
+                              f"num_heads=..., pretrained_file=...).")
+        geo = dict(vocab_size=args["vocab_size"], block_size=args["block_size"], embed_dim=args["n_embd"],
+                   depth=args["n_layer"], num_heads=args["n_head"], bias=bool(args.get("bias", True)))
+    elif layout == "hf":
+        config = _hf_config(path)
+        if "n_head" not in config:
+            raise ConfigError(f"Hugging Face GPT-2 weights {path} come without a config.json beside them (the head "
+                              f"count); put it there, or build the model with build_model(preset, num_heads=...).")
+        wte = next(v for k, v in state.items() if _strip(str(k)) == "wte.weight")
+        geo = dict(vocab_size=config.get("vocab_size", wte.shape[0]), block_size=config.get("n_positions", 1024),
+                   embed_dim=config.get("n_embd", wte.shape[1]), depth=config.get("n_layer", 12),
+                   num_heads=config["n_head"], bias=True,
+                   gelu="tanh" if config.get("activation_function", "gelu_new") == "gelu_new" else "exact")
+    else:
+        raise ConfigError(f"{path} is neither a nanoGPT checkpoint nor Hugging Face GPT-2 weights; for attnlab's own "
+                          f"weights use build_model(preset, pretrained_file=...).")
+    model = GPT(**{**geo, **overrides})
+    return load_gpt_file(model, path)
+
+
+__all__ = ["gpt_from_file", "gpt_layout", "load_gpt2_hf", "load_gpt_file", "load_nanogpt"]

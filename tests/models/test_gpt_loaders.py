@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 import attnlab
 from attnlab.errors import ConfigError
-from attnlab.models import load_gpt2_hf, load_gpt_file, load_nanogpt
+from attnlab.models import gpt_from_file, load_gpt2_hf, load_gpt_file, load_nanogpt
 from tests.reference_gpt import reference_gpt
 
 L, H, C, T, V = 2, 3, 24, 16, 23  # n_layer, n_head, n_embd, block_size, vocab_size
@@ -110,6 +110,20 @@ def test_files_by_layout(tmp_path, w, x):
     own = load_gpt_file(fresh(), tmp_path / "ckpt.pt")
     save_file({k: v.contiguous() for k, v in own.state_dict().items()}, tmp_path / "own.safetensors")
     check_matches(load_gpt_file(fresh(), tmp_path / "own.safetensors"), w, x)
+
+
+def test_model_of_the_files_own_geometry(tmp_path, w, x):
+    torch.save(nanogpt_checkpoint(w), tmp_path / "ckpt.pt")
+    check_matches(gpt_from_file(tmp_path / "ckpt.pt").double().eval(), w, x)
+    save_file(hf_weights(w, container=False), tmp_path / "model.safetensors")
+    with pytest.raises(ConfigError, match="without a config.json"):
+        gpt_from_file(tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"n_layer": L, "n_head": H, "n_embd": C, "n_positions": T,
+                                                       "vocab_size": V, "activation_function": "gelu_new"}))
+    model = gpt_from_file(tmp_path / "model.safetensors").double().eval()
+    check_matches(model, w, x, gelu="tanh")  # gelu_new read as the tanh GELU: HF's logits
+    model = attnlab.convert(gpt_from_file(tmp_path / "model.safetensors"), "qknorm")
+    assert type(model.blocks[0].attn).__name__ == "StandardAttention"
 
 
 def test_build_model_warm_starts_a_variant(tmp_path, w, x):
