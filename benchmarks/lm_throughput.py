@@ -13,6 +13,7 @@ cross-entropy of all next-token logits, backward, fused AdamW step. Inference: o
     python benchmarks/lm_throughput.py                                   # gpt_tiny, batch 8 x 256 tokens, CPU
     python benchmarks/lm_throughput.py --variants standard,qknorm,sigma,dna --compile none
     python benchmarks/lm_throughput.py --model gpt_mini --batch-size 4 --json out.json
+    python benchmarks/lm_throughput.py --threads 1 --clock cpu              # on a machine other jobs load
 """
 
 from __future__ import annotations
@@ -167,6 +168,7 @@ def _hwm() -> int:
 def measure(args, device) -> dict:
     """tokens/s (median over rounds) of every (mode, compiled, arm)."""
     tokens = tokens_for(args, device)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rates: dict[tuple, list[float]] = {}
     for mode in args.modes:
@@ -180,12 +182,12 @@ def measure(args, device) -> dict:
             for r in range(args.rounds):
                 for a in (arms if r % 2 == 0 else arms[::-1]):
                     sync()
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     for _ in range(args.steps):
                         steps[a]()
                     sync()
                     rates.setdefault((mode, compiled, a), []).append(
-                        args.steps * args.batch_size * args.block_size / (time.perf_counter() - t0))
+                        args.steps * args.batch_size * args.block_size / (clock() - t0))
             print(f"# measured {mode}, {'compiled' if compiled else 'eager'}", file=sys.stderr, flush=True)
     return {k: statistics.median(v) for k, v in rates.items()}
 
@@ -205,6 +207,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: leave as is)")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="cpu: this process's CPU time, steadier than wall time on a machine other jobs load (use "
+                        "with --threads 1: idle threads that spin would count)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory child process")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
@@ -223,7 +228,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"# {datetime.datetime.now():%Y-%m-%d %H:%M}, torch {torch.__version__}, {platform.machine()}, "
           f"{os.cpu_count()} CPUs, threads {torch.get_num_threads()}, load {load:.1f}, device {device}, "
-          f"{args.model} batch {args.batch_size} x {args.block_size} tokens, vocab {args.vocab_size}")
+          f"{args.model} batch {args.batch_size} x {args.block_size} tokens, vocab {args.vocab_size}, {args.clock} clock")
     rates = measure(args, device)
     memory = {}
     if not args.no_memory:
@@ -234,7 +239,7 @@ def main() -> None:
         else:
             print(f"# peak memory not measured: {child.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
     print(f"# load after: {os.getloadavg()[0]:.1f}")
-    print("| mode | compiled | arm | tokens/s | / plain | / standard | peak MiB (eager) |")
+    print(f"| mode | compiled | arm | tokens/s ({args.clock}) | / plain | / standard | peak MiB (eager) |")
     print("|---|---|---|---:|---:|---:|---:|")
     rows = []
     for (mode, compiled, arm), rate in rates.items():
@@ -248,7 +253,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "batch_size": args.batch_size, "block_size": args.block_size,
-                       "device": str(device), "threads": torch.get_num_threads(), "load": load, "rows": rows}, f,
+                       "device": str(device), "threads": torch.get_num_threads(), "clock": args.clock, "load": load,
+                       "rows": rows}, f,
                       indent=1)
 
 

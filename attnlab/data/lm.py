@@ -142,6 +142,12 @@ class TokenStream:
             yield self.batch(j, batch_size, block_size, seed=seed)
 
 
+def no_augment(dataset: str, augment: str) -> None:
+    """DatasetError for an augmentation asked of token data."""
+    if augment != "none":
+        raise DatasetError(f"dataset {dataset} holds token streams and takes no augmentation; use augment='none'.")
+
+
 def check_vocab(data_vocab: int, model_vocab: int, source: str) -> None:
     """ConfigError when the corpus has more token ids than the model has embeddings."""
     if data_vocab > model_vocab:
@@ -239,6 +245,7 @@ def text_info(*, data_dir="data", tokenizer: str = "", val_fraction: float = 0.1
 def build_text(train: bool, *, data_dir="data", download: bool = False, augment: str = "none",
                tokenizer: str = "", val_fraction: float = 0.1) -> TokenStream:
     """The train or val split of the text file or folder ``data_dir`` (bytes, or ``tokenizer``'s ids)."""
+    no_augment("text", augment)
     files = text_files(Path(data_dir))
     ids, vocab, per_token = _encoded(tuple(files), tokenizer, _stamp(files, tokenizer))
     split = "train" if train else "val"
@@ -301,6 +308,7 @@ def stdlib_info(*, data_dir="data", val_fraction: float = 0.1) -> LMInfo:
 def build_stdlib(train: bool, *, data_dir="data", download: bool = False, augment: str = "none",
                  val_fraction: float = 0.1) -> TokenStream:
     """The train or val split of the standard library's bytes (no files needed beyond Python's own)."""
+    no_augment("stdlib", augment)
     ids, manifest = _stdlib()
     name = f"the Python {manifest['python']} standard library"
     return TokenStream(name, "train" if train else "val", _split(name, ids, train, val_fraction), BYTE_VOCAB, 1.0,
@@ -371,6 +379,7 @@ def _bytes_per_token(meta: dict, val: np.ndarray) -> float | None:
 def build_nanogpt(train: bool, *, data_dir="data", download: bool = False, augment: str = "none",
                   vocab_size: int = 0) -> TokenStream:
     """nanoGPT's ``train.bin`` or ``val.bin`` in ``data_dir``, memory-mapped as they are."""
+    no_augment("nanogpt", augment)
     info = nanogpt_info(data_dir=data_dir, vocab_size=vocab_size)
     split = "train" if train else "val"
     return TokenStream(f"nanoGPT corpus {data_dir}", split, _bin(Path(data_dir), split), info.vocab_size,
@@ -379,5 +388,5 @@ def build_nanogpt(train: bool, *, data_dir="data", download: bool = False, augme
 
 __all__ = ["BYTE_VOCAB", "LMInfo", "NANOGPT_OPTIONS", "Option", "STDLIB_OPTIONS", "TEXT_OPTIONS", "TokenStream",
            "build_nanogpt", "build_stdlib", "build_text", "check_manifest", "check_option", "check_vocab",
-           "load_tokenizer", "nanogpt_info", "read_meta", "resolve_options", "stdlib_files", "stdlib_info",
+           "load_tokenizer", "nanogpt_info", "no_augment", "read_meta", "resolve_options", "stdlib_files", "stdlib_info",
            "stdlib_manifest", "text_files", "text_info"]

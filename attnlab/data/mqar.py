@@ -27,7 +27,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from attnlab.data.lm import LMInfo, Option
+from attnlab.data.lm import LMInfo, Option, no_augment
 from attnlab.data.lm_metrics import IGNORE  # the target of every position that is not a query
 from attnlab.errors import ConfigError
 SPLITS = ("train", "test")
@@ -188,6 +188,7 @@ def mqar_info(*, data_dir="data", vocab_size: int = 8192, seq_len: int = 64, **o
 
 def build_mqar(train: bool, *, data_dir="data", download: bool = False, augment: str = "none", **options) -> MQAR:
     """The train or test split of MQAR (nothing is read or written)."""
+    no_augment("mqar", augment)
     return MQAR("train" if train else "test", **options)
 
 

@@ -66,6 +66,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         h = self.norm1(x)
         x = x + (self.attn(h, is_causal=True) if cache is None else cache.attend(self.attn, h))
+        del h  # the normalised input is not kept alive through the MLP (as nanoGPT's Block does not)
         return x + self.mlp(self.norm2(x))
 
 

@@ -121,6 +121,8 @@ def test_text_file_and_folder_are_bytes_in_sorted_order(tmp_path):
         lm.build_text(True, data_dir=tmp_path / "empty.txt")
     with pytest.raises(DatasetError, match="too few for blocks of 600"):
         stream.batch(0, 2, 600)
+    with pytest.raises(DatasetError, match="takes no augmentation"):
+        lm.build_text(True, data_dir=tmp_path / "one.txt", augment="recipe")
 
 
 def write_tokenizer(path: Path, words: list[str]) -> None:
