@@ -21,7 +21,6 @@ validation split is ``batch(j)`` of that split, the same blocks at every evaluat
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import pickle
 import sys
@@ -33,73 +32,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from attnlab.data.registry import DatasetInfo
 from attnlab.errors import ConfigError, DatasetError
 
 BYTE_VOCAB = 256
 SPLITS = ("train", "val")
 GPT2_VOCAB = 50257  # nanoGPT's openwebtext / shakespeare prepare.py encode with GPT-2's BPE
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
-
-
-@dataclass(frozen=True)
-class Option:
-    """A dataset option: its default and the closed range [low, high] it may take (None: unbounded)."""
-
-    default: object
-    low: float | None = None
-    high: float | None = None
-    help: str = ""
-
-
-def check_option(dataset: str, key: str, value, option: Option):
-    """``value`` of ``option`` as the default's type, in its range; ConfigError saying what would be right."""
-    kind = type(option.default)
-    where = f"dataset option {key}={value!r} for {dataset}"
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return text in ("1", "true", "yes", "on")
-        raise ConfigError(f"{where} is not a boolean; use true or false.")
-    if kind is str:
-        return str(value)
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        number = kind(value) if kind is float else int(value)
-        if kind is int and float(value) != number:
-            raise ValueError
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where} is not {'an integer' if kind is int else 'a number'}.") from None
-    if not math.isfinite(number) or (option.low is not None and number < option.low) or (
-            option.high is not None and number > option.high):
-        bounds = [f"at least {option.low}" if option.low is not None else "", f"at most {option.high}"
-                  if option.high is not None else ""]
-        raise ConfigError(f"{where} must be {' and '.join(b for b in bounds if b) or 'finite'}.")
-    return number
-
-
-def resolve_options(dataset: str, table: dict[str, Option], given: dict) -> dict:
-    """The defaults of ``table`` updated by ``given``, each checked; an unknown key is a ConfigError."""
-    unknown = sorted(set(given) - set(table))
-    if unknown:
-        raise ConfigError(f"unknown option {', '.join(unknown)} for dataset {dataset}; valid options are "
-                          f"{', '.join(table) or 'none'}.")
-    return {k: check_option(dataset, k, given[k], o) if k in given else o.default for k, o in table.items()}
-
-
-@dataclass(frozen=True)
-class LMInfo:
-    """What a language model needs to know about a corpus before reading it: its vocabulary, the longest block it
-    can serve (None: bounded only by the split's length), how many bytes a token stands for (bits per byte; None
-    when unknown) and, for generated or machine-dependent corpora, what identifies them."""
-
-    name: str
-    vocab_size: int
-    max_block_size: int | None = None
-    bytes_per_token: float | None = None
-    manifest: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -230,16 +169,18 @@ def _stamp(files: list[Path], tokenizer: str) -> tuple:
     return tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths if p.exists())
 
 
-TEXT_OPTIONS = {
-    "tokenizer": Option("", help="a Hugging Face tokenizer.json (empty: bytes, vocabulary 256)"),
-    "val_fraction": Option(0.1, 0.001, 0.5, "the last fraction of the stream held out for validation"),
-}
+def lm_info(name: str, vocab_size: int, block_size: int | None = None) -> DatasetInfo:
+    """The table's info of a token corpus: its vocabulary (``num_classes``, and the model's ``vocab_size``), the
+    block size the data fixes (MQAR; else 0 and no ``block_size`` for the model)."""
+    args = (("vocab_size", vocab_size),) + ((("block_size", block_size),) if block_size else ())
+    return DatasetInfo(name, vocab_size, block_size or 0, 0, (), (), task="lm", model_args=args)
 
 
-def text_info(*, data_dir="data", tokenizer: str = "", val_fraction: float = 0.1) -> LMInfo:
+def text_info(data_dir="data", *, tokenizer: str = "", val_fraction: float = 0.1) -> DatasetInfo:
     """Vocabulary (256 bytes, or the tokenizer's, read from its file alone) of the text corpus at ``data_dir``."""
-    vocab = load_tokenizer(tokenizer).get_vocab_size(with_added_tokens=True) if tokenizer else BYTE_VOCAB
-    return LMInfo("text", vocab, bytes_per_token=1.0 if not tokenizer else None)
+    text_files(Path(data_dir))
+    return lm_info("text", load_tokenizer(tokenizer).get_vocab_size(with_added_tokens=True) if tokenizer
+                   else BYTE_VOCAB)
 
 
 def build_text(train: bool, *, data_dir="data", download: bool = False, augment: str = "none",
@@ -298,11 +239,8 @@ def check_manifest(recorded: dict, current: dict | None = None) -> None:
             f"to continue or compare the run, or start a new one.")
 
 
-STDLIB_OPTIONS = {"val_fraction": TEXT_OPTIONS["val_fraction"]}
-
-
-def stdlib_info(*, data_dir="data", val_fraction: float = 0.1) -> LMInfo:
-    return LMInfo("stdlib", BYTE_VOCAB, bytes_per_token=1.0, manifest=stdlib_manifest())
+def stdlib_info(data_dir="data", *, val_fraction: float = 0.1) -> DatasetInfo:
+    return lm_info("stdlib", BYTE_VOCAB)
 
 
 def build_stdlib(train: bool, *, data_dir="data", download: bool = False, augment: str = "none",
@@ -339,11 +277,6 @@ def read_meta(folder: Path) -> dict:
     return meta
 
 
-NANOGPT_OPTIONS = {
-    "vocab_size": Option(0, 0, 1 << 16, "token ids the .bin files use (0: meta.pkl's, else GPT-2's 50257)"),
-}
-
-
 def _bin(folder: Path, split: str) -> np.ndarray:
     path = folder / f"{split}.bin"
     if not path.is_file():
@@ -355,14 +288,17 @@ def _bin(folder: Path, split: str) -> np.ndarray:
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
-def nanogpt_info(*, data_dir="data", vocab_size: int = 0) -> LMInfo:
-    """Vocabulary and bytes per token of nanoGPT's .bin corpus at ``data_dir`` (both files checked to exist)."""
+def nanogpt_vocab(data_dir, vocab_size: int = 0) -> tuple[int, dict]:
+    """(vocabulary, meta.pkl) of nanoGPT's .bin corpus at ``data_dir`` (both files checked to exist)."""
     folder = Path(data_dir)
     for split in SPLITS:
         _bin(folder, split)
     meta = read_meta(folder)
-    vocab = vocab_size or meta.get("vocab_size") or GPT2_VOCAB
-    return LMInfo(f"nanogpt {data_dir}", vocab, bytes_per_token=_bytes_per_token(meta, _bin(folder, "val")))
+    return vocab_size or meta.get("vocab_size") or GPT2_VOCAB, meta
+
+
+def nanogpt_info(data_dir="data", *, vocab_size: int = 0) -> DatasetInfo:
+    return lm_info("nanogpt", nanogpt_vocab(data_dir, vocab_size)[0])
 
 
 def _bytes_per_token(meta: dict, val: np.ndarray) -> float | None:
@@ -380,13 +316,12 @@ def build_nanogpt(train: bool, *, data_dir="data", download: bool = False, augme
                   vocab_size: int = 0) -> TokenStream:
     """nanoGPT's ``train.bin`` or ``val.bin`` in ``data_dir``, memory-mapped as they are."""
     no_augment("nanogpt", augment)
-    info = nanogpt_info(data_dir=data_dir, vocab_size=vocab_size)
+    vocab, meta = nanogpt_vocab(data_dir, vocab_size)
     split = "train" if train else "val"
-    return TokenStream(f"nanoGPT corpus {data_dir}", split, _bin(Path(data_dir), split), info.vocab_size,
-                       info.bytes_per_token)
+    return TokenStream(f"nanoGPT corpus {data_dir}", split, _bin(Path(data_dir), split), vocab,
+                       _bytes_per_token(meta, _bin(Path(data_dir), "val")))
 
 
-__all__ = ["BYTE_VOCAB", "LMInfo", "NANOGPT_OPTIONS", "Option", "STDLIB_OPTIONS", "TEXT_OPTIONS", "TokenStream",
-           "build_nanogpt", "build_stdlib", "build_text", "check_manifest", "check_option", "check_vocab",
-           "load_tokenizer", "nanogpt_info", "no_augment", "read_meta", "resolve_options", "stdlib_files", "stdlib_info",
-           "stdlib_manifest", "text_files", "text_info"]
+__all__ = ["BYTE_VOCAB", "TokenStream", "build_nanogpt", "build_stdlib", "build_text", "check_manifest",
+           "check_vocab", "lm_info", "load_tokenizer", "nanogpt_info", "nanogpt_vocab", "no_augment", "read_meta",
+           "stdlib_files", "stdlib_info", "stdlib_manifest", "text_files", "text_info"]

@@ -27,23 +27,11 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from attnlab.data.lm import LMInfo, Option, no_augment
+from attnlab.data.registry import DatasetInfo
+from attnlab.data.lm import lm_info, no_augment
 from attnlab.data.lm_metrics import IGNORE  # the target of every position that is not a query
 from attnlab.errors import ConfigError
 SPLITS = ("train", "test")
-
-# Zoology's defaults (its MQARConfig and synthetic-data appendix): 8,192 ids, 8 pairs; 64 tokens is its shortest
-MQAR_OPTIONS = {
-    "vocab_size": Option(8192, 4, 1 << 20, "token ids; keys from the lower half, values from the upper"),
-    "seq_len": Option(64, 4, 1 << 16, "tokens per example (even)"),
-    "num_kv_pairs": Option(8, 1, 1 << 14, "key-value pairs per example (4 x pairs <= seq_len)"),
-    "power_a": Option(0.01, 1e-6, 1.0, "query gaps drawn with probability ~ g^(power_a - 1); 1: uniform"),
-    "random_non_queries": Option(True, help="filler tokens uniform over the vocabulary (else 0)"),
-    "num_train": Option(100_000, 1, 1 << 40, "training examples"),
-    "num_test": Option(3_000, 1, 1 << 40, "test examples"),
-    "seed": Option(0, 0, 2**62, "the generator's seed"),
-}
-
 
 def check(vocab_size: int, seq_len: int, num_kv_pairs: int) -> None:
     """ConfigError for a geometry Zoology's generator cannot fill."""
@@ -179,11 +167,11 @@ class MQAR:
             yield self.examples(range(start, min(start + batch_size, stop)))
 
 
-def mqar_info(*, data_dir="data", vocab_size: int = 8192, seq_len: int = 64, **options) -> LMInfo:
-    """Vocabulary and the (fixed) block size of MQAR with these options."""
-    check(vocab_size, seq_len, options.get("num_kv_pairs", MQAR_OPTIONS["num_kv_pairs"].default))
-    return LMInfo("mqar", vocab_size, max_block_size=seq_len,
-                  manifest={"vocab_size": vocab_size, "seq_len": seq_len, **options})
+def mqar_info(data_dir="data", *, vocab_size: int = 8192, seq_len: int = 64, num_kv_pairs: int = 8,
+              **options) -> DatasetInfo:
+    """Vocabulary and the (fixed) block size of MQAR with these options (Zoology's defaults)."""
+    check(vocab_size, seq_len, num_kv_pairs)
+    return lm_info("mqar", vocab_size, seq_len)
 
 
 def build_mqar(train: bool, *, data_dir="data", download: bool = False, augment: str = "none", **options) -> MQAR:
@@ -192,4 +180,4 @@ def build_mqar(train: bool, *, data_dir="data", download: bool = False, augment:
     return MQAR("train" if train else "test", **options)
 
 
-__all__ = ["IGNORE", "MQAR", "MQAR_OPTIONS", "build_mqar", "check", "gap_probabilities", "generate", "mqar_info"]
+__all__ = ["IGNORE", "MQAR", "build_mqar", "check", "gap_probabilities", "generate", "mqar_info"]

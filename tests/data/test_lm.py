@@ -62,13 +62,13 @@ def test_nanogpt_meta_and_errors(tmp_path):
     itos = {0: "a", 1: "é", 2: "\n"}
     with (tmp_path / "char" / "meta.pkl").open("wb") as f:
         pickle.dump({"vocab_size": 3, "itos": itos, "stoi": {v: k for k, v in itos.items()}}, f)
-    info = lm.nanogpt_info(data_dir=tmp_path / "char")
-    assert info.vocab_size == 3
+    char = lm.build_nanogpt(False, data_dir=tmp_path / "char")
+    assert char.vocab_size == 3 and lm.nanogpt_info(tmp_path / "char").num_classes == 3
     ids = np.arange(40) % 3  # bytes per validation token: 1, 2, 1 repeating
-    assert info.bytes_per_token == pytest.approx(np.array([1, 2, 1])[ids].mean())
+    assert char.bytes_per_token == pytest.approx(np.array([1, 2, 1])[ids].mean())
 
     write_bins(tmp_path / "gpt2")
-    assert lm.nanogpt_info(data_dir=tmp_path / "gpt2").vocab_size == 50257  # GPT-2's BPE without meta.pkl
+    assert lm.nanogpt_info(tmp_path / "gpt2").num_classes == 50257  # GPT-2's BPE without meta.pkl
     with pytest.raises(DatasetError, match="token id .* outside its vocabulary of 100"):
         lm.build_nanogpt(True, data_dir=tmp_path / "gpt2", vocab_size=100).batch(0, 64, 64)
     os.remove(tmp_path / "gpt2" / "val.bin")
@@ -76,7 +76,7 @@ def test_nanogpt_meta_and_errors(tmp_path):
         lm.build_nanogpt(True, data_dir=tmp_path / "gpt2")
     (tmp_path / "gpt2" / "val.bin").write_bytes(b"abc")
     with pytest.raises(DatasetError, match="not a uint16 token file"):
-        lm.nanogpt_info(data_dir=tmp_path / "gpt2")
+        lm.nanogpt_info(tmp_path / "gpt2")
 
 
 class Payload:
@@ -92,7 +92,7 @@ def test_hostile_meta_pkl_is_refused_without_running(tmp_path):
     marker = tmp_path / "marker"
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 5, "itos": Payload(marker)}))
     with pytest.raises(DatasetError, match="not nanoGPT's plain meta.pkl"):
-        lm.nanogpt_info(data_dir=tmp_path)
+        lm.nanogpt_info(tmp_path)
     assert not marker.exists()
 
 
@@ -140,20 +140,20 @@ def test_tokenizer_json(tmp_path):
     write_tokenizer(tmp_path / "tokenizer.json", words)
     text = "the cat sat on the mat " * 20 + "the dog"
     (tmp_path / "c.txt").write_text(text)
-    info = lm.text_info(data_dir=tmp_path / "c.txt", tokenizer=str(tmp_path / "tokenizer.json"))
-    assert info.vocab_size == 6
+    info = lm.text_info(tmp_path / "c.txt", tokenizer=str(tmp_path / "tokenizer.json"))
+    assert info.num_classes == 6
     train = lm.build_text(True, data_dir=tmp_path / "c.txt", tokenizer=str(tmp_path / "tokenizer.json"))
     val = lm.build_text(False, data_dir=tmp_path / "c.txt", tokenizer=str(tmp_path / "tokenizer.json"))
     expect = [words.index(w) if w in words else 0 for w in text.split()]
     assert np.concatenate([train.tokens, val.tokens]).tolist() == expect
     assert train.bytes_per_token == pytest.approx(len(text.encode()) / len(expect))
     with pytest.raises(ConfigError, match="vocabulary of 6 tokens, more than the model's 4"):
-        lm.check_vocab(info.vocab_size, 4, "the tokenizer tokenizer.json")
+        lm.check_vocab(info.num_classes, 4, "the tokenizer tokenizer.json")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(DatasetError, match="cannot be read as a Hugging Face tokenizer.json"):
         lm.build_text(True, data_dir=tmp_path / "c.txt", tokenizer=str(tmp_path / "bad.json"))
     with pytest.raises(DatasetError, match="does not exist"):
-        lm.text_info(tokenizer=str(tmp_path / "missing.json"))
+        lm.text_info(tmp_path / "c.txt", tokenizer=str(tmp_path / "missing.json"))
 
 
 def test_stdlib_corpus_is_the_sorted_standard_library():
@@ -171,22 +171,29 @@ def test_stdlib_corpus_is_the_sorted_standard_library():
     train, val = lm.build_stdlib(True), lm.build_stdlib(False)
     assert len(train) + len(val) == manifest["bytes"] and len(val) == round(0.1 * manifest["bytes"])
     assert bytes(train.tokens[:len((root / files[0]).read_bytes())]) == (root / files[0]).read_bytes()
-    assert train.manifest == manifest and lm.stdlib_info().vocab_size == 256
+    assert train.manifest == manifest and lm.stdlib_info().num_classes == 256
     lm.check_manifest(manifest)
     other = dict(manifest, python="3.99.0", sha256="0" * 64)
     with pytest.raises(DatasetError, match=r"this machine's Python .* the run's Python 3.99.0"):
         lm.check_manifest(other)
 
 
-def test_options_are_checked():
-    table = lm.TEXT_OPTIONS
-    assert lm.resolve_options("text", table, {}) == {"tokenizer": "", "val_fraction": 0.1}
-    assert lm.resolve_options("text", table, {"val_fraction": "0.2"})["val_fraction"] == 0.2
-    with pytest.raises(ConfigError, match="unknown option tokeniser for dataset text; valid options are"):
-        lm.resolve_options("text", table, {"tokeniser": "x"})
-    with pytest.raises(ConfigError, match="must be at least 0.001 and at most 0.5"):
-        lm.resolve_options("text", table, {"val_fraction": 0.9})
+def test_table_entries_parse_their_options(tmp_path):
+    from attnlab.data import build_dataset, dataset_info
+    from attnlab.data.registry import resolve_options
+
+    assert resolve_options("text", {}) == {"tokenizer": "", "val_fraction": 0.1}
+    assert resolve_options("text", {"val_fraction": "0.2"})["val_fraction"] == 0.2
+    with pytest.raises(ConfigError, match="unknown option tokeniser for dataset text"):
+        resolve_options("text", {"tokeniser": "x"})
+    with pytest.raises(ConfigError, match="must lie between 0.001 and 0.5"):
+        resolve_options("stdlib", {"val_fraction": 0.9})
     with pytest.raises(ConfigError, match="is not an integer"):
-        lm.resolve_options("nanogpt", lm.NANOGPT_OPTIONS, {"vocab_size": 3.5})
-    with pytest.raises(ConfigError, match="is not a number"):
-        lm.resolve_options("text", table, {"val_fraction": "a lot"})
+        resolve_options("nanogpt", {"vocab_size": 3.5})
+    info = dataset_info("stdlib")
+    assert (info.task, info.model_kwargs()) == ("lm", {"vocab_size": 256})
+    assert dataset_info("mqar", seq_len=128, num_kv_pairs=4).model_kwargs() == {"vocab_size": 8192, "block_size": 128}
+    write_bins(tmp_path)
+    assert len(build_dataset("nanogpt", False, data_dir=tmp_path, vocab_size=6000)) == 700
+    with pytest.raises(DatasetError, match="takes no augmentation"):
+        build_dataset("stdlib", True, augment="recipe")

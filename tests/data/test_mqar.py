@@ -76,7 +76,7 @@ def test_examples_are_fixed_by_seed_split_and_index():
 
 def test_info_builder_and_errors():
     info = mqar_info(vocab_size=512, seq_len=128, num_kv_pairs=16)
-    assert (info.vocab_size, info.max_block_size) == (512, 128)
+    assert info.model_kwargs() == {"vocab_size": 512, "block_size": 128}
     test = build_mqar(False, data_dir="unused", vocab_size=512, seq_len=128, num_kv_pairs=16, num_test=10)
     assert len(test) == 10 and test[9][0].shape == (128,)
     batches = list(test.eval_batches(4, 128))
