@@ -322,6 +322,30 @@ def build_nanogpt(train: bool, *, data_dir="data", download: bool = False, augme
                        _bytes_per_token(meta, _bin(Path(data_dir), "val")))
 
 
+def text_codec(dataset: str, data_dir="data", options: dict | None = None):
+    """(encode: str -> ids, decode: ids -> str) of a corpus's tokens, or None when its ids are not text (MQAR,
+    nanoGPT's BPE ids without a meta.pkl): bytes as UTF-8, a tokenizer.json's own, meta.pkl's characters."""
+    options = options or {}
+    if dataset == "stdlib" or (dataset == "text" and not options.get("tokenizer")):
+        return (lambda text: list(text.encode("utf-8")),
+                lambda ids: bytes(int(i) for i in ids).decode("utf-8", errors="replace"))
+    if dataset == "text":
+        tok = load_tokenizer(options["tokenizer"])
+        return (lambda text: tok.encode(text).ids, lambda ids: tok.decode([int(i) for i in ids]))
+    if dataset == "nanogpt":
+        meta = read_meta(Path(data_dir))
+        stoi, itos = meta.get("stoi"), meta.get("itos")
+        if isinstance(stoi, dict) and isinstance(itos, dict):
+            def encode(text):
+                missing = next((c for c in text if c not in stoi), None)
+                if missing is not None:
+                    raise ConfigError(f"the prompt holds {missing!r}, which the corpus's meta.pkl has no token for; "
+                                      f"use its characters only.")
+                return [stoi[c] for c in text]
+            return encode, lambda ids: "".join(itos.get(int(i), "?") for i in ids)
+    return None
+
+
 __all__ = ["BYTE_VOCAB", "TokenStream", "build_nanogpt", "build_stdlib", "build_text", "check_manifest",
            "check_vocab", "lm_info", "load_tokenizer", "nanogpt_info", "nanogpt_vocab", "no_augment", "read_meta",
-           "stdlib_files", "stdlib_info", "stdlib_manifest", "text_files", "text_info"]
+           "stdlib_files", "stdlib_info", "stdlib_manifest", "text_codec", "text_files", "text_info"]
