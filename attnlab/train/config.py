@@ -150,6 +150,14 @@ RECIPES: dict[str, TrainConfig] = {
         beta2=0.95, clip_grad=1.0, label_smoothing=0.0, augment="none", mixup=0.0, cutmix=0.0, mixup_prob=0.0,
         repeated_aug=1, num_workers=0, drop_path=None,
     ),
+    # the LR-sensitivity study cut to 2 CPU cores (`attnlab compare --preset lm_demo`): gpt_tiny, 64-byte blocks,
+    # 150 steps, no warm-up, one thread per run
+    "lm_demo": TrainConfig(
+        recipe="lm_demo", model="gpt_tiny", dataset="stdlib", epochs=1, max_steps=150, eval_every=50, eval_iters=4,
+        warmup_steps=0, batch_size=8, block_size=64, lr=1e-3, warmup_lr=0.0, min_lr=1e-4, weight_decay=0.1,
+        beta2=0.95, clip_grad=1.0, z_loss=1e-4, label_smoothing=0.0, augment="none", mixup=0.0, cutmix=0.0,
+        mixup_prob=0.0, repeated_aug=1, num_workers=0, threads=1,
+    ),
 }
 
 # Named grids for `attnlab compare --preset NAME`. variants=None means every registered variant marked for the demo.
@@ -158,6 +166,11 @@ GRID_PRESETS: dict[str, dict[str, Any]] = {
     "demo": {"recipe": "demo", "variants": None, "seeds": [0, 1, 2], "datasets": ["digits"], "models": ["vit_digits"],
              "jobs": 2,  # two single-threaded runs at a time: twice the work of one two-threaded run on 2 cores
              "runs_dir": "runs/demo"},
+    # a small version of configs/lm_lr_sensitivity.yaml: three peak rates over 1.5 orders of magnitude, no warm-up
+    "lm_demo": {"recipe": "lm_demo", "variants": ["standard", "qknorm", "sigma"], "seeds": [0],
+                "datasets": ["stdlib"], "models": ["gpt_tiny"], "jobs": 2, "runs_dir": "runs/lm_demo",
+                "variations": {"lr_1e-3": {"lr": 1e-3, "min_lr": 1e-4}, "lr_1e-2": {"lr": 1e-2, "min_lr": 1e-3},
+                               "lr_3e-2": {"lr": 3e-2, "min_lr": 3e-3}}},
     # NS-Attn Table 1: both backbones and datasets, seeds 0, 1, 3 (hours per run on a GPU)
     "ns_table1": {"recipe": "ns_cifar", "variants": ["standard", "ns"], "seeds": [0, 1, 3],
                   "datasets": ["cifar10", "cifar100"], "models": ["vit_cifar", "swin_cifar"],

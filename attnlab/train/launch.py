@@ -62,6 +62,13 @@ def train_placed(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     return train(cfg, probe)
 
 
+def headline(result: dict) -> str:
+    """The run's headline metric as a progress line shows it (``metric`` names it in result.json)."""
+    key = result.get("metric", "top1")
+    value = result.get(key)
+    return f"{key} {value:.4g}" if isinstance(value, (int, float)) else f"{key} {value}"
+
+
 def run_local(todo: Sequence[TrainConfig], jobs: int, probe=None, progress: bool = True) -> None:
     """Train ``todo`` ``jobs`` at a time, each slot a spawned worker process placed by :func:`device_for`; the
     next run goes to the first slot that frees. The first run that fails raises its error once the others
@@ -93,8 +100,8 @@ def run_local(todo: Sequence[TrainConfig], jobs: int, probe=None, progress: bool
                 result = future.result()
                 done_count += 1
                 if progress:
-                    print(f"[{done_count}/{len(todo)}] {result['name']} on {cfg.device}: top-1 "
-                          f"{result['top1']:.2f}% ({result['seconds']:.1f} s)", flush=True)
+                    print(f"[{done_count}/{len(todo)}] {result['name']} on {cfg.device}: {headline(result)} "
+                          f"({result['seconds']:.1f} s)", flush=True)
                 if pending:
                     start(slot)
     finally:
@@ -182,7 +189,7 @@ def run_submitit(todo: Sequence[TrainConfig], runs_dir: str | Path, launcher: st
                 raise result["error"]
             finished += 1
             if progress:
-                print(f"[{finished}/{len(todo)}] {result['name']} (job {job.job_id}): top-1 {result['top1']:.2f}% "
+                print(f"[{finished}/{len(todo)}] {result['name']} (job {job.job_id}): {headline(result)} "
                       f"({result['seconds']:.1f} s)", flush=True)
         if waiting:
             time.sleep(poll_s)
