@@ -28,6 +28,7 @@ class CogAttention(StandardAttention):
     """
 
     map_kind = "cog"
+    kv_cache = True  # generation may cache keys/values: a new query against them is its causal output
 
     def __init__(self, dim: int, num_heads: int = 8, *, all_layers: bool = False, **kwargs) -> None:
         super().__init__(dim, num_heads, **kwargs)

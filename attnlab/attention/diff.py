@@ -41,6 +41,7 @@ class DiffAttention(AttnlabAttention):
     """
 
     map_kind = "diff"
+    kv_cache = True  # generation may cache keys/values: a new query against them is its causal output
 
     def __init__(self, dim: int, num_heads: int = 8, *, dual_lambda: bool = False, qk_norm: bool = False,
                  norm_layer: type[nn.Module] | None = None, **kwargs) -> None:

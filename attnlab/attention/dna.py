@@ -266,6 +266,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
     """
 
     map_kind = "dna"
+    kv_cache = True  # generation may cache keys/values: a new query against them is its causal output
 
     adopts_wide_qkv = True  # reads Q+, K, V+ (and Q-, V-) out of another DnA module's fused projection
 

@@ -21,6 +21,7 @@ class StandardAttention(AttnlabAttention):
 
     plain_softmax = True
     map_kind = "softmax"
+    kv_cache = True  # generation may cache keys/values: a new query against them is its causal output
 
     def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:
         if self.fused_attn:

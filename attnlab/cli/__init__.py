@@ -31,6 +31,7 @@ COMMANDS = {
     "variants": "list the attention variant terms of the spec language",
     "export": "write a model's weights with every reparametrisation folded, as safetensors",
     "eval": "top-1, top-5, loss and the DnA paper's robustness metrics of a run or of given weights, as JSON",
+    "sample": "generate text from a trained language-model run",
 }
 
 

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         annotate_runs([Path(grid["runs_dir"]) / r["name"] for r in results], what, progress=progress)
         results = [json.loads((Path(grid["runs_dir"]) / r["name"] / RESULT).read_text()) for r in results]
     if not args.report:
-        from attnlab.train.grid import result_line
+        from attnlab.train.files import result_line
 
         for r in results:
             print(result_line(r))

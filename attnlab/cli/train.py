@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             _remove_unstarted(made)
         raise
     if not current_rank():  # under torchrun, rank 0 speaks for the run
-        from attnlab.train.grid import result_line
+        from attnlab.train.files import result_line
 
         print(f"{result_line(result)}  ({result['params'] / 1e6:.2f}M params, {result['seconds']:.1f} s) -> "
               f"{run_dir_of(cfg)}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import timm
 from timm.layers import DropPath
@@ -18,6 +18,8 @@ from ..attention.base import SUPPORTED_TYPES
 from ..errors import ConfigError, ModelNotFoundError, did_you_mean
 from .blocks import PostNormBlock
 from .convert import convert
+from .gpt import GPT, GPT_PRESETS
+from .gpt_loaders import load_gpt_file
 from .pretrained import create_pretrained, load_strict, read_state_dict
 from .sequence import SequenceClassifier
 
@@ -28,9 +30,10 @@ class Preset:
 
     cls: type[nn.Module]
     kwargs: dict[str, Any]
-    num_classes: int
+    num_classes: int | None  # None: the model has no classifier (a language model sizes its head by vocab_size)
     doc: str
     fixed_drop_path: bool = False  # same rate in every block (the paper's ViT) instead of timm's linear rise
+    load_file: Callable[[nn.Module, str], nn.Module] | None = None  # reads pretrained_file by meaning; None: strict
 
 
 PRESETS: dict[str, Preset] = {
@@ -74,6 +77,8 @@ PRESETS: dict[str, Preset] = {
         doc="LRA byte-level text classifier: as seq_listops, 257 ids (bytes + padding), 4000 positions, 2 classes",
     ),
 }
+PRESETS.update({name: Preset(GPT, kwargs, None, doc, load_file=load_gpt_file)
+                for name, (kwargs, doc) in GPT_PRESETS.items()})
 
 
 def _fix_drop_path(model: nn.Module, rate: float) -> None:
@@ -88,7 +93,8 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
                 pretrained: bool = False, pretrained_file: str | None = None, **overrides) -> nn.Module:
     """Build a backbone with the attention variant ``attn`` (a spec string; ``None`` leaves timm's modules untouched).
 
-    ``name`` is a preset (``vit_cifar``, ``swin_cifar``, ``vit_digits``) or any timm model name (random init).
+    ``name`` is a preset (``vit_cifar``, ``swin_cifar``, ``vit_digits``, ``seq_*``, the language models ``gpt_tiny``,
+    ``gpt_mini``, ``gpt2_small``, which take no ``num_classes``) or any timm model name (random init).
     ``overrides`` go to the timm constructor (e.g. ``drop_path_rate=0.0``, ``img_size=64``, ``in_chans=1``).
     ``norm="post"`` builds ViT-family models with post-LN blocks (:class:`~attnlab.models.blocks.PostNormBlock`);
     ``norm="none"`` replaces every LayerNorm by the identity (the no-LayerNorm ablation; ViT and sequence models).
@@ -96,7 +102,8 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
     conversion, so the same seed gives the same shared weights whatever the variant.
     ``pretrained=True`` loads timm's weights (hub cache, or ``pretrained_file``: safetensors or a weights-only torch
     file) before the conversion, so ``attn="dna(init=copy)"`` warm-starts from them; a preset takes
-    ``pretrained_file`` alone (its own state dict, loaded strictly).
+    ``pretrained_file`` alone (its own state dict, loaded strictly; a GPT preset also reads nanoGPT checkpoints and
+    Hugging Face GPT-2 weights, :func:`attnlab.models.gpt_loaders.load_gpt_file`).
     """
     if norm not in ("pre", "post", "none"):
         raise ConfigError(f"norm must be 'pre', 'post' or 'none', not {norm!r}.")
@@ -140,13 +147,20 @@ def _build(name: str, num_classes: int | None, overrides: dict, pretrained: bool
     if name in PRESETS:
         preset = PRESETS[name]
         kwargs = {**preset.kwargs, **overrides}
-        kwargs["num_classes"] = preset.num_classes if num_classes is None else num_classes
+        if preset.num_classes is not None:
+            kwargs["num_classes"] = preset.num_classes if num_classes is None else num_classes
+        elif num_classes is not None:
+            raise ConfigError(f"the preset {name} has no classifier, so it takes no num_classes; size it with its "
+                              f"own options (vocab_size for a language model).")
         model = preset.cls(**kwargs)
         if preset.fixed_drop_path:
             _fix_drop_path(model, kwargs.get("drop_path_rate", 0.0))
         if pretrained_file is not None:
             model.attnlab_model = name
-            load_strict(model, read_state_dict(pretrained_file, model), f"pretrained file {pretrained_file}")
+            if preset.load_file is not None:
+                preset.load_file(model, pretrained_file)
+            else:
+                load_strict(model, read_state_dict(pretrained_file, model), f"pretrained file {pretrained_file}")
     elif pretrained or pretrained_file is not None:
         if num_classes is not None:
             overrides = {**overrides, "num_classes": num_classes}

@@ -62,6 +62,13 @@ class TrainConfig:
                 "set; required for token streams, which have no passes)"})
     warmup_steps: int | None = field(default=None, metadata={
         "help": "linear warm-up in optimizer steps (replaces warmup_epochs)"})
+    block_size: int | None = field(default=None, metadata={
+        "help": "language models: tokens per training block (default: the data's, else the model preset's)"})
+    eval_iters: int = field(default=20, metadata={
+        "help": "language models: validation batches per evaluation (the same blocks every time)"})
+    z_loss: float = field(default=0.0, metadata={
+        "help": "language models: weight of the z-loss, mean (log sum exp logits)^2 (Wortsman et al. use 1e-4)"})
+    beta2: float = field(default=0.999, metadata={"help": "AdamW's second-moment decay (nanoGPT's language models: 0.95)"})
     grad_accum: int = field(default=1, metadata={
         "help": "micro-batches per optimizer step; batch_size stays the global batch, each micro-batch is "
                 "batch_size / (grad_accum x ranks)"})
@@ -135,6 +142,22 @@ RECIPES: dict[str, TrainConfig] = {
         weight_decay=0.01, warmup_epochs=0.33, warmup_lr=1e-6, min_lr=1e-6, label_smoothing=0.0,
         augment="none", mixup=0.0, cutmix=0.0, mixup_prob=0.0, repeated_aug=1, num_workers=0,
     ),
+    # nanoGPT's manner (its train.py, scaled to gpt_tiny on the embedded byte corpus): step-based, AdamW beta2 0.95,
+    # weight decay 0.1 on matrices only, linear warm-up then cosine to lr / 10, gradient clipping at 1
+    "lm": TrainConfig(
+        recipe="lm", model="gpt_tiny", dataset="stdlib", epochs=1, max_steps=2000, eval_every=250, eval_iters=20,
+        warmup_steps=100, batch_size=16, block_size=256, lr=1e-3, warmup_lr=0.0, min_lr=1e-4, weight_decay=0.1,
+        beta2=0.95, clip_grad=1.0, label_smoothing=0.0, augment="none", mixup=0.0, cutmix=0.0, mixup_prob=0.0,
+        repeated_aug=1, num_workers=0, drop_path=None,
+    ),
+    # the LR-sensitivity study cut to 2 CPU cores (`attnlab compare --preset lm_demo`): gpt_tiny, 64-byte blocks,
+    # 150 steps, no warm-up, one thread per run
+    "lm_demo": TrainConfig(
+        recipe="lm_demo", model="gpt_tiny", dataset="stdlib", epochs=1, max_steps=150, eval_every=50, eval_iters=4,
+        warmup_steps=0, batch_size=8, block_size=64, lr=1e-3, warmup_lr=0.0, min_lr=1e-4, weight_decay=0.1,
+        beta2=0.95, clip_grad=1.0, z_loss=1e-4, label_smoothing=0.0, augment="none", mixup=0.0, cutmix=0.0,
+        mixup_prob=0.0, repeated_aug=1, num_workers=0, threads=1,
+    ),
 }
 
 # Named grids for `attnlab compare --preset NAME`. variants=None means every registered variant marked for the demo.
@@ -143,6 +166,11 @@ GRID_PRESETS: dict[str, dict[str, Any]] = {
     "demo": {"recipe": "demo", "variants": None, "seeds": [0, 1, 2], "datasets": ["digits"], "models": ["vit_digits"],
              "jobs": 2,  # two single-threaded runs at a time: twice the work of one two-threaded run on 2 cores
              "runs_dir": "runs/demo"},
+    # a small version of configs/lm_lr_sensitivity.yaml: three peak rates over 1.5 orders of magnitude, no warm-up
+    "lm_demo": {"recipe": "lm_demo", "variants": ["standard", "qknorm", "sigma"], "seeds": [0],
+                "datasets": ["stdlib"], "models": ["gpt_tiny"], "jobs": 2, "runs_dir": "runs/lm_demo",
+                "variations": {"lr_1e-3": {"lr": 1e-3, "min_lr": 1e-4}, "lr_1e-2": {"lr": 1e-2, "min_lr": 1e-3},
+                               "lr_3e-2": {"lr": 3e-2, "min_lr": 3e-3}}},
     # NS-Attn Table 1: both backbones and datasets, seeds 0, 1, 3 (hours per run on a GPU)
     "ns_table1": {"recipe": "ns_cifar", "variants": ["standard", "ns"], "seeds": [0, 1, 3],
                   "datasets": ["cifar10", "cifar100"], "models": ["vit_cifar", "swin_cifar"],
@@ -289,6 +317,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if not 0.0 <= cfg.ema_decay < 1.0:
         raise ConfigError(f"config key 'ema_decay' is {cfg.ema_decay}, but it must lie in [0, 1) (0.9998 averages "
                           "about the last 5,000 steps).")
+    if cfg.block_size is not None and cfg.block_size < 1:
+        raise ConfigError(f"config key 'block_size' is {cfg.block_size}, but it must be at least 1 (or null).")
+    if cfg.eval_iters < 1:
+        raise ConfigError(f"config key 'eval_iters' is {cfg.eval_iters}, but it must be at least 1.")
+    if not 0.0 <= cfg.z_loss < 1.0:
+        raise ConfigError(f"config key 'z_loss' is {cfg.z_loss}, but it must lie in [0, 1) (Wortsman et al.: 1e-4).")
+    if not 0.0 < cfg.beta2 < 1.0:
+        raise ConfigError(f"config key 'beta2' is {cfg.beta2}, but it must lie in (0, 1).")
     if cfg.clip_grad is not None and not cfg.clip_grad > 0:
         raise ConfigError(f"config key 'clip_grad' is {cfg.clip_grad}, but it must be positive (or null for no "
                           "clipping).")

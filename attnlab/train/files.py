@@ -43,5 +43,14 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return out
 
 
+def result_line(result: dict) -> str:
+    """``name: metric value`` of a finished run (its task's headline, top-1 for classification)."""
+    metric = result.get("metric", "top1")
+    value = result.get(metric)
+    shown = f"{value:.2f}%" if metric in ("top1", "top5") and isinstance(value, float) else \
+        f"{value:.4g}" if isinstance(value, float) else str(value)
+    return f"{result['name']}: {metric} {shown}"
+
+
 __all__ = ["CONFIG", "EMA_WEIGHTS", "METRICS", "PREV_STATE", "PREV_WEIGHTS", "RESULT", "STATE", "TB_DIR",
-           "WEIGHTS", "read_jsonl"]
+           "WEIGHTS", "read_jsonl", "result_line"]

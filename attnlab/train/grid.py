@@ -12,7 +12,7 @@ from attnlab.errors import ConfigError
 from attnlab.spec import split_specs
 
 from .config import GRID_PRESETS, TrainConfig, check_grid, make_config, read_yaml
-from .files import RESULT
+from .files import RESULT, result_line
 from .loop import check_run, train
 from .run import run_dir_of
 
@@ -65,15 +65,6 @@ def plan_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Sequ
         seen[plan["name"]] = cfg
         plans.append({**plan, "cfg": cfg})
     return plans
-
-
-def result_line(result: dict[str, Any]) -> str:
-    """``name: metric value`` of a finished run (its task's headline, top-1 for classification)."""
-    metric = result.get("metric", "top1")
-    value = result.get(metric)
-    shown = f"{value:.2f}%" if metric in ("top1", "top5") and isinstance(value, float) else \
-        f"{value:.4g}" if isinstance(value, float) else str(value)
-    return f"{result['name']}: {metric} {shown}"
 
 
 def format_plan(plans: Sequence[dict[str, Any]]) -> str:

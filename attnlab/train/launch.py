@@ -40,6 +40,7 @@ from attnlab.errors import AttnlabError, ConfigError
 
 from .config import TrainConfig
 from .loop import train
+from .files import result_line
 from .run import run_dir_of
 
 LAUNCHERS = ("local", "submitit", "submitit-local")
@@ -154,8 +155,8 @@ def run_local(todo: Sequence[TrainConfig], jobs: int, probe=None, progress: bool
                 result = future.result()
                 done_count += 1
                 if progress:
-                    print(f"[{done_count}/{len(todo)}] {result['name']} on {cfg.device}: top-1 "
-                          f"{result['top1']:.2f}% ({result['seconds']:.1f} s)", flush=True)
+                    print(f"[{done_count}/{len(todo)}] {result_line(result)} on {cfg.device} "
+                          f"({result['seconds']:.1f} s)", flush=True)
                 if pending:
                     start(slot)
     except BaseException as err:
@@ -247,7 +248,7 @@ def run_submitit(todo: Sequence[TrainConfig], runs_dir: str | Path, launcher: st
                 raise result["error"]
             finished += 1
             if progress:
-                print(f"[{finished}/{len(todo)}] {result['name']} (job {job.job_id}): top-1 {result['top1']:.2f}% "
+                print(f"[{finished}/{len(todo)}] {result_line(result)} (job {job.job_id}) "
                       f"({result['seconds']:.1f} s)", flush=True)
         if waiting:
             time.sleep(poll_s)

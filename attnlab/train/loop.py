@@ -264,7 +264,7 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     total = cfg.max_steps or cfg.epochs * per_epoch
     epochs = math.ceil(total / per_epoch)
 
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.optimizer, cfg.momentum)
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.optimizer, cfg.momentum, cfg.beta2)
     hooks = training_hooks()  # terms that act during training (QK-clip's clip after each step), from the registry
     for hook in hooks:
         hook.attach(model, optimizer)  # a no-op on models without the term

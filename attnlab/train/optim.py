@@ -50,7 +50,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, name: str = "adamw",
-                    momentum: float = 0.9) -> torch.optim.Optimizer:
+                    momentum: float = 0.9, beta2: float = 0.999) -> torch.optim.Optimizer:
     """AdamW (default) or timm's LARS over :func:`param_groups`.
 
     AdamW runs its fused kernel, which updates every tensor in one call; PyTorch picks it only on request, and on CPU
@@ -64,7 +64,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, name: str 
         groups[0]["always_adapt"] = True  # trust ratio on weight matrices even when weight_decay is 0
         return Lars(groups, lr=lr, momentum=momentum)
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for g in groups for p in g["params"])
-    return torch.optim.AdamW(groups, lr=lr, fused=fused or None)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, beta2), fused=fused or None)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_steps: int, warmup_lr: float,

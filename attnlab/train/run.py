@@ -182,8 +182,8 @@ class Run:
                 try:  # nothing is allocated or initialised on the meta device
                     with torch.device("meta"):
                         model, device = self.build_model(checking=True), "meta"
-                except (NotImplementedError, RuntimeError):  # a set-up that reads a value (sigma's .item())
-                    pass
+                except (NotImplementedError, RuntimeError, ConfigError):  # a set-up that reads a value (sigma's
+                    pass  # .item(), which build_model reports as a ConfigError): built again on the CPU below
             if model is None:
                 model = self.build_model(pretrained=True, checking=True)
             self.check_forward(model.eval(), device)

@@ -1,0 +1,351 @@
+"""Token streams for language modelling, and random contiguous blocks of them (nanoGPT's ``get_batch``).
+
+Sources (each a split ``train`` / ``val`` of one 1-D array of token ids):
+
+    text      a text file, or every file of a folder (sorted, hidden ones skipped), as bytes (vocabulary 256), or
+              through a ``tokenizer.json`` the user brings (Hugging Face ``tokenizers``, offline; ``pip install
+              attnlab[lm]``); the last ``val_fraction`` of the stream is the validation split
+    stdlib    the Python standard library's own ``.py`` files, bytes, in sorted path order (tests, site-packages and
+              caches left out): a corpus every machine with Python has. Its :func:`stdlib_manifest` (Python version,
+              files, bytes, sha256) is recorded by a run, so a machine whose Python gives another corpus is told so
+              (:func:`check_manifest`)
+    nanogpt   nanoGPT's prepared ``train.bin`` / ``val.bin`` (uint16 memory maps, read as they are); the vocabulary
+              from its ``meta.pkl`` (read as plain data, never as code) or the ``vocab_size`` option (GPT-2's 50257)
+
+A block at training step ``s`` is a function of (seed, split, rank, s) alone: B start offsets drawn uniformly from
+``numpy.random.default_rng([seed, split, rank, s])``, x = ids[i : i + T], y = ids[i + 1 : i + T + 1]. A resumed run
+at step s draws exactly the blocks the uninterrupted one would; each rank draws its own. Evaluation batch j of the
+validation split is ``batch(j)`` of that split, the same blocks at every evaluation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from attnlab.data.registry import DatasetInfo
+from attnlab.errors import ConfigError, DatasetError
+
+BYTE_VOCAB = 256
+SPLITS = ("train", "val")
+GPT2_VOCAB = 50257  # nanoGPT's openwebtext / shakespeare prepare.py encode with GPT-2's BPE
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+
+
+@dataclass
+class TokenStream:
+    """One split of a corpus: ``tokens`` a 1-D integer array (in memory or a memory map) of ids < ``vocab_size``."""
+
+    name: str
+    split: str
+    tokens: np.ndarray
+    vocab_size: int
+    bytes_per_token: float | None = None
+    manifest: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def check_block_size(self, block_size: int) -> None:
+        if block_size < 1 or block_size + 1 > len(self.tokens):
+            raise DatasetError(f"the {self.split} split of {self.name} holds {len(self.tokens)} tokens, too few for "
+                               f"blocks of {block_size} (x and its next-token targets need {block_size + 1}); give a "
+                               f"block size below {len(self.tokens)} or a larger corpus.")
+
+    def batch(self, step: int, batch_size: int, block_size: int, *, seed: int = 0, rank: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y), each int64 (batch_size, block_size): random contiguous blocks and their next tokens, a function
+        of (seed, split, rank, step) alone (module docstring)."""
+        self.check_block_size(block_size)
+        rng = np.random.default_rng([seed, SPLITS.index(self.split), rank, step])
+        starts = rng.integers(0, len(self.tokens) - block_size, size=batch_size)
+        chunk = np.asarray(self.tokens[starts[:, None] + np.arange(block_size + 1)], dtype=np.int64)
+        if chunk.size and int(chunk.max()) >= self.vocab_size:
+            raise DatasetError(f"the {self.split} split of {self.name} holds token id {int(chunk.max())}, outside its "
+                               f"vocabulary of {self.vocab_size}; give the vocab_size the corpus was encoded with.")
+        chunk = torch.from_numpy(chunk)
+        return chunk[:, :-1], chunk[:, 1:]
+
+    def eval_batches(self, batch_size: int, block_size: int, iters: int, *, seed: int = 0):
+        """``batch(j)`` for j < ``iters``: the same blocks at every evaluation (nanoGPT's eval_iters)."""
+        for j in range(iters):
+            yield self.batch(j, batch_size, block_size, seed=seed)
+
+
+def no_augment(dataset: str, augment: str) -> None:
+    """DatasetError for an augmentation asked of token data."""
+    if augment != "none":
+        raise DatasetError(f"dataset {dataset} holds token streams and takes no augmentation; use augment='none'.")
+
+
+def check_vocab(data_vocab: int, model_vocab: int, source: str) -> None:
+    """ConfigError when the corpus has more token ids than the model has embeddings."""
+    if data_vocab > model_vocab:
+        raise ConfigError(f"{source} has a vocabulary of {data_vocab} tokens, more than the model's {model_vocab}; "
+                          f"build the model with vocab_size={data_vocab} (or more).")
+
+
+def _split(name: str, tokens: np.ndarray, train: bool, val_fraction: float) -> np.ndarray:
+    """The first 1 - val_fraction of ``tokens`` (train) or the rest (val)."""
+    cut = len(tokens) - max(1, int(round(len(tokens) * val_fraction)))
+    if cut < 2:
+        raise DatasetError(f"{name} holds only {len(tokens)} tokens, too few to split into train and validation; "
+                           f"give a larger corpus.")
+    return tokens[:cut] if train else tokens[cut:]
+
+
+# ---- text: bytes or a tokenizer the user brings -----------------------------------------------------------------
+def text_files(path: Path) -> list[Path]:
+    """``path`` itself, or every non-hidden file under the folder ``path`` in sorted relative-path order."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise DatasetError(f"text corpus {path} does not exist; give a text file or a folder of them (--data-dir).")
+    files = []
+    for folder, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        files += [Path(folder) / n for n in names if not n.startswith(".")]
+    files.sort(key=lambda p: p.relative_to(path).as_posix())
+    if not files:
+        raise DatasetError(f"text corpus folder {path} holds no files; give a text file or a folder of them.")
+    return files
+
+
+def _read_bytes(files: list[Path]) -> bytes:
+    try:
+        return b"".join(p.read_bytes() for p in files)
+    except OSError as err:
+        raise DatasetError(f"cannot read {err.filename}: {err.strerror}; give readable text files.") from None
+
+
+def load_tokenizer(path: str | Path):
+    """A Hugging Face ``tokenizers.Tokenizer`` from a ``tokenizer.json`` (read offline)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ConfigError("a tokenizer.json needs the tokenizers package; pip install attnlab[lm].") from None
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"tokenizer file {path} does not exist; give a Hugging Face tokenizer.json.")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+        why = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
+        raise DatasetError(f"tokenizer file {path} cannot be read as a Hugging Face tokenizer.json ({why}).") from None
+
+
+@lru_cache(maxsize=4)
+def _encoded(files: tuple[Path, ...], tokenizer: str, stamp: tuple) -> tuple[np.ndarray, int, float]:
+    """(ids, vocabulary, bytes per token) of the files' bytes, or of their text through ``tokenizer``."""
+    data = _read_bytes(list(files))
+    if not data:
+        raise DatasetError(f"text corpus {files[0] if len(files) == 1 else files[0].parent} is empty; give a file "
+                           f"with text in it.")
+    if not tokenizer:
+        return np.frombuffer(data, dtype=np.uint8), BYTE_VOCAB, 1.0
+    tok = load_tokenizer(tokenizer)
+    # one document per file keeps the encoding of a file independent of its neighbours
+    docs = [p.read_bytes().decode("utf-8", errors="replace") for p in files]
+    ids = [i for enc in tok.encode_batch(docs) for i in enc.ids]
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    if not ids:
+        raise DatasetError(f"the tokenizer {tokenizer} encodes the text corpus to no tokens; give text it can read.")
+    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
+    return np.asarray(ids, dtype=dtype), vocab, len(data) / len(ids)
+
+
+def _stamp(files: list[Path], tokenizer: str) -> tuple:
+    """What invalidates the cache: every file's size and modification time (and the tokenizer's)."""
+    paths = files + ([Path(tokenizer)] if tokenizer else [])
+    return tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths if p.exists())
+
+
+def lm_info(name: str, vocab_size: int, block_size: int | None = None) -> DatasetInfo:
+    """The table's info of a token corpus: its vocabulary (``num_classes``, and the model's ``vocab_size``), the
+    block size the data fixes (MQAR; else 0 and no ``block_size`` for the model)."""
+    args = (("vocab_size", vocab_size),) + ((("block_size", block_size),) if block_size else ())
+    return DatasetInfo(name, vocab_size, block_size or 0, 0, (), (), task="lm", model_args=args)
+
+
+def text_info(data_dir="data", *, tokenizer: str = "", val_fraction: float = 0.1) -> DatasetInfo:
+    """Vocabulary (256 bytes, or the tokenizer's, read from its file alone) of the text corpus at ``data_dir``."""
+    text_files(Path(data_dir))
+    return lm_info("text", load_tokenizer(tokenizer).get_vocab_size(with_added_tokens=True) if tokenizer
+                   else BYTE_VOCAB)
+
+
+def build_text(train: bool, *, data_dir="data", download: bool = False, augment: str = "none",
+               tokenizer: str = "", val_fraction: float = 0.1) -> TokenStream:
+    """The train or val split of the text file or folder ``data_dir`` (bytes, or ``tokenizer``'s ids)."""
+    no_augment("text", augment)
+    files = text_files(Path(data_dir))
+    ids, vocab, per_token = _encoded(tuple(files), tokenizer, _stamp(files, tokenizer))
+    split = "train" if train else "val"
+    return TokenStream(f"text corpus {data_dir}", split, _split(f"text corpus {data_dir}", ids, train, val_fraction),
+                       vocab, per_token)
+
+
+# ---- the standard library's own source ----------------------------------------------------------------------
+def stdlib_files() -> tuple[Path, list[str]]:
+    """(root, sorted relative paths) of the standard library's ``.py`` files, tests and installed packages excluded."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
+        rel = Path(folder).relative_to(root)
+        found += [(rel / n).as_posix() for n in names if n.endswith(".py")]
+    if not found:
+        raise DatasetError(f"the standard library at {root} holds no .py files (a build without sources?); use "
+                           f"--dataset text with a corpus of your own.")
+    return root, sorted(found)
+
+
+@lru_cache(maxsize=1)
+def _stdlib() -> tuple[np.ndarray, dict]:
+    root, files = stdlib_files()
+    digest, parts = hashlib.sha256(), []
+    for rel in files:
+        data = (root / rel).read_bytes()
+        digest.update(rel.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+        parts.append(data)
+    ids = np.frombuffer(b"".join(parts), dtype=np.uint8)
+    manifest = {"python": sys.version.split()[0], "files": len(files), "bytes": int(ids.size),
+                "sha256": digest.hexdigest()}
+    return ids, manifest
+
+
+def stdlib_manifest() -> dict:
+    """What identifies this machine's stdlib corpus: Python version, file count, bytes, sha256 of paths and contents."""
+    return dict(_stdlib()[1])
+
+
+def check_manifest(recorded: dict, current: dict | None = None) -> None:
+    """DatasetError when the stdlib corpus ``recorded`` by a run differs from this machine's (``current``)."""
+    current = stdlib_manifest() if current is None else current
+    if recorded.get("sha256") != current["sha256"]:
+        raise DatasetError(
+            f"the stdlib corpus differs from the one the run recorded: this machine's Python {current['python']} gives "
+            f"{current['files']} files, sha256 {current['sha256'][:12]}, the run's Python {recorded.get('python')} "
+            f"gave {recorded.get('files')} files, sha256 {str(recorded.get('sha256'))[:12]}; use that Python version "
+            f"to continue or compare the run, or start a new one.")
+
+
+def stdlib_info(data_dir="data", *, val_fraction: float = 0.1) -> DatasetInfo:
+    return lm_info("stdlib", BYTE_VOCAB)
+
+
+def build_stdlib(train: bool, *, data_dir="data", download: bool = False, augment: str = "none",
+                 val_fraction: float = 0.1) -> TokenStream:
+    """The train or val split of the standard library's bytes (no files needed beyond Python's own)."""
+    no_augment("stdlib", augment)
+    ids, manifest = _stdlib()
+    name = f"the Python {manifest['python']} standard library"
+    return TokenStream(name, "train" if train else "val", _split(name, ids, train, val_fraction), BYTE_VOCAB, 1.0,
+                       dict(manifest))
+
+
+# ---- nanoGPT's prepared .bin files ------------------------------------------------------------------------------
+class _PlainData(pickle.Unpickler):
+    """Unpickles dicts, lists, strings and numbers only: any class or function reference is refused."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
+
+
+def read_meta(folder: Path) -> dict:
+    """nanoGPT's ``meta.pkl`` (vocab_size, itos, stoi) as plain data, or {} when there is none."""
+    path = folder / "meta.pkl"
+    if not path.is_file():
+        return {}
+    try:
+        with path.open("rb") as f:
+            meta = _PlainData(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as err:
+        raise DatasetError(f"{path} is not nanoGPT's plain meta.pkl ({str(err)[:100]}); remove it and give "
+                           f"vocab_size.") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size"), int):
+        raise DatasetError(f"{path} holds no vocab_size; remove it and give the vocab_size option.")
+    return meta
+
+
+def _bin(folder: Path, split: str) -> np.ndarray:
+    path = folder / f"{split}.bin"
+    if not path.is_file():
+        raise DatasetError(f"{path} does not exist; give --data-dir the folder where nanoGPT's prepare.py wrote "
+                           f"train.bin and val.bin.")
+    if path.stat().st_size < 4 or path.stat().st_size % 2:
+        raise DatasetError(f"{path} is not a uint16 token file (its size {path.stat().st_size} bytes is not an even "
+                           f"count of at least 2 tokens); give the file nanoGPT's prepare.py wrote.")
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def nanogpt_vocab(data_dir, vocab_size: int = 0) -> tuple[int, dict]:
+    """(vocabulary, meta.pkl) of nanoGPT's .bin corpus at ``data_dir`` (both files checked to exist)."""
+    folder = Path(data_dir)
+    for split in SPLITS:
+        _bin(folder, split)
+    meta = read_meta(folder)
+    return vocab_size or meta.get("vocab_size") or GPT2_VOCAB, meta
+
+
+def nanogpt_info(data_dir="data", *, vocab_size: int = 0) -> DatasetInfo:
+    return lm_info("nanogpt", nanogpt_vocab(data_dir, vocab_size)[0])
+
+
+def _bytes_per_token(meta: dict, val: np.ndarray) -> float | None:
+    """UTF-8 bytes per validation token for a character-level meta.pkl (``itos``); None for other encodings."""
+    itos = meta.get("itos")
+    if not isinstance(itos, dict) or not itos or not all(isinstance(v, str) for v in itos.values()):
+        return None
+    lengths = np.zeros(max(max(itos) + 1, int(val.max()) + 1), dtype=np.float64)
+    for i, s in itos.items():
+        lengths[i] = len(s.encode("utf-8"))
+    return float(lengths[np.asarray(val)].mean())
+
+
+def build_nanogpt(train: bool, *, data_dir="data", download: bool = False, augment: str = "none",
+                  vocab_size: int = 0) -> TokenStream:
+    """nanoGPT's ``train.bin`` or ``val.bin`` in ``data_dir``, memory-mapped as they are."""
+    no_augment("nanogpt", augment)
+    vocab, meta = nanogpt_vocab(data_dir, vocab_size)
+    split = "train" if train else "val"
+    return TokenStream(f"nanoGPT corpus {data_dir}", split, _bin(Path(data_dir), split), vocab,
+                       _bytes_per_token(meta, _bin(Path(data_dir), "val")))
+
+
+def text_codec(dataset: str, data_dir="data", options: dict | None = None):
+    """(encode: str -> ids, decode: ids -> str) of a corpus's tokens, or None when its ids are not text (MQAR,
+    nanoGPT's BPE ids without a meta.pkl): bytes as UTF-8, a tokenizer.json's own, meta.pkl's characters."""
+    options = options or {}
+    if dataset == "stdlib" or (dataset == "text" and not options.get("tokenizer")):
+        return (lambda text: list(text.encode("utf-8")),
+                lambda ids: bytes(int(i) for i in ids).decode("utf-8", errors="replace"))
+    if dataset == "text":
+        tok = load_tokenizer(options["tokenizer"])
+        return (lambda text: tok.encode(text).ids, lambda ids: tok.decode([int(i) for i in ids]))
+    if dataset == "nanogpt":
+        meta = read_meta(Path(data_dir))
+        stoi, itos = meta.get("stoi"), meta.get("itos")
+        if isinstance(stoi, dict) and isinstance(itos, dict):
+            def encode(text):
+                missing = next((c for c in text if c not in stoi), None)
+                if missing is not None:
+                    raise ConfigError(f"the prompt holds {missing!r}, which the corpus's meta.pkl has no token for; "
+                                      f"use its characters only.")
+                return [stoi[c] for c in text]
+            return encode, lambda ids: "".join(itos.get(int(i), "?") for i in ids)
+    return None
+
+
+__all__ = ["BYTE_VOCAB", "TokenStream", "build_nanogpt", "build_stdlib", "build_text", "check_manifest",
+           "check_vocab", "lm_info", "load_tokenizer", "nanogpt_info", "nanogpt_vocab", "no_augment", "read_meta",
+           "stdlib_files", "stdlib_info", "stdlib_manifest", "text_codec", "text_files", "text_info"]

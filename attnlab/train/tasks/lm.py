@@ -1,0 +1,135 @@
+"""Language modelling: next-token prediction on a token stream (text, the standard library, nanoGPT's .bin) or
+MQAR, in nanoGPT's manner (step-based: ``max_steps``, ``eval_every``, ``eval_iters``).
+
+A batch is ``(x, y)`` int64 (B, T) on the device: blocks of the stream and their next tokens (MQAR: targets at the
+queries, -100 elsewhere). Micro-batch j of optimizer step s on rank r is ``batch(s * grad_accum + j)`` of the data,
+a function of (seed, step, rank) alone, so a resumed run sees exactly the data of the uninterrupted one.
+Evaluation: ``eval_iters`` fixed validation batches (MQAR: its test split in order): loss, perplexity, next-token
+accuracy, bits per byte where the bytes per token are known. The headline is the validation loss (lower is better).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab.errors import ConfigError
+
+from .base import Task
+
+
+class _StreamData:
+    """The train split as a stream: ``steps`` None (the config's eval_every sets an "epoch")."""
+
+    steps = None
+
+    def __init__(self, task: LanguageModelling, source, batch_size: int, device: torch.device) -> None:
+        self.task, self.source, self.batch_size, self.device = task, source, batch_size, device
+
+    def batches(self, epoch: int):
+        cfg, ranks = self.task.cfg, self.task.run.ranks
+        first = (epoch - 1) * cfg.eval_every * cfg.grad_accum  # epoch e starts at step (e - 1) * eval_every
+        for micro in range(first, first + cfg.eval_every * cfg.grad_accum):
+            x, y = self.source.batch(micro, self.batch_size, self.task.block_size, seed=cfg.seed, rank=ranks.rank)
+            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+
+class LanguageModelling(Task):
+    """Causal language modelling with attnlab's GPT presets."""
+
+    name = "lm"
+    metrics = ("val_loss", "perplexity", "accuracy", "bits_per_byte")
+    headline = "val_loss"
+    higher_is_better = False
+
+    def __init__(self, run) -> None:
+        super().__init__(run)
+        self._splits: dict[bool, object] = {}
+
+    def _split(self, train: bool):
+        if train not in self._splits:
+            from attnlab.data import build_dataset
+
+            cfg = self.cfg
+            self._splits[train] = build_dataset(cfg.dataset, train, data_dir=cfg.data_dir, download=cfg.download,
+                                                augment="none", **cfg.data_options)
+        return self._splits[train]
+
+    @property
+    def block_size(self) -> int:
+        """The training context: the config's ``block_size``, else the data's (MQAR), else the model's preset."""
+        fixed = dict(self.run.info.model_args).get("block_size")
+        if self.cfg.block_size is not None:
+            return self.cfg.block_size
+        if fixed:
+            return fixed
+        from attnlab.models import PRESETS
+
+        preset = PRESETS.get(self.cfg.model)
+        return (preset.kwargs.get("block_size") if preset else None) or 256
+
+    def build_model(self, pretrained: bool = True):
+        from attnlab.data.lm import check_vocab
+        from attnlab.models.gpt import check_block_size
+
+        model = super().build_model(pretrained)
+        vocab = getattr(model, "vocab_size", None)
+        if vocab is None:
+            raise ConfigError(f"the lm task trains attnlab's GPT presets (gpt_tiny, gpt_mini, gpt2_small), not "
+                              f"{self.cfg.model}.")
+        check_vocab(self.run.info.num_classes, vocab, f"dataset {self.cfg.dataset}")
+        check_block_size(model, self.block_size)
+        return model
+
+    def check(self, cache: dict) -> None:
+        cfg = self.cfg
+        key = ("lm-data", cfg.dataset, cfg.data_dir, repr(sorted(cfg.data_options.items())))
+        if key not in cache:
+            for train in (True, False):
+                self._split(train).check_block_size(self.block_size)
+            cache[key] = True
+        if not cfg.eval_every or not cfg.max_steps:
+            raise ConfigError("a language model trains for a number of steps; give max_steps and eval_every "
+                              "(the lm recipe sets both).")
+
+    def prepare_eval(self) -> None:
+        self._split(False)
+
+    def train_data(self, batch_size: int, device: torch.device):
+        if self.cfg.eval_every is None:
+            raise ConfigError("a language model's data is a stream without epochs; set eval_every.")
+        return _StreamData(self, self._split(True), batch_size, device)
+
+    def loss(self, model, batch):
+        from attnlab.data.lm_metrics import IGNORE, lm_loss
+
+        x, y = batch
+        loss = lm_loss(model(x), y, z_loss=self.cfg.z_loss)
+        return loss, {"seen": (y != IGNORE).sum()}
+
+    def train_stats(self, sums, seconds):
+        seen = max(sums.get("seen", 0.0), 1.0)
+        return {"train_loss": sums.get("loss", 0.0) / seen, "train_seconds": seconds,
+                "tokens_per_s": sums.get("seen", 0.0) / seconds if seconds > 0 else 0.0}
+
+    def evaluate(self, model, *, device, amp_dtype, static_shapes: bool = False) -> dict[str, float]:
+        from attnlab.data.lm_metrics import evaluate_lm
+
+        val = self._split(False)
+        batches = val.eval_batches(self.cfg.batch_size, self.block_size, self.cfg.eval_iters, seed=self.cfg.seed)
+        out = evaluate_lm(model, batches, bytes_per_token=val.bytes_per_token, device=device, amp_dtype=amp_dtype)
+        return {"val_loss": out["loss"], "perplexity": out["perplexity"], "accuracy": out["accuracy"],
+                **({"bits_per_byte": out["bits_per_byte"]} if "bits_per_byte" in out else {})}
+
+    def example_input(self, batch: int = 1, device="cpu") -> torch.Tensor:
+        return torch.zeros(batch, self.block_size, dtype=torch.long, device=device)
+
+    def inputs(self, n: int) -> torch.Tensor:
+        return next(iter(self._split(False).eval_batches(n, self.block_size, 1, seed=self.cfg.seed)))[0]
+
+    def line(self, record) -> str:
+        bpb = f"  bpb {record['bits_per_byte']:.3f}" if "bits_per_byte" in record else ""
+        return (f"train_loss {record['train_loss']:.4f}  val_loss {record['val_loss']:.4f}  ppl "
+                f"{record['perplexity']:.2f}  acc {record['accuracy']:.3f}{bpb}  {record['tokens_per_s']:.0f} tok/s")
+
+
+__all__ = ["LanguageModelling"]

@@ -1,0 +1,262 @@
+"""Language-model throughput: tokens per second of attnlab's GPT presets against a straightforward causal GPT
+written here in plain PyTorch (nanoGPT's model.py: the same shape, the same weights loaded, SDPA with
+``is_causal=True``), training and inference, eager and compiled, in one run whose rounds alternate the order of
+the arms; every variant's ratio to ``standard`` comes from the same run. Peak memory per arm (eager) is measured
+after the timing, in one child process (glibc returns large blocks to the system there, so the resident set's
+high-water mark, reset before each arm's step, follows the allocations); on CUDA by the allocator's peak.
+
+Arms: ``plain`` (the reference below), ``timm`` (attnlab's GPT with timm's Attention left in place: the model
+without the conversion) and each ``--variants`` spec (``standard`` first). Training step: zero_grad, forward,
+cross-entropy of all next-token logits, backward, fused AdamW step. Inference: one forward of all logits under
+``torch.inference_mode``.
+
+    python benchmarks/lm_throughput.py                                   # gpt_tiny, batch 8 x 256 tokens, CPU
+    python benchmarks/lm_throughput.py --variants standard,qknorm,sigma,dna --compile none
+    python benchmarks/lm_throughput.py --model gpt_mini --batch-size 4 --json out.json
+    python benchmarks/lm_throughput.py --threads 1 --clock cpu              # on a machine other jobs load
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnlab.bench import resolve_device
+from attnlab.models import build_model, convert, load_nanogpt
+from attnlab.ops.sdpa import short_sequence_products
+from attnlab.spec import split_specs
+
+
+# ---- the reference: nanoGPT's model.py, plainly -------------------------------------------------------------------
+class PlainAttention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(dim), PlainAttention(dim, heads), nn.LayerNorm(dim)
+        self.mlp = nn.ModuleDict(dict(c_fc=nn.Linear(dim, 4 * dim), c_proj=nn.Linear(4 * dim, dim)))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x))))
+
+
+class PlainGPT(nn.Module):
+    def __init__(self, vocab_size: int, block_size: int, embed_dim: int, depth: int, num_heads: int):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab_size, embed_dim), wpe=nn.Embedding(block_size, embed_dim),
+            h=nn.ModuleList([PlainBlock(embed_dim, num_heads) for _ in range(depth)]), ln_f=nn.LayerNorm(embed_dim)))
+        self.lm_head = nn.Linear(embed_dim, vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+# ---- arms ---------------------------------------------------------------------------------------------------------
+def geometry(name: str, vocab_size: int, block_size: int) -> dict:
+    model = build_model(name, attn=None, vocab_size=vocab_size, block_size=block_size)
+    return dict(vocab_size=vocab_size, block_size=block_size, embed_dim=model.embed_dim, depth=len(model.blocks),
+                num_heads=model.blocks[0].attn.num_heads)
+
+
+def build_arm(arm: str, args, device) -> nn.Module:
+    """The arm's model with the reference's weights (seed 0), loaded before any conversion."""
+    geo = geometry(args.model, args.vocab_size, args.block_size)
+    torch.manual_seed(0)
+    plain = PlainGPT(**geo)
+    if arm == "plain":
+        return plain.to(device)
+    model = load_nanogpt(build_model(args.model, attn=None, vocab_size=args.vocab_size, block_size=args.block_size),
+                         plain.state_dict())
+    return (model if arm == "timm" else convert(model, arm)).to(device)
+
+
+def make_step(model: nn.Module, mode: str, tokens: torch.Tensor, compiled: bool):
+    """A callable running one training step or one inference forward of ``model`` on ``tokens``."""
+    forward = torch.compile(model, dynamic=False) if compiled else model
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    if mode == "infer":
+        model.eval()
+
+        def infer():
+            with torch.inference_mode():
+                forward(x)
+        return infer
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def train():
+        opt.zero_grad(set_to_none=True)
+        with short_sequence_products():  # as attnlab's trainer runs its steps
+            logits = forward(x)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)).backward()
+        opt.step()
+    return train
+
+
+def tokens_for(args, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, args.vocab_size, (args.batch_size, args.block_size + 1), generator=g).to(device)
+
+
+def peak_memory_child(args) -> None:
+    """Print {arm/mode: bytes} of each arm's step at its peak, eager (run with MALLOC_MMAP_THRESHOLD_ set)."""
+    device = resolve_device(args.device)
+    out = {}
+    for mode in args.modes:
+        for arm in args.arms:
+            model = build_arm(arm, args, device)
+            step = make_step(model, mode, tokens_for(args, device), compiled=False)
+            step()  # first-call allocations (gradients, optimizer state, thread pools) are not the step's
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                out[f"{arm}/{mode}"] = torch.cuda.max_memory_allocated() - before
+            else:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # Linux: reset the peak resident set (VmHWM) to the current one
+                before = _rss()
+                step()
+                out[f"{arm}/{mode}"] = _hwm() - before
+            del model, step
+    print(json.dumps(out))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def measure(args, device) -> dict:
+    """tokens/s (median over rounds) of every (mode, compiled, arm)."""
+    tokens = tokens_for(args, device)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rates: dict[tuple, list[float]] = {}
+    for mode in args.modes:
+        for compiled in args.compiled:
+            arms = [a for a in args.arms if not compiled or a in ("plain", "timm", "standard")
+                    or args.compile_variants]
+            steps = {a: make_step(build_arm(a, args, device), mode, tokens, compiled) for a in arms}
+            for a in arms:  # compile and settle outside the timing
+                for _ in range(args.warmup):
+                    steps[a]()
+            for r in range(args.rounds):
+                for a in (arms if r % 2 == 0 else arms[::-1]):
+                    sync()
+                    t0 = clock()
+                    for _ in range(args.steps):
+                        steps[a]()
+                    sync()
+                    rates.setdefault((mode, compiled, a), []).append(
+                        args.steps * args.batch_size * args.block_size / (clock() - t0))
+            print(f"# measured {mode}, {'compiled' if compiled else 'eager'}", file=sys.stderr, flush=True)
+    return {k: statistics.median(v) for k, v in rates.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt_tiny")
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--variants", default="standard", help="comma-separated specs; ratios are against standard")
+    p.add_argument("--modes", default="train,infer")
+    p.add_argument("--compile", default="both", choices=["none", "both", "only"])
+    p.add_argument("--compile-variants", action="store_true", help="also compile the variants other than standard")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per arm and round")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: leave as is)")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="cpu: this process's CPU time, steadier than wall time on a machine other jobs load (use "
+                        "with --threads 1: idle threads that spin would count)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory child process")
+    p.add_argument("--json", help="also write the results to this file")
+    p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    specs = split_specs(args.variants)
+    if "standard" not in specs:
+        specs = ["standard", *specs]
+    args.arms = ["plain", "timm", *specs]
+    args.modes = args.modes.split(",")
+    args.compiled = {"none": [False], "both": [False, True], "only": [True]}[args.compile]
+    if args.memory_child:
+        return peak_memory_child(args)
+    device = resolve_device(args.device)
+    load = os.getloadavg()[0]
+    print(f"# {datetime.datetime.now():%Y-%m-%d %H:%M}, torch {torch.__version__}, {platform.machine()}, "
+          f"{os.cpu_count()} CPUs, threads {torch.get_num_threads()}, load {load:.1f}, device {device}, "
+          f"{args.model} batch {args.batch_size} x {args.block_size} tokens, vocab {args.vocab_size}, {args.clock} clock")
+    rates = measure(args, device)
+    memory = {}
+    if not args.no_memory:
+        child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--memory-child"], capture_output=True, text=True,
+                               env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+        if child.returncode == 0:
+            memory = json.loads(child.stdout.strip().splitlines()[-1])
+        else:
+            print(f"# peak memory not measured: {child.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+    print(f"# load after: {os.getloadavg()[0]:.1f}")
+    print(f"| mode | compiled | arm | tokens/s ({args.clock}) | / plain | / standard | peak MiB (eager) |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    rows = []
+    for (mode, compiled, arm), rate in rates.items():
+        plain = rates.get((mode, compiled, "plain"), math.nan)
+        std = rates.get((mode, compiled, "standard"), math.nan)
+        mib = memory.get(f"{arm}/{mode}")
+        rows.append(dict(mode=mode, compiled=compiled, arm=arm, tokens_per_s=rate, vs_plain=rate / plain,
+                         vs_standard=rate / std, peak_mib=None if mib is None else mib / 2**20))
+        print(f"| {mode} | {'yes' if compiled else 'no'} | {arm} | {rate:.0f} | {rate / plain:.3f} | "
+              f"{rate / std:.3f} | {'' if mib is None else f'{mib / 2**20:.1f}'} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "batch_size": args.batch_size, "block_size": args.block_size,
+                       "device": str(device), "threads": torch.get_num_threads(), "clock": args.clock, "load": load,
+                       "rows": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

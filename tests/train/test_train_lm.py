@@ -1,0 +1,87 @@
+"""The lm task through the one trainer: a run killed with SIGKILL mid-run and resumed ends bit-identical to the
+uninterrupted one (weights, every metrics line), with gradient accumulation and z-loss on; the recipe's checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from train_helpers import weights
+
+from attnlab.errors import ConfigError
+
+SCRIPT = textwrap.dedent("""
+    import dataclasses, json, os, signal, sys
+    import attnlab.models as models
+    from attnlab.train import RECIPES, train
+
+    runs_dir, kill_at = sys.argv[1], int(sys.argv[2])
+    build = models.build_model
+
+    def build_and_arm(*args, **kwargs):
+        model = build(*args, **kwargs)
+        count = [0]
+        def hook(module, inputs, output):
+            if module.training:
+                count[0] += 1
+                if count[0] == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        model.register_forward_hook(hook)
+        return model
+
+    models.build_model = build_and_arm
+    cfg = dataclasses.replace(
+        RECIPES["lm"], max_steps=6, eval_every=2, eval_iters=1, warmup_steps=2, batch_size=4, block_size=32,
+        grad_accum=2, z_loss=1e-4, model_options={"embed_dim": 32, "depth": 1, "num_heads": 2}, threads=1,
+        runs_dir=runs_dir, progress=False, resume=True)
+    print(json.dumps(train(cfg)))
+""")
+
+
+def _run(runs_dir, kill_at: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT, str(runs_dir), str(kill_at)], capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_is_bit_identical(tmp_path):
+    whole = _run(tmp_path / "whole", 0)
+    assert whole.returncode == 0, whole.stderr
+    result = json.loads(whole.stdout.strip().splitlines()[-1])
+    name = result["name"]
+    assert result["task"] == "lm" and result["metric"] == "val_loss" and result["steps"] == 6
+
+    killed = _run(tmp_path / "cut", 2 * 2 * 2 + 3)  # third "epoch" (steps 5-6), its second micro-batch
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    run = tmp_path / "cut" / name
+    assert not (run / "result.json").exists()
+    resumed = _run(tmp_path / "cut", 0)
+    assert resumed.returncode == 0, resumed.stderr
+    again = json.loads(resumed.stdout.strip().splitlines()[-1])
+
+    w_whole, w_cut = weights(tmp_path / "whole" / name / "checkpoint.safetensors"), weights(run / "checkpoint.safetensors")
+    assert w_whole.keys() == w_cut.keys() and all(torch.equal(w_whole[k], w_cut[k]) for k in w_whole)
+    for key in ("val_loss", "perplexity", "accuracy", "bits_per_byte"):
+        assert again[key] == result[key]
+    lines = lambda d: [json.loads(x) for x in (d / name / "metrics.jsonl").read_text().splitlines()]
+    drop = ("epoch_seconds", "tokens_per_s", "train_seconds", "seconds")
+    assert [{k: v for k, v in m.items() if k not in drop} for m in lines(tmp_path / "cut")] == \
+           [{k: v for k, v in m.items() if k not in drop} for m in lines(tmp_path / "whole")]
+
+
+def test_recipe_values_and_checks():
+    from attnlab.train import RECIPES
+    from attnlab.train.config import validate
+
+    lm = RECIPES["lm"]
+    assert (lm.beta2, lm.weight_decay, lm.clip_grad, lm.min_lr / lm.lr) == (0.95, 0.1, 1.0, 0.1)
+    for bad, match in ((dict(block_size=0), "block_size"), (dict(eval_iters=0), "eval_iters"),
+                       (dict(z_loss=-1.0), "z_loss"), (dict(beta2=1.0), "beta2")):
+        with pytest.raises(ConfigError, match=match):
+            validate(dataclasses.replace(lm, **bad))
