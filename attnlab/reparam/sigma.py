@@ -92,9 +92,9 @@ def top_right_singular_vector(w: torch.Tensor) -> torch.Tensor:
     else:
         u = torch.linalg.eigh(w64.T @ w64).eigenvectors[:, -1]
     norm = torch.linalg.vector_norm(u)
-    if norm == 0:  # an all-zero weight: any unit vector will do
-        return torch.full_like(w[0], w.shape[1] ** -0.5)
-    return (u / norm).to(w.dtype)
+    # an all-zero weight: any unit vector will do (a select, not a branch: no value is read, so meta tensors pass)
+    unit = torch.where(norm > 0, u / norm.clamp_min(torch.finfo(u.dtype).tiny), w.shape[1] ** -0.5)
+    return unit.to(w.dtype)
 
 
 class SigmaReparam(nn.Module):
@@ -158,7 +158,7 @@ class SigmaReparam(nn.Module):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         device = weight.device.type
-        if torch.is_autocast_enabled(device):
+        if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
             # the power iteration and the scaled weight stay in the parameter's precision; the layer casts after
             with torch.autocast(device, enabled=False):
                 return self._reparam(weight)
