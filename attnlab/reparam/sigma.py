@@ -174,17 +174,26 @@ class SigmaReparam(nn.Module):
 
 
 def _targets(model: nn.Module, modules: list[nn.Module], targets: str) -> list[nn.Module]:
-    """Every Linear and Conv2d of the model (``all``), or the Linears inside the attention modules (``attn``)."""
+    """Every Linear and Conv2d of the model (``all``), or the Linears inside the attention modules (``attn``).
+
+    Each weight is reparametrised at most once, and a weight an ``nn.Embedding`` shares (a language model's head tied
+    to its token embedding) stays plain: the embedding reads rows of it as token vectors, and reparametrising it in
+    the head alone would make the two uses of one matrix differ."""
     if targets == "all":
-        return [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
-    if targets == "attn":
-        seen: dict[int, nn.Module] = {}
-        for attn in modules:
-            for m in attn.modules():
-                if isinstance(m, nn.Linear):
-                    seen.setdefault(id(m), m)
-        return list(seen.values())
-    raise SpecError(f"targets={targets!r} is not valid; targets is one of: all, attn.")
+        layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    elif targets == "attn":
+        layers = list({id(m): m for attn in modules for m in attn.modules() if isinstance(m, nn.Linear)}.values())
+    else:
+        raise SpecError(f"targets={targets!r} is not valid; targets is one of: all, attn.")
+    seen = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    out = []
+    for layer in layers:
+        weight = layer.parametrizations.weight.original if parametrize.is_parametrized(layer, "weight") \
+            else layer.weight
+        if id(weight) not in seen:
+            seen.add(id(weight))
+            out.append(layer)
+    return out
 
 
 def _register(layers: Iterable[nn.Module], gamma_init: float | str, learn_gamma: bool,

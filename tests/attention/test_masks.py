@@ -267,3 +267,35 @@ def test_key_padding_shape_and_dtype_are_checked():
     with pytest.raises(ConfigError, match="bool tensor of shape"):
         _run(model, torch.randn(2, N, DIM, dtype=torch.float64), "sdpa",
              attn_mask=AttentionMask(key_padding=torch.ones(2, N)))
+
+
+@pytest.mark.parametrize("spec", ["standard", "dna", "performer(features=16)"])
+def test_a_compiled_forward_honours_the_mask(spec):
+    attn = attention_modules(_model(spec, "sdpa", torch.float32))[0][1]
+    x = torch.randn(2, N, DIM)
+    mask = AttentionMask(is_causal=True, key_padding=_padding())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(attn, fullgraph=True, backend="eager")
+        torch.testing.assert_close(compiled(x, attn_mask=mask), attn(x, attn_mask=mask), rtol=1e-6, atol=1e-6)
+
+
+def test_dna_cross_attention_honours_context_padding():
+    from attnlab.attention.dna_cross import DnACrossAttention
+
+    torch.manual_seed(6)
+    m = DnACrossAttention(DIM, HEADS, kv_dim=24, qkv_bias=True).double().eval()
+    x, ctx = torch.randn(2, 5, DIM, dtype=torch.float64), torch.randn(2, 9, 24, dtype=torch.float64)
+    real = torch.ones(2, 9, dtype=torch.bool)
+    real[0, 6:] = False
+    real[1] = False  # a context of padding only
+    other = torch.where(real[..., None], ctx, torch.randn_like(ctx) * 4)
+    for fused in (True, False):
+        m.fused_attn = fused
+        with torch.no_grad():
+            a = m(x, ctx, attn_mask=AttentionMask(key_padding=real))
+            b = m(x, other, attn_mask=AttentionMask(key_padding=real))
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a[1], m.proj.bias.detach().expand(5, -1), rtol=0, atol=0)  # no keys: zeros
+    with pytest.raises(UnsupportedModelError, match="no causal mask"):
+        m(x, ctx, attn_mask=AttentionMask(is_causal=True))
