@@ -96,15 +96,7 @@ def listops_evaluate(tokens: list[str]) -> tuple[int, int, int]:
 def favor_attention(q, k, v, w) -> np.ndarray:
     """FAVOR+ per head in float64, literally: phi(x) = exp(W x - |x|^2 / 2) / sqrt(M) (Lemma 1) on x = q / D^(1/4),
     y = k / D^(1/4), o = phi(x) (phi(y)^T v) / (phi(x) phi(y)^T 1), no stabiliser, no eps. w: (M, D)."""
-    q, k, v, w = (np.asarray(t, dtype=np.float64) for t in (q, k, v, w))
-    D, M = q.shape[-1], w.shape[0]
-    out = np.empty(q.shape[:-1] + (v.shape[-1],))
-    for idx in np.ndindex(*q.shape[:-2]):
-        x, y = q[idx] / D ** 0.25, k[idx] / D ** 0.25
-        phi_x = np.exp(x @ w.T - 0.5 * (x * x).sum(1, keepdims=True)) / np.sqrt(M)
-        phi_y = np.exp(y @ w.T - 0.5 * (y * y).sum(1, keepdims=True)) / np.sqrt(M)
-        out[idx] = (phi_x @ (phi_y.T @ v[idx])) / (phi_x @ phi_y.sum(0))[:, None]
-    return out
+    return favor_masked(q, k, v, w)
 
 
 # ---------------------------------------------------------------------------------------------------- masks

@@ -136,8 +136,8 @@ def branch_instruments(model: nn.Module, images: torch.Tensor, k: int = DEFAULT_
     """Run ``model`` (eval mode, no grad) on ``images`` and measure, at every two-branch layer and for every sample
     (Swin: window) and head, the intruder count, C(V+, V-) and the branch cosine; plus alpha statistics.
 
-    Each layer's input (and its mask: Swin's windows, causal order, key padding) is taken from the real forward by a pre-hook; the layer's
-    ``branch_outputs`` / ``branch_values`` are then evaluated on it.
+    Each layer's input and its mask (Swin's windows, causal order, key padding) are taken from the real forward by a
+    pre-hook; the layer's ``branch_outputs`` / ``branch_values`` are then evaluated on it.
     """
     modules = two_branch_modules(model)
     result = BranchInstruments(layers=[n for n, _ in modules], k=k, eps=eps, alpha=alpha_stats(model))

@@ -17,8 +17,9 @@ is included) and ``add_bias`` (Swin's relative-position bias and the call's mask
 forward pre-hook sees the module's real input and mask. Masks: a key that the call's mask excludes (causal order,
 key padding, Swin's window mask) has weight 0 and is not in the maximum; the queries of padded tokens are measured
 neither in the entropy nor in the maximum, so a padded sequence model (which passes its key-padding mask to its
-blocks) and a causal one are measured on their real positions only. Only softmax kernels are measured (``standard``, with or without
-``ns``, which acts after the weights): DnA, Diff and Cog do not form one row-stochastic softmax per head, and
+blocks) and a causal one are measured on their real positions only. Only softmax kernels are measured
+(``standard``, with or without ``ns``, which acts after the weights): DnA, Diff and Cog do not form one
+row-stochastic softmax per head, and
 those layers raise UnsupportedModelError (or are skipped with ``skip_unsupported=True``).
 
 The maximum logit is max over images, i, j of q_h,i . k_h,j / sqrt(D): QK-clip's S_max (bias excluded unless

@@ -30,8 +30,6 @@ from timm.models.davit import ChannelAttention as TimmChannelAttention
 from timm.models.davit import ChannelAttentionV2 as TimmChannelAttentionV2
 from timm.models.xcit import XCA as TimmXCA
 
-from torch import nn
-
 from ..errors import UnsupportedModelError
 from .base import AttnlabAttention, norm_in_dtype
 from .mask import AttentionMask

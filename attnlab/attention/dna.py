@@ -23,6 +23,11 @@ would make softmin pick precisely the masked positions. The relative-position bi
 finite entries) are part of each branch's logit, so the softmin branch is softmax(-(s^- + B)) over the allowed
 positions. Both branches therefore see the allowed keys only, and a padded query's output is zero.
 
+Layout. All projections of a block are ONE ``nn.Linear`` named ``qkv`` (kept name, new width), its rows in the
+authors' order Q+, Q-, K, V+, V- (width 5*dim for ``qv``; Q+, Q-, K, V for ``q``; Q, K, V+, V- for ``v``; Q, K, V
+for ``shared`` / ``sum``). State dicts that keep Q- and V- as separate ``q_neg`` / ``v_neg`` Linears next to a
+3*dim ``qkv`` are fused on load.
+
 Backends. :func:`choose_backend` is the one place a backend is picked, for the self- and the cross-attention
 module alike, from what the call is (device, dtype, whether a gradient is needed, dropout, mask, head dim, keys),
 the module's ``fused_attn`` and ``backend`` switches and the environment's (``ATTNLAB_DNA_TRITON``,
@@ -153,9 +158,10 @@ class Call(NamedTuple):
         """The call of these tensors (``extra``: the biases and projection bias, which must match dtype and grad)."""
         tensors = [t for t in (q_pos, q_neg, k, v_pos, v_neg, alpha, *extra) if t is not None]
         same = all(t.dtype in (q_pos.dtype, torch.bool) for t in tensors)
-        return cls(q_pos.device, q_pos.dtype if same else None, torch.is_grad_enabled() and any(t.requires_grad for t in tensors),
-                   bool(dropout_p), masked, q_pos.shape[-1], q_pos.shape[0] * q_pos.shape[1], q_pos.shape[-2],
-                   k.shape[-2], max(t.stride(-2) for t in (q_pos, q_neg, k, v_pos, v_neg)))
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        return cls(q_pos.device, q_pos.dtype if same else None, needs_grad, bool(dropout_p), masked, q_pos.shape[-1],
+                   q_pos.shape[0] * q_pos.shape[1], q_pos.shape[-2], k.shape[-2],
+                   max(t.stride(-2) for t in (q_pos, q_neg, k, v_pos, v_neg)))
 
 
 def call_error(backend: str, call: Call) -> str | None:

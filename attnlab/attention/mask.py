@@ -78,9 +78,10 @@ class AttentionMask(NamedTuple):
                 other: str | None = None) -> str | None:
         """The first reason (given per part) why mechanism ``name`` cannot honour this mask, or None. A part whose
         reason is None is honoured."""
+        other_present = self.attn_mask is not None or self.window is not None
         for present, part, why in ((self.is_causal, "a causal mask", causal),
                                    (self.key_padding is not None, "key padding", padding),
-                                   (self.attn_mask is not None or self.window is not None, "this attention mask", other)):
+                                   (other_present, "this attention mask", other)):
             if present and why:
                 return f"{name} cannot honour {part}: {why}"
         return None

@@ -208,5 +208,5 @@ def _causal_favor(phi_q: torch.Tensor, phi_k: torch.Tensor, cv: torch.Tensor, c:
     return out[..., :-1] / out[..., -1:].clamp_min(floor)
 
 
-__all__ = ["Z0_SCALES", "segment_means", "iterative_pinv", "nystrom_attention", "orthogonal_gaussian", "positive_features",
-           "performer_attention"]
+__all__ = ["Z0_SCALES", "iterative_pinv", "nystrom_attention", "orthogonal_gaussian", "performer_attention",
+           "positive_features", "segment_means"]

@@ -205,10 +205,10 @@ def test_dna_both_branches_see_only_allowed_keys_against_the_reference(variant, 
     for s in range(2):
         keep = np.tril(np.ones((N, N), dtype=bool)) & real[s].numpy()[None, :]
         keep |= ~keep.any(axis=1, keepdims=True)  # padded rows without a key: open (their output is zeroed)
-        want = ref_dna.dna_self_attention(x[s].double().numpy(), weights, biases, m.proj.weight.detach().double().numpy(),
-                                          m.proj.bias.detach().double().numpy(), HEADS, m.alpha.detach().double().numpy(),
-                                          (DIM // HEADS) ** -0.5, (DIM // HEADS) ** -0.5,
-                                          mask_add=np.where(keep, 0.0, -np.inf), allowed=keep)
+        proj_w, proj_b, alpha = (t.detach().double().numpy() for t in (m.proj.weight, m.proj.bias, m.alpha))
+        scale = (DIM // HEADS) ** -0.5
+        want = ref_dna.dna_self_attention(x[s].double().numpy(), weights, biases, proj_w, proj_b, HEADS, alpha, scale,
+                                          scale, mask_add=np.where(keep, 0.0, -np.inf), allowed=keep)
         ok = real[s].numpy()
         tol = 1e-5 if path == "kernel" else 1e-10
         np.testing.assert_allclose(got[s].double().numpy()[ok], want[ok], rtol=tol, atol=tol)
