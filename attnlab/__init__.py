@@ -16,6 +16,7 @@ from .variants import list_variants
 __version__ = "0.1.0"
 
 _LAZY = {
+    "AttentionMask": ("attnlab.attention.mask", "AttentionMask"),
     "build_model": ("attnlab.models", "build_model"),
     "convert": ("attnlab.models", "convert"),
     "fold": ("attnlab.reparam", "fold"),
@@ -35,5 +36,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "__version__", "AttnlabError", "ConfigError", "DatasetError", "ModelNotFoundError", "SpecError",
-    "UnsupportedModelError", "Spec", "Term", "parse_spec", "list_variants", "build_model", "convert", "fold",
+    "UnsupportedModelError", "Spec", "Term", "parse_spec", "list_variants", "AttentionMask", "build_model", "convert",
+    "fold",
 ]

@@ -17,6 +17,7 @@ without the term) and names no method itself.
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,13 +28,18 @@ KIND_ORDER = ("kernel", "head", "qk", "weight")
 
 @dataclass(frozen=True)
 class Option:
-    """One ``key=value`` option of a term: its default (from the paper's main text), type and allowed values."""
+    """One ``key=value`` option of a term: its default (from the paper's main text), type and allowed values.
+
+    A number is checked against ``minimum`` and ``maximum`` (inclusive; ``above``: a strict lower bound) and must be
+    finite (nan and inf are no setting of any option)."""
 
     default: Any
     type: type | tuple[type, ...] = float
     choices: tuple[Any, ...] | None = None
     help: str = ""
     minimum: float | None = None
+    maximum: float | None = None
+    above: float | None = None
 
     def parse(self, term: str, key: str, raw: str) -> Any:
         """Coerce the text ``raw`` to this option's type, or raise SpecError naming what is valid."""
@@ -61,9 +67,18 @@ class Option:
             raise SpecError(f"{term}({key}={raw}) is not valid; {key} takes a {names}.")
         if self.choices is not None and isinstance(value, str) and value not in self.choices:
             raise SpecError(f"{term}({key}={raw}) is not valid; {key} is one of: {', '.join(map(str, self.choices))}.")
-        if self.minimum is not None and not isinstance(value, str) and value < self.minimum:
-            raise SpecError(f"{term}({key}={raw}) is not valid; {key} must be at least {self.minimum}.")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            self._check_range(term, key, raw, value)
         return value
+
+    def _check_range(self, term: str, key: str, raw: str, value: float) -> None:
+        if not math.isfinite(value):
+            raise SpecError(f"{term}({key}={raw}) is not valid; {key} must be a finite number.")
+        low = (self.minimum is not None and value < self.minimum) or (self.above is not None and value <= self.above)
+        if low or (self.maximum is not None and value > self.maximum):
+            bounds = [f"{word} {bound:g}" for word, bound in (("at least", self.minimum), ("above", self.above),
+                                                               ("at most", self.maximum)) if bound is not None]
+            raise SpecError(f"{term}({key}={raw}) is not valid; {key} must be {' and '.join(bounds)}.")
 
 
 @dataclass(frozen=True)
@@ -139,7 +154,7 @@ register(Variant(
     "attnlab.attention.ns:NSTransform",
     options={
         "steps": Option(1, int, minimum=1, help="polynomial iterations K (paper: 1; ablation: 2)"),
-        "eps": Option(1e-6, float, help="clamp of both Frobenius-norm divisions"),
+        "eps": Option(1e-6, float, above=0.0, help="clamp of both Frobenius-norm divisions (> 0)"),
         "impl": Option("auto", str, choices=("auto", "fast", "kernel", "reference"),
                        help="auto: fused CPU kernel without gradient, else the Gram-space torch path (fast); "
                             "reference: Algorithm 1 literally"),
@@ -176,11 +191,16 @@ register(Variant(
     "nystrom", "kernel", "Nystrom approximation: softmax(q k~) pinv(softmax(q~ k~)) softmax(q~ k) v, m landmarks",
     "Xiong et al. 2021 (Nystromformer, Eq. 14-16)", "attnlab.attention.nystrom:NystromAttention",
     options={
-        "landmarks": Option(64, int, minimum=1, help="landmarks m: means of m contiguous token segments of q and k"),
+        "landmarks": Option(64, int, minimum=1, help="landmarks m: means of m contiguous token segments of q and k; "
+                                                      "m >= N is exact softmax attention"),
         "pinv": Option("iterative", str, choices=("iterative", "exact"),
                        help="iterative: Eq. 16's Moore-Penrose iteration; exact: the SVD pseudo-inverse"),
         "iters": Option(6, int, minimum=1, help="iterations of Eq. 16 (paper: 6)"),
-        "conv": Option(0, int, minimum=0, help="kernel length of the depthwise-convolution skip on v (odd; 0: none)"),
+        "conv": Option(0, int, minimum=0, help="kernel length of the depthwise-convolution skip on v (odd; 0: none; "
+                                               "the authors' LRA code: 35)"),
+        "z0": Option("head", str, choices=("head", "authors", "lucidrains"),
+                     help="scale of Eq. 16's initial guess: head (per matrix; samples stay independent), authors (one "
+                          "maximum column sum over the batch), lucidrains (max column x max row sum over the batch)"),
     },
     demo=False,  # a long-sequence kernel: the demo's 16 tokens are fewer than its 64 landmarks
 ))
@@ -189,7 +209,8 @@ register(Variant(
     "Choromanski et al. 2021 (Performer, Lemma 1, Sec. 2.4)", "attnlab.attention.performer:PerformerAttention",
     options={
         "features": Option(256, int, minimum=1, help="random features M"),
-        "redraw": Option(0, int, minimum=0, help="draw new features every this many training forwards (0: never)"),
+        "redraw": Option(0, int, minimum=0, help="draw new features every this many training forwards (0: never; "
+                                                 "1: every call, as Google's FAVOR+)"),
         "seed": Option(0, int, minimum=0, help="seed of the feature draws (with the block index and draw number)"),
         "impl": Option("auto", str, choices=("auto", "torch", "kernel"),
                        help="auto: the fused CPU kernel for float32 passes without gradient, else torch ops"),
@@ -242,8 +263,9 @@ register(Variant(
     "qkclip", "qk", "after each optimizer step, rescale W_q, W_k of heads whose max logit exceeded tau",
     "Kimi Team 2025 (Kimi K2, MuonClip)", "attnlab.reparam.qkclip:apply", training="attnlab.reparam.qkclip:TRAINING",
     options={
-        "tau": Option(100.0, float, minimum=0.0, help="largest allowed per-head logit q.k/sqrt(D)"),
-        "alpha": Option(0.5, float, minimum=0.0, help="share of the rescaling on W_q (W_k takes 1 - alpha)"),
+        "tau": Option(100.0, float, above=0.0, help="largest allowed per-head logit q.k/sqrt(D) (> 0)"),
+        "alpha": Option(0.5, float, minimum=0.0, maximum=1.0,
+                        help="share of the rescaling on W_q, in [0, 1] (W_k takes 1 - alpha)"),
     },
     conflicts={
         "qknorm": "QK-norm normalises q and k after the projection, which divides out any rescaling of W_q and W_k, "
@@ -254,9 +276,5 @@ register(Variant(
                     "scale the logits by the clip's factor",
         "speccond": "spectral conditioning adds lambda I_k to qkv's weight, so scaling rows of W would not scale the "
                     "logits by the clip's factor",
-        "dna": "DnA's logits come from its own signed query and value projections, not q k^T / sqrt(D) of qkv",
-        "diff": "Diff attention's logits are two half-width q k^T maps, not the head's q k^T / sqrt(D)",
-        "cog": "Cog attention's weights follow |q k^T / sqrt(D)|, so large negative logits matter as much as the "
-               "largest positive one the clip caps",
-    },
+    },  # kernels by capability: qkclip.apply refuses any module that is not plain softmax attention (plain_softmax)
 ))

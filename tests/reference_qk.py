@@ -38,14 +38,18 @@ def head_qk(qkv_w, qkv_b, x, num_heads, q_norm=None, k_norm=None):
     return q, k
 
 
-def max_logit(qkv_w, qkv_b, x, num_heads, q_norm=None, k_norm=None):
-    """Per head max over batch, i, j of q_i . k_j / sqrt(D), one (N, N) product per image and head. Returns (H,)."""
+def max_logit(qkv_w, qkv_b, x, num_heads, q_norm=None, k_norm=None, allowed=None):
+    """Per head max over batch, i, j of q_i . k_j / sqrt(D), one (N, N) product per image and head. Returns (H,).
+    ``allowed`` (B, N, N) bool: only those positions count."""
     q, k = head_qk(qkv_w, qkv_b, x, num_heads, q_norm, k_norm)
     B, H, N, D = q.shape
     best = np.full(H, -np.inf)
     for h in range(H):
         for bi in range(B):
-            best[h] = max(best[h], float((q[bi, h] @ k[bi, h].T).max()) / math.sqrt(D))
+            logits = q[bi, h] @ k[bi, h].T
+            if allowed is not None:
+                logits = np.where(allowed[bi], logits, -np.inf)
+            best[h] = max(best[h], float(logits.max()) / math.sqrt(D))
     return best
 
 

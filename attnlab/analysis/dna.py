@@ -14,14 +14,13 @@ shares V, so V+ = V-):
 - alpha statistics per layer (Appendix C.5 (D), Figure 11): mean, max, min and sample SD of alpha_h over heads
   (diff: its one lambda per layer, SD 0).
 
-The two-branch convention every such module follows: ``branch_outputs(x, mask=None, attn_mask=None) -> (o_pos,
+The two-branch convention every such module follows: ``branch_outputs(x, mask=None) -> (o_pos,
 o_neg)``, each (B, H, N, D) before alpha / lambda; ``branch_values(x) -> (v_pos, v_neg)`` (optional: without it the
 module's ``project(x)`` value is used for both, as diff shares V); ``alpha_values() -> (H,)`` or ``lambda_full()``.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,8 +137,8 @@ def branch_instruments(model: nn.Module, images: torch.Tensor, k: int = DEFAULT_
     """Run ``model`` (eval mode, no grad) on ``images`` and measure, at every two-branch layer and for every sample
     (Swin: window) and head, the intruder count, C(V+, V-) and the branch cosine; plus alpha statistics.
 
-    Each layer's input (and Swin's window mask) is taken from the real forward by a pre-hook; the layer's
-    ``branch_outputs`` / ``branch_values`` are then evaluated on it.
+    Each layer's input and its mask (Swin's windows, causal order, key padding) are taken from the real forward by a
+    pre-hook; the layer's ``branch_outputs`` / ``branch_values`` are then evaluated on it.
     """
     modules = two_branch_modules(model)
     result = BranchInstruments(layers=[n for n, _ in modules], k=k, eps=eps, alpha=alpha_stats(model))
@@ -147,9 +146,8 @@ def branch_instruments(model: nn.Module, images: torch.Tensor, k: int = DEFAULT_
 
     def hook(index):
         def record(module, args, kwargs):
-            bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
-            x = next(iter(bound.values()))
-            o_pos, o_neg = module.branch_outputs(x, mask=bound.get("mask"), attn_mask=bound.get("attn_mask"))
+            x, mask = module.forward_mask(args, kwargs)
+            o_pos, o_neg = module.branch_outputs(x, mask)
             v_pos, v_neg = _branch_values(module, x)
             parts[index]["i"].append(intruder_dimensions(o_pos, o_neg, k, eps).cpu())
             parts[index]["c"].append(value_similarity(v_pos, v_neg).cpu())

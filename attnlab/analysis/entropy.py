@@ -13,9 +13,13 @@ For query i of head h, with weights A_ij = softmax_j(l_ij) over the N keys of it
   the mean hides: a head with a few one-hot queries has a low ``low`` before its ``mean`` moves.
 
 l_ij = q_h,i . k_h,j / sqrt(D) + bias_ij is recomputed in float32 from the module's own ``project`` (so QK-norm
-is included) and ``add_bias`` (Swin's relative-position bias and shifted-window mask), outside the fused kernel; a
-forward pre-hook sees the module's real input. Only softmax kernels are measured (``standard``, with or without
-``ns``, which acts after the weights): DnA, Diff and Cog do not form one row-stochastic softmax per head, and
+is included) and ``add_bias`` (Swin's relative-position bias and the call's mask), outside the fused kernel; a
+forward pre-hook sees the module's real input and mask. Masks: a key that the call's mask excludes (causal order,
+key padding, Swin's window mask) has weight 0 and is not in the maximum; the queries of padded tokens are measured
+neither in the entropy nor in the maximum, so a padded sequence model (which passes its key-padding mask to its
+blocks) and a causal one are measured on their real positions only. Only softmax kernels are measured
+(``standard``, with or without ``ns``, which acts after the weights): DnA, Diff and Cog do not form one
+row-stochastic softmax per head, and
 those layers raise UnsupportedModelError (or are skipped with ``skip_unsupported=True``).
 
 The maximum logit is max over images, i, j of q_h,i . k_h,j / sqrt(D): QK-clip's S_max (bias excluded unless
@@ -26,7 +30,6 @@ without the projection biases, computed exactly (QR + SVD, float64) for each hea
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
@@ -61,17 +64,14 @@ def _softmax_modules(model: nn.Module, skip_unsupported: bool) -> list[tuple[str
     return keep
 
 
-def _logits(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q.k/sqrt(D), the same plus the module's bias), both float32 (B, H, N, N), from a forward's arguments."""
-    bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
-    x = next(iter(bound.values()))
-    attn_mask, mask = bound.get("attn_mask"), bound.get("mask")
-    if bound.get("is_causal", False):
-        attn_mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
+def _logits(module: nn.Module, args: tuple, kwargs: dict):
+    """(q.k/sqrt(D), the same plus the module's bias and mask), both float32 (B, H, N, M), and the call's mask, from
+    a forward's arguments."""
+    x, mask = module.forward_mask(args, kwargs)
     q, k, _ = module.project(x)
     with torch.autocast(x.device.type, enabled=False):  # float32 logits even when called under autocast
         qk = (q.float() @ k.float().transpose(-2, -1)) * module.scale
-        return qk, module.add_bias(qk, mask, attn_mask)
+        return qk, module.add_bias(qk, mask), mask
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -88,13 +88,24 @@ def _collect(model: nn.Module, images: torch.Tensor, *, want_entropy: bool, incl
 
     def make_hook(record):
         def hook(module, args, kwargs):
-            qk, logits = _logits(module, args, kwargs)
-            m = (logits if include_bias else qk).amax(dim=(0, 2, 3)).double()
+            qk, logits, mask = _logits(module, args, kwargs)
+            B, H, N, M = qk.shape
+            measured = logits if include_bias else qk
+            rows = None if mask is None else mask.key_padding  # (B, N): padded queries are not measured
+            if mask is not None:
+                keep = mask.keep(B, N, M, qk.device)
+                if keep is not None:
+                    measured = measured.masked_fill(~keep, float("-inf"))
+                if rows is not None:
+                    measured = measured.masked_fill(~rows[:, None, :, None], float("-inf"))
+            m = measured.amax(dim=(0, 2, 3)).double()
             record["max_logit"] = m if record["max_logit"] is None else torch.maximum(record["max_logit"], m)
-            record["num_keys"] = logits.shape[-1]
+            record["num_keys"] = M
             if want_entropy:
                 ent = torch.special.entr(logits.softmax(dim=-1)).sum(dim=-1)  # (B, H, N); entr(0) = 0
-                record["entropies"].append(ent.transpose(0, 1).reshape(ent.shape[1], -1).double().cpu())
+                ent = ent.transpose(0, 1)  # (H, B, N)
+                ent = ent.reshape(H, -1) if rows is None else ent[:, rows]
+                record["entropies"].append(ent.double().cpu())
         return hook
 
     handles = [m.register_forward_pre_hook(make_hook(r), with_kwargs=True) for (_, m), r in zip(modules, records)]

@@ -9,11 +9,15 @@ QK-norm when it has one, and the head's output transform (``ns``) applied when o
 
     J = d vec(O_h) / d [vec(W_Q), vec(W_K), vec(W_V)]        (N * D rows, 3 * D * C columns; row-major vec)
 
-(XCiT's and DaViT's channel attentions: O_h from the module's own D x D map, ``head_output``) is computed with
-``torch.func.jacrev`` (reverse mode: N * D outputs are fewer than 3 * D * C inputs), and its
+(XCiT's and DaViT's channel attentions, Nyström and FAVOR+: O_h from the module's own formula, ``head_output``) is
+computed with ``torch.func.jacrev`` (reverse mode: N * D outputs are fewer than 3 * D * C inputs), and its
 condition number is kappa(J) = sigma_max / sigma_min over its min(N * D, 3 * D * C) singular values
 (``torch.linalg.svdvals``), in float64 by default: the paper reports kappa up to 1e10, beyond float32's reach.
 The weights are the ones the forward uses: under ``sigma`` gamma W / sigma(W), under ``speccond`` W + lam I_k.
+
+Masks: the block's mask (causal order, key padding, Swin's window mask) is the one its forward received; with key
+padding only the real tokens' outputs are rows of J (n * D rows for n real tokens), so padded positions are not
+measured.
 
 Cost: one (N D) x (3 D C) SVD per head, block and sequence; for ``vit_cifar`` (N 65, D 16, C 192) a 1040 x 9216
 matrix, about a second on two CPU cores, so pass a few images and, if need be, a subset of blocks and heads.
@@ -37,8 +41,10 @@ def head_attention(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: t
                    *, scale: float, bias: torch.Tensor | None = None,
                    q_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
                    k_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   head_transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """One head's output softmax(q k^T * scale + bias) v, (N, D). x: (N, C); w_*: (D, C); b_*: (D,); bias: (N, N)."""
+                   head_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   real: torch.Tensor | None = None) -> torch.Tensor:
+    """One head's output softmax(q k^T * scale + bias) v, (N, D). x: (N, C); w_*: (D, C); b_*: (D,); bias: (N, N)
+    (masked keys -inf); ``real`` (N,) bool: the sequence's real tokens (the others' rows are zero)."""
     q = x @ w_q.T + (b_q if b_q is not None else 0)
     k = x @ w_k.T + (b_k if b_k is not None else 0)
     v = x @ w_v.T + (b_v if b_v is not None else 0)
@@ -48,17 +54,22 @@ def head_attention(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: t
     if bias is not None:
         logits = logits + bias
     o = logits.softmax(dim=-1) @ v
+    if real is not None:  # padded queries' rows are zero before the head transform, as in the module
+        o = o * real[:, None]
     if head_transform is not None:
         o = head_transform(o[None, None])[0, 0]
     return o
 
 
 def attention_jacobian(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
-                       head_fn: Callable[..., torch.Tensor] = head_attention, **kwargs) -> torch.Tensor:
+                       head_fn: Callable[..., torch.Tensor] = head_attention, rows: torch.Tensor | None = None,
+                       **kwargs) -> torch.Tensor:
     """J = d vec(O) / d [vec(W_Q), vec(W_K), vec(W_V)] of ``head_fn`` (default :func:`head_attention`), shape
-    (N * D, 3 * D * C)."""
+    (N * D, 3 * D * C); ``rows`` (N,) bool keeps the outputs of those tokens only (the real ones of a padded
+    sequence), (n * D, 3 * D * C)."""
     def f(wq, wk, wv):
-        return head_fn(x, wq, wk, wv, **kwargs)
+        o = head_fn(x, wq, wk, wv, **kwargs)
+        return o if rows is None else o[rows]
 
     parts = jacrev(f, argnums=(0, 1, 2))(w_q, w_k, w_v)  # each (N, D, D, C)
     rows = parts[0].shape[0] * parts[0].shape[1]
@@ -97,10 +108,15 @@ class JacobianConditioning:
                 "sigma_min": self.sigma_min.tolist()}
 
 
-def _channel_head(module: nn.Module, head: int, head_transform=None) -> Callable[..., torch.Tensor]:
-    """One head of a channel map (XCiT, DaViT) as a function of x and its weights, with the head transform."""
+def _own_head(module: nn.Module, head: int, head_transform=None, mask=None) -> Callable[..., torch.Tensor]:
+    """One head of a module with its own formula (``head_output``: channel maps, Nyström, FAVOR+) as a function of
+    x and its weights, with the head transform; ``mask``: the sequence's, when it has one."""
+    extra = {} if mask is None else {"mask": mask}
+
     def f(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None):
-        o = module.head_output(x, w_q, w_k, w_v, b_q, b_k, b_v, head=head)
+        o = module.head_output(x, w_q, w_k, w_v, b_q, b_k, b_v, head=head, **extra)
+        if mask is not None and mask.key_padding is not None:
+            o = o * mask.key_padding[0, :, None]  # padded rows zero before the head transform, as in the module
         return o if head_transform is None else head_transform(o[None, None])[0, 0]
     return f
 
@@ -113,13 +129,14 @@ def _check(module: nn.Module, name: str) -> None:
 
 
 def _capture_inputs(model: nn.Module, modules: list[tuple[str, nn.Module]], images: torch.Tensor) -> dict:
-    """Each attention module's input x and keyword arguments (Swin's window mask) in one forward pass."""
-    seen: dict[str, tuple[torch.Tensor, dict]] = {}
+    """Each attention module's input x and its call's mask (Swin's windows, causal order, key padding) in one
+    forward pass."""
+    seen: dict[str, tuple[torch.Tensor, object]] = {}
     handles = []
     for name, module in modules:
         def hook(mod, args, kwargs, name=name):
-            x = args[0] if args else kwargs["x"]
-            seen[name] = (x.detach(), {k: v for k, v in kwargs.items() if k in ("mask", "attn_mask")})
+            x, mask = mod.forward_mask(args, kwargs)
+            seen[name] = (x.detach(), mask)
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         with torch.no_grad():
@@ -154,7 +171,7 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
         sequences = [0] if sequences is None else list(sequences)
         results = []
         for name, module in chosen:
-            x_all, kwargs = inputs[name]
+            x_all, mask = inputs[name]
             B, N, _ = x_all.shape
             if any(not 0 <= s < B for s in sequences):
                 raise ConfigError(f"sequences={sequences} is out of range for {name}, whose input holds {B} "
@@ -164,7 +181,6 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
             with torch.no_grad():
                 weight = module.qkv.weight.to(dtype)  # effective weight (parametrisations applied)
                 qkv_bias = module.qkv.bias.to(dtype) if module.qkv.bias is not None else None
-                bias_all = module.attn_bias(B, N, kwargs.get("mask"), kwargs.get("attn_mask"))
             norms = {}
             if not isinstance(module.q_norm, nn.Identity):
                 norms = dict(q_norm=_in_dtype(module.q_norm, dtype), k_norm=_in_dtype(module.k_norm, dtype))
@@ -176,15 +192,19 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
                 b_q, b_k, b_v = (qkv_bias[r] for r in rows) if qkv_bias is not None else (None, None, None)
                 per_seq = []
                 for s in sequences:
-                    bias = None
-                    if bias_all is not None:
-                        bias = bias_all.expand(B, module.num_heads, N, N)[s, h].to(dtype)
-                    if hasattr(module, "head_output"):  # XCiT's / DaViT's channel map: the module's own formula
+                    one = None if mask is None else mask.for_sample(s)
+                    real = None if one is None or one.key_padding is None else one.key_padding[0]
+                    if hasattr(module, "head_output"):  # channel maps, Nyström, FAVOR+: the module's own formula
                         j = attention_jacobian(x_all[s].to(dtype), w_q, w_k, w_v, b_q=b_q, b_k=b_k, b_v=b_v,
-                                               head_fn=_channel_head(module, h, transform))
+                                               head_fn=_own_head(module, h, transform, one), rows=real)
                     else:
+                        with torch.no_grad():
+                            like = x_all.new_empty(1, module.num_heads, N, D, dtype=dtype)
+                            bias = module.attn_bias(one, like)
+                        bias = None if bias is None else bias.expand(1, module.num_heads, N, N)[0, h].to(dtype)
                         j = attention_jacobian(x_all[s].to(dtype), w_q, w_k, w_v, b_q=b_q, b_k=b_k, b_v=b_v,
-                                               scale=module.scale, bias=bias, head_transform=transform, **norms)
+                                               scale=module.scale, bias=bias, head_transform=transform, rows=real,
+                                               real=real, **norms)
                     per_seq.append(torch.stack(condition_number(j)))
                 per_head.append(torch.stack(per_seq))
             results.append((head_list, torch.stack(per_head)))  # (heads, sequences, 3)

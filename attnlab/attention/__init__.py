@@ -1,3 +1,4 @@
+from .mask import AttentionMask  # noqa: F401
 from .diff import DiffAttention  # noqa: F401
 from .cog import CogAttention  # noqa: F401
 from .dna import DnAAttention  # noqa: F401

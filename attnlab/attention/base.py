@@ -4,15 +4,19 @@ A mechanism (standard, dna, diff, cog) subclasses :class:`AttnlabAttention` and 
 per-head queries, keys and values to per-head outputs. Everything around it is shared and keeps timm's parameter
 names, so a converted model loads the original state dict:
 
-    x --qkv--> q, k, v (B, H, N, D) --q_norm/k_norm--> attend(q, k, v, bias) --head_transform--> merge --proj--> y
+    x --qkv--> q, k, v (B, H, N, D) --q_norm/k_norm--> attend(q, k, v, mask) --head_transform--> merge --proj--> y
 
-``bias`` carries the Swin relative-position bias and shifted-window mask (or a ViT ``attn_mask``); a kernel adds it
-to its own logits before its own normalisation. ``head_transform`` is ``nn.Identity`` unless a head term (``ns``)
-is set; a forward hook on it sees exactly the tensor right before head merge, which is what the analyses read.
+``mask`` is the one :class:`~attnlab.attention.mask.AttentionMask` of the call (causal order, key padding, a ViT
+``attn_mask``, Swin's shifted-window mask), or None; Swin's relative-position bias is the module's own and enters
+each branch's logits with it (:meth:`attn_bias`, :meth:`add_bias`). ``head_transform`` is ``nn.Identity`` unless a
+head term (``ns``) is set; a forward hook on it sees exactly the tensor right before head merge, which is what the
+analyses read. With key padding, the rows of padded queries are zero before the head transform.
 """
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
 from typing import ClassVar, Final
 
 import torch
@@ -27,6 +31,16 @@ from timm.models.swin_transformer import get_relative_position_index
 from timm.models.xcit import XCA
 
 from ..errors import UnsupportedModelError
+from .mask import AttentionMask
+
+
+@dataclass
+class Branch:
+    """One branch of a module's explicit path (:meth:`AttnlabAttention.explicit_maps`): ``weights`` W (B, H, N, M)
+    and ``effective`` c_h W (the same tensor when c = 1), the map the module's output is linear in."""
+
+    weights: torch.Tensor
+    effective: torch.Tensor
 
 
 class AttnlabAttention(nn.Module):
@@ -56,17 +70,17 @@ class AttnlabAttention(nn.Module):
     #: :meth:`project` (the first two blocks of ``qkv``). Entropy, the attention Jacobian and QK-clip act only on
     #: modules that have it; a subclass that overrides ``attend`` loses it unless it declares it again.
     plain_softmax: ClassVar[bool] = False
-    #: capability: which weight maps the map instruments (entropy, head redundancy, relevance) can read back from
-    #: the module: "softmax", "cog", "dna" or "diff" (``attnlab.analysis.maps``), None for none. Lost, like
-    #: ``plain_softmax``, by a subclass that overrides ``attend`` or ``weights`` without declaring it again.
-    map_kind: ClassVar[str | None] = None
+    #: capability: :meth:`explicit_maps`, the module's output recomputed on its explicit path with its named weight
+    #: maps (what head redundancy and relevance read); None for a mechanism without N x M weight maps. Lost, like
+    #: ``plain_softmax``, by a subclass that overrides ``attend`` or ``weights`` without defining it again.
+    explicit_maps = None
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         if "attend" in cls.__dict__ and "plain_softmax" not in cls.__dict__:
             cls.plain_softmax = False
-        if ("attend" in cls.__dict__ or "weights" in cls.__dict__) and "map_kind" not in cls.__dict__:
-            cls.map_kind = None
+        if ("attend" in cls.__dict__ or "weights" in cls.__dict__) and "explicit_maps" not in cls.__dict__:
+            cls.explicit_maps = None
 
     def __init__(
         self,
@@ -193,36 +207,36 @@ class AttnlabAttention(nn.Module):
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
         return bias.view(self.window_area, self.window_area, -1).permute(2, 0, 1).contiguous().unsqueeze(0)
 
-    def attn_bias(self, B: int, N: int, mask: torch.Tensor | None, attn_mask: torch.Tensor | None):
-        """The additive bias every branch adds to its logits: position bias + shifted-window mask (Swin) or the
-        caller's ``attn_mask`` (ViT), broadcastable to (B, H, N, N); None when there is none."""
+    def attn_bias(self, mask: AttentionMask | None, like: torch.Tensor) -> torch.Tensor | None:
+        """The additive bias a fused softmax takes for queries ``like`` (B, H, N, D): Swin's position bias plus
+        ``mask`` as :meth:`AttentionMask.additive` forms it, broadcastable to (B, H, N, N); None when there is none."""
+        B, _, N, _ = like.shape
+        bias = None if mask is None else mask.additive(B, N, N, like.dtype, like.device)
         if self.window_size is None:
-            return attn_mask
-        bias = self.rel_pos_bias()
-        if mask is not None:  # (num_windows, N, N), 0 / -100; windows are the fastest-varying part of B
-            num_win = mask.shape[0]
-            mask = mask.view(1, num_win, 1, N, N).expand(B // num_win, -1, self.num_heads, -1, -1)
-            bias = bias + mask.reshape(-1, self.num_heads, N, N)
-        if attn_mask is not None:
-            bias = bias + attn_mask
-        return bias
+            return bias
+        return self.rel_pos_bias() if bias is None else self.rel_pos_bias() + bias
 
-    def add_bias(self, logits: torch.Tensor, mask: torch.Tensor | None, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    def add_bias(self, logits: torch.Tensor, mask: AttentionMask | None) -> torch.Tensor:
         """``logits + bias`` in the order timm's explicit paths add it (position bias, then window mask)."""
-        B, H, N, _ = logits.shape
+        B, _, N, M = logits.shape
         if self.window_size is not None:
             logits = logits + self.rel_pos_bias()
-            if mask is not None:
-                num_win = mask.shape[0]
-                logits = (logits.view(-1, num_win, H, N, N) + mask.unsqueeze(1).unsqueeze(0)).view(-1, H, N, N)
-        if attn_mask is not None:
-            if attn_mask.dtype == torch.bool:
-                attn_mask = torch.zeros_like(attn_mask, dtype=logits.dtype).masked_fill(~attn_mask, float("-inf"))
-            logits = logits + attn_mask
+        if mask is not None:
+            bias = mask.additive(B, N, M, logits.dtype, logits.device)
+            if bias is not None:
+                logits = logits + bias
         return logits
 
-    def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:  # pragma: no cover - abstract
-        """Per-head outputs (B, H, N, D) from q, k, v (B, H, N, D) and the biases; the mechanism's formula."""
+    def logit_bias(self, mask: AttentionMask | None, dtype) -> torch.Tensor | None:
+        """What is part of every branch's logit besides q k^T: Swin's position bias and a float ``attn_mask``'s
+        finite entries (branches that exclude masked positions rather than add -inf: DnA's softmin, Cog)."""
+        user = None if mask is None else mask.logit_bias(dtype)
+        if self.window_size is None:
+            return user
+        return self.rel_pos_bias() if user is None else self.rel_pos_bias() + user
+
+    def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:  # pragma: no cover - abstract
+        """Per-head outputs (B, H, N, D) from q, k, v (B, H, N, D) and the call's mask; the mechanism's formula."""
         raise NotImplementedError
 
     def merge(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -233,24 +247,38 @@ class AttnlabAttention(nn.Module):
             out = out * self.gate(x).sigmoid()
         return self.proj_drop(self.proj(out))
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | AttentionMask | None = None, is_causal: bool = False,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (B, N, dim). ``mask`` is Swin's shifted-window mask (num_windows, N, N); ``attn_mask`` a ViT mask."""
-        attn_mask = self.causal_mask(x, attn_mask, is_causal)
+        """x: (B, N, dim). ``attn_mask``: a ViT mask (SDPA's) or an :class:`AttentionMask`; ``is_causal``: timm's
+        flag; ``mask``: Swin's shifted-window mask (num_windows, N, N)."""
+        mask = self.mask_of(x, attn_mask, is_causal, mask)
         q, k, v = self.project(x)
-        o = self.attend(q, k, v, mask=mask, attn_mask=attn_mask)
+        return self.finish(self.attend(q, k, v, mask), mask, x)
+
+    def mask_of(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False, window=None) -> AttentionMask | None:
+        """The call's :class:`AttentionMask` (None when nothing is masked), checked against x and the head term."""
+        mask = AttentionMask.of(attn_mask, is_causal, window)
+        if mask is not None:
+            mask.check(x.shape[0], x.shape[1])
+            if mask.is_causal:
+                for head in (self.head_transform if isinstance(self.head_transform, nn.Sequential)
+                             else (self.head_transform,)):
+                    why = getattr(head, "causal_refusal", None)
+                    if why:
+                        raise UnsupportedModelError(f"{why}.")
+        return mask
+
+    def finish(self, o: torch.Tensor, mask: AttentionMask | None, x: torch.Tensor) -> torch.Tensor:
+        """Padded queries' rows zeroed, the head transform, head merge and projection: (B, H, N, D) -> (B, N, dim)."""
+        if mask is not None:
+            o = mask.zero_padded_queries(o)
         return self.merge(self.head_transform(o), x)
 
-    @staticmethod
-    def causal_mask(x: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor | None:
-        """``attn_mask``, or the (N, N) lower-triangular bool mask when ``is_causal`` (timm's blocks pass the flag;
-        vision models leave it False)."""
-        if not is_causal:
-            return attn_mask
-        if attn_mask is not None:
-            raise ValueError("pass either attn_mask or is_causal=True, not both")
-        N = x.shape[1]
-        return torch.ones(N, N, dtype=torch.bool, device=x.device).tril()
+    def forward_mask(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, AttentionMask | None]:
+        """(x, the call's mask) from the arguments of a forward call (what a forward hook sees)."""
+        bound = inspect.signature(self.forward).bind(*args, **kwargs).arguments
+        x = next(iter(bound.values()))
+        return x, self.mask_of(x, bound.get("attn_mask"), bound.get("is_causal", False), bound.get("mask"))
 
     def extra_repr(self) -> str:
         win = f", window_size={self.window_size}" if self.window_size is not None else ""
@@ -276,4 +304,4 @@ def is_supported(module: nn.Module) -> bool:
     return type(module) in SUPPORTED_TYPES or isinstance(module, AttnlabAttention)
 
 
-__all__ = ["AttnlabAttention", "SUPPORTED_TYPES", "is_supported", "norm_in_dtype"]
+__all__ = ["AttentionMask", "AttnlabAttention", "Branch", "SUPPORTED_TYPES", "is_supported", "norm_in_dtype"]

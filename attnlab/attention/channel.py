@@ -30,9 +30,9 @@ from timm.models.davit import ChannelAttention as TimmChannelAttention
 from timm.models.davit import ChannelAttentionV2 as TimmChannelAttentionV2
 from timm.models.xcit import XCA as TimmXCA
 
-from torch import nn
-
+from ..errors import UnsupportedModelError
 from .base import AttnlabAttention, norm_in_dtype
+from .mask import AttentionMask
 
 
 #: why a term does not apply to a channel map, by term; a kernel term missing here gets the generic sentence
@@ -72,6 +72,13 @@ class ChannelMapAttention(AttnlabAttention):
         geo.pop("window_size", None)
         return geo
 
+    def mask_of(self, x, attn_mask=None, is_causal: bool = False, window=None):
+        mask = AttentionMask.of(attn_mask, is_causal, window)
+        if mask is not None:
+            raise UnsupportedModelError(f"{self.family} takes no attention mask: its map is D x D over features, "
+                                        f"summed over every token, so no token-by-token mask applies to it.")
+        return None
+
     def head_output(self, x: torch.Tensor, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
         """One head's output (N, D) from x (N, C) and its rows of the qkv weight: the Jacobian instrument's function."""
         raise NotImplementedError  # pragma: no cover - abstract
@@ -109,7 +116,7 @@ class DaViTChannelAttention(ChannelMapAttention):
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         return q, self.q_norm(k), self.k_norm(v)
 
-    def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:
+    def attend(self, q, k, v, mask=None) -> torch.Tensor:
         if self.v2:  # timm's ChannelAttentionV2, operation for operation
             q = q * (q.shape[-2] ** -0.5 if self.dynamic_scale else self.scale)
             attn = (q.transpose(-1, -2) @ k).softmax(dim=-1)

@@ -8,8 +8,9 @@ Each head h (value width D) splits its query and key into two halves of width d 
     lambda_init = 0.8 - 0.6 * exp(-0.3 * depth)          (depth: 0-based index of the attention layer)
     o_h = (1 - lambda_init) * RMSNorm_D((A1 - lambda * A2) v_h)
 
-``bias`` is Swin's relative-position bias plus the shifted-window mask (0 / -100) or a ViT ``attn_mask``; it enters
-both branches' logits before their softmax (timm's ``DiffAttention`` is ViT-only, so the Swin form is attnlab's).
+``bias`` is Swin's relative-position bias plus the call's mask (shifted windows, a ViT ``attn_mask``, causal order,
+key padding: :class:`~attnlab.attention.mask.AttentionMask`); it enters both branches' logits before their softmax
+(timm's ``DiffAttention`` is ViT-only, so the Swin form is attnlab's).
 The module keeps the standard module's ``qkv`` and ``proj`` (same shapes: q, k, v each ``H * D`` wide) and adds
 timm's parameters under timm's names (``lambda_q1``, ``lambda_k1``, ``lambda_q2``, ``lambda_k2`` or, with
 ``dual_lambda``, ``lambda_a``, ``lambda_b``; ``sub_norm.weight``), so a timm ``DiffAttention`` state dict loads.
@@ -26,7 +27,8 @@ from timm.layers import RmsNorm
 
 from ..errors import UnsupportedModelError
 from ..ops.sdpa import sdpa
-from .base import AttnlabAttention
+from .base import AttnlabAttention, Branch
+from .mask import AttentionMask
 
 
 class DiffAttention(AttnlabAttention):
@@ -40,9 +42,7 @@ class DiffAttention(AttnlabAttention):
     is ``d ** -0.5`` as in timm. ``layer_index`` is timm's ``depth``.
     """
 
-    map_kind = "diff"
     kv_cache = True  # generation may cache keys/values: a new query against them is its causal output
-
     def __init__(self, dim: int, num_heads: int = 8, *, dual_lambda: bool = False, qk_norm: bool = False,
                  norm_layer: type[nn.Module] | None = None, **kwargs) -> None:
         super().__init__(dim, num_heads, qk_norm=qk_norm, norm_layer=norm_layer, **kwargs)
@@ -117,33 +117,49 @@ class DiffAttention(AttnlabAttention):
         dtype = torch.promote_types(a.dtype, torch.float32)  # timm computes lambda in (at least) fp32
         return torch.exp(a.to(dtype)) - torch.exp(b.to(dtype)) + self.lambda_init
 
-    def branches(self, q, k, v, mask=None, attn_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def weights(self, q, k, mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two softmax maps (A1, A2), each (B, H, N, M), on the explicit path."""
+        d = self.qk_head_dim
+        return tuple(self.add_bias((qh * self.scale) @ kh.transpose(-2, -1), mask).softmax(dim=-1)
+                     for qh, kh in ((q[..., :d], k[..., :d]), (q[..., d:], k[..., d:])))
+
+    def branches(self, q, k, v, mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The two softmax branches ``A1 v`` and ``A2 v``, each (B, H, N, D), sharing v (dropout as in forward)."""
         d = self.qk_head_dim
         q1, q2 = q[..., :d], q[..., d:]
         k1, k2 = k[..., :d], k[..., d:]
         if self.fused_attn:
-            bias = self.attn_bias(q.shape[0], q.shape[2], mask, attn_mask)
             p = self.attn_drop.p if self.training else 0.0
+            if mask is not None and mask.causal_only and self.window_size is None:
+                return sdpa(q1, k1, v, dropout_p=p, is_causal=True), sdpa(q2, k2, v, dropout_p=p, is_causal=True)
+            bias = self.attn_bias(mask, q)
             return sdpa(q1, k1, v, attn_mask=bias, dropout_p=p), sdpa(q2, k2, v, attn_mask=bias, dropout_p=p)
-        a1 = self.add_bias((q1 * self.scale) @ k1.transpose(-2, -1), mask, attn_mask).softmax(dim=-1)
-        a2 = self.add_bias((q2 * self.scale) @ k2.transpose(-2, -1), mask, attn_mask).softmax(dim=-1)
+        a1, a2 = self.weights(q, k, mask)
         return self.attn_drop(a1) @ v, self.attn_drop(a2) @ v
 
-    def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:
-        o_pos, o_neg = self.branches(q, k, v, mask, attn_mask)
-        o = o_pos - self.lambda_full().to(o_pos.dtype) * o_neg
-        return self.sub_norm(o) * (1 - self.lambda_init)
+    def combine(self, o_pos: torch.Tensor, o_neg: torch.Tensor) -> torch.Tensor:
+        """(1 - lambda_init) RMSNorm(o_pos - lambda o_neg), the head output from the two branches."""
+        return self.sub_norm(o_pos - self.lambda_full().to(o_pos.dtype) * o_neg) * (1 - self.lambda_init)
 
-    def branch_outputs(self, x: torch.Tensor, mask: torch.Tensor | None = None,
-                       attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:
+        return self.combine(*self.branches(q, k, v, mask))
+
+    def branch_outputs(self, x: torch.Tensor, mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head outputs of the two branches, ``(A1 v, A2 v)``, each (B, H, N, D), for x: (B, N, dim).
 
         These are the paper's "A1 V and A2 V" (before lambda, sub-norm and head merge): the module's head output
         before sub-norm is ``o_pos - lambda * o_neg``. Used by the DnA intruder / similarity instruments.
         """
         q, k, v = self.project(x)
-        return self.branches(q, k, v, mask, attn_mask)
+        return self.branches(q, k, v, mask)
+
+    def explicit_maps(self, x: torch.Tensor, mask: AttentionMask | None = None):
+        """(output, {"pos": A1, "neg": A2 with coefficient -lambda}) on the explicit path."""
+        q, k, v = self.project(x)
+        w1, w2 = self.weights(q, k, mask)
+        e2 = -self.lambda_full().to(w2.dtype) * w2
+        o = self.sub_norm(w1 @ v + e2 @ v) * (1 - self.lambda_init)
+        return self.finish(o, mask, x), {"pos": Branch(w1, w1), "neg": Branch(w2, e2)}
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lambda_init={self.lambda_init:.4f}, dual_lambda={self.dual_lambda}"

@@ -16,34 +16,40 @@ The variants of Table 12 (``variant=``):
 1/sqrt(d) (the main text and all of the authors' code); ``scale=neg_only`` scales only the negative branch, as
 Algorithm 1 is written.
 
-Masks. Swin's shifted-window mask (0 / -100) and a ViT ``attn_mask`` enter the softmax branch's logits exactly as
-in standard attention. In the softmin branch a masked position is *excluded* (weight exactly 0): adding -100 to a
-logit and then negating it would make softmin pick precisely the masked positions. The relative-position bias B is
-part of each branch's logit, so the softmin branch is softmax(-(s^- + B)) over the allowed positions. A float
-``attn_mask`` counts as a mask in the softmin branch: its negative entries exclude a position.
+Masks. The call's :class:`~attnlab.attention.mask.AttentionMask` (Swin's shifted-window mask, causal order, key
+padding, a ViT ``attn_mask``) enters the softmax branch's logits exactly as in standard attention. In the softmin
+branch a masked position is *excluded* (weight exactly 0): adding -100 (or -inf) to a logit and then negating it
+would make softmin pick precisely the masked positions. The relative-position bias B (and a float ``attn_mask``'s
+finite entries) are part of each branch's logit, so the softmin branch is softmax(-(s^- + B)) over the allowed
+positions. Both branches therefore see the allowed keys only, and a padded query's output is zero.
 
 Layout. All projections of a block are ONE ``nn.Linear`` named ``qkv`` (kept name, new width), its rows in the
 authors' order Q+, Q-, K, V+, V- (width 5*dim for ``qv``; Q+, Q-, K, V for ``q``; Q, K, V+, V- for ``v``; Q, K, V
 for ``shared`` / ``sum``). State dicts that keep Q- and V- as separate ``q_neg`` / ``v_neg`` Linears next to a
 3*dim ``qkv`` are fused on load.
 
-Backends. :func:`dna_attention` is the one place a backend is picked, for the self- and the cross-attention
-module alike (their ``attend``; ``fused_attn=False`` runs the explicit path instead, the readable definition):
-``kernel``, the fused CPU kernel (:mod:`attnlab.ops.dna_cpu`, the custom op ``attnlab::dna_fused``) for float32
-forwards without gradient or dropout; ``triton``, the opt-in CUDA kernel (:mod:`attnlab.ops.dna_triton`,
-``ATTNLAB_DNA_TRITON=1``); else ``sdpa``, two SDPA calls and :func:`combine`. All compute the formula above. On the
-CPU the projection is one bias-free GEMM whose bias the kernel adds as it copies each head (the other backends add
-it first). The softmin branch is SDPA with a negated scale on CPU (free), or with -Q- elsewhere (CUDA flash kernels
-take the row maximum before scaling, so a negative scale is not safe there). Measurements: docs/perf.md.
+Backends. :func:`choose_backend` is the one place a backend is picked, for the self- and the cross-attention
+module alike, from what the call is (device, dtype, whether a gradient is needed, dropout, mask, head dim, keys),
+the module's ``fused_attn`` and ``backend`` switches and the environment's (``ATTNLAB_DNA_TRITON``,
+``ATTNLAB_KERNELS``); it returns the backends it passed over with the reason. ``explicit`` (``fused_attn=False``) is
+the readable definition; ``kernel`` is the fused CPU kernel (:mod:`attnlab.ops.dna_cpu`, the custom op
+``attnlab::dna_fused``) for float32 forwards without gradient or dropout, every mask honoured as a bias; ``triton``
+the opt-in CUDA kernel (:mod:`attnlab.ops.dna_triton`, ``ATTNLAB_DNA_TRITON=1``), which takes no mask; else
+``sdpa``, two SDPA calls and :func:`combine` (SDPA's ``is_causal`` when causality is all the mask asks). All compute
+the formula above. The self-attention module decides before its projection: when the kernel will run, the
+projection is one bias-free GEMM whose bias the kernel adds as it copies each head (docs/perf.md). SDPA's softmin
+branch uses a negated scale on the CPU (free: its kernels scale before the row maximum) and -Q- elsewhere (CUDA
+flash kernels take the row maximum before scaling) and with ``is_causal`` (:func:`negates_query` decides).
 
-Two-branch convention (shared with ``diff``, used by :mod:`attnlab.analysis.dna`): ``branch_outputs(x, mask=None,
-attn_mask=None) -> (o_pos, o_neg)``, each (B, H, N, D), the two branches before alpha; ``branch_values(x) ->
+Two-branch convention (shared with ``diff``, used by :mod:`attnlab.analysis.dna`): ``branch_outputs(x, mask=None)
+-> (o_pos, o_neg)``, each (B, H, N, D), the two branches before alpha; ``branch_values(x) ->
 (v_pos, v_neg)``, each (B, H, N, D); ``alpha_values() -> (H,)``.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -52,9 +58,11 @@ from timm.layers import trunc_normal_
 
 from ..errors import ConfigError, SpecError
 from ..ops import dna_cpu
-from ..ops.dna_triton import dna_attention_triton, triton_error
+from ..ops.dna_triton import call_error as triton_call_error
+from ..ops.dna_triton import dna_attention_triton
 from ..ops.sdpa import sdpa
-from .base import AttnlabAttention
+from .base import AttnlabAttention, Branch
+from .mask import AttentionMask
 
 VARIANTS = ("qv", "q", "v", "shared", "sum")
 SCALES = ("both", "neg_only")
@@ -82,38 +90,45 @@ def _check_options(variant: str, alpha_init: float, scale: str, init: str, neg_i
         raise SpecError("dna's alpha_init and neg_init must be finite numbers.")
 
 
-def negative_bias(rel_pos: torch.Tensor | None, mask: torch.Tensor | None, like: torch.Tensor
+def negative_bias(logit_bias: torch.Tensor | None, keep: torch.Tensor | None, like: torch.Tensor
                   ) -> torch.Tensor | None:
     """Additive bias for the softmin branch in "negated logits" form: softmin weights = softmax(-s^- + bias).
 
-    ``rel_pos``: the relative-position bias B (broadcastable to (B, H, N, M)) or None; it is part of the logit, so it
-    enters negated. ``mask``: a bool mask (True = attend) or an additive float mask; masked positions (False, or a
-    negative float entry) get -inf, i.e. weight exactly 0. Returns None when there is neither.
+    ``logit_bias``: what is part of the logit besides q k^T (the relative-position bias B, a float mask's finite
+    entries; broadcastable to (B, H, N, M)) or None; it enters negated. ``keep``: a bool map (True = attend) or None;
+    excluded positions get -inf, i.e. weight exactly 0. Returns None when there is neither.
     """
-    bias = None if rel_pos is None else -rel_pos
-    if mask is not None:
-        blocked = ~mask if mask.dtype == torch.bool else mask < 0
-        excl = torch.zeros(blocked.shape, dtype=like.dtype, device=like.device).masked_fill_(blocked, float("-inf"))
+    bias = None if logit_bias is None else -logit_bias
+    if keep is not None:
+        excl = torch.zeros(keep.shape, dtype=like.dtype, device=like.device).masked_fill_(~keep, float("-inf"))
         bias = excl if bias is None else bias + excl
     return bias
 
 
+def negates_query(device: torch.device, is_causal: bool = False) -> bool:
+    """How SDPA computes the softmin branch: with -Q- (True) or a negated scale (False: free, on the CPU without
+    ``is_causal``, whose kernels scale before taking the row maximum; CUDA's flash kernels take it before scaling,
+    and the CPU's causal path returns NaN for a negative scale)."""
+    return device.type != "cpu" or is_causal
+
+
 def dna_branches(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_pos: torch.Tensor, v_neg: torch.Tensor,
                  *, scale_pos: float, scale_neg: float, bias_pos: torch.Tensor | None = None,
-                 bias_neg: torch.Tensor | None = None, dropout_p: float = 0.0
+                 bias_neg: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The two branches of DnA with fused SDPA, each (B, H, N, D):
 
         o_pos = softmax(scale_pos * q_pos k^T + bias_pos) v_pos
         o_neg = softmax(-scale_neg * q_neg k^T + bias_neg) v_neg  = softmin(scale_neg * q_neg k^T - bias_neg) v_neg
 
-    q_*: (B, H, N, D), k and v_*: (B, H, M, D). ``bias_neg`` is in negated-logit form (see :func:`negative_bias`).
+    q_*: (B, H, N, D), k and v_*: (B, H, M, D). ``bias_neg`` is in negated-logit form (see :func:`negative_bias`);
+    ``is_causal`` (without biases): query i sees keys j <= i in both branches.
     """
-    o_pos = sdpa(q_pos, k, v_pos, attn_mask=bias_pos, dropout_p=dropout_p, scale=scale_pos)
-    if q_neg.device.type == "cpu":  # the CPU kernels scale before the row maximum: a negative scale costs nothing
-        o_neg = sdpa(q_neg, k, v_neg, attn_mask=bias_neg, dropout_p=dropout_p, scale=-scale_neg)
+    o_pos = sdpa(q_pos, k, v_pos, attn_mask=bias_pos, dropout_p=dropout_p, scale=scale_pos, is_causal=is_causal)
+    if negates_query(q_neg.device, is_causal):
+        o_neg = sdpa(-q_neg, k, v_neg, attn_mask=bias_neg, dropout_p=dropout_p, scale=scale_neg, is_causal=is_causal)
     else:
-        o_neg = sdpa(-q_neg, k, v_neg, attn_mask=bias_neg, dropout_p=dropout_p, scale=scale_neg)
+        o_neg = sdpa(q_neg, k, v_neg, attn_mask=bias_neg, dropout_p=dropout_p, scale=-scale_neg, is_causal=is_causal)
     return o_pos, o_neg
 
 
@@ -124,49 +139,111 @@ def combine(o_pos: torch.Tensor, o_neg: torch.Tensor, alpha: torch.Tensor | None
     return torch.addcmul(o_pos, alpha.to(o_pos.dtype).view(-1, 1, 1), o_neg)
 
 
-def backend_error(backend: str, q_pos, q_neg, k, v_pos, v_neg, alpha, *, bias_pos=None, bias_neg=None,
-                  input_bias=None, dropout_p: float = 0.0) -> str | None:
-    """Why ``backend`` (``kernel``, ``triton`` or ``sdpa``) cannot compute this call, or None when it can."""
+class Call(NamedTuple):
+    """What a DnA backend choice depends on, known before the projection runs (:func:`choose_backend`)."""
+
+    device: torch.device
+    dtype: torch.dtype | None  # None: tensors of several dtypes
+    needs_grad: bool
+    dropout: bool
+    masked: bool  # an attention bias or mask of any kind (Swin's position bias included)
+    head_dim: int
+    batch_heads: int
+    queries: int
+    keys: int
+    row_stride: int  # the largest token stride of q, k, v
+
+    @classmethod
+    def of(cls, q_pos, q_neg, k, v_pos, v_neg, alpha=None, *extra, masked: bool, dropout_p: float) -> "Call":
+        """The call of these tensors (``extra``: the biases and projection bias, which must match dtype and grad)."""
+        tensors = [t for t in (q_pos, q_neg, k, v_pos, v_neg, alpha, *extra) if t is not None]
+        same = all(t.dtype in (q_pos.dtype, torch.bool) for t in tensors)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        return cls(q_pos.device, q_pos.dtype if same else None, needs_grad, bool(dropout_p), masked, q_pos.shape[-1],
+                   q_pos.shape[0] * q_pos.shape[1], q_pos.shape[-2], k.shape[-2],
+                   max(t.stride(-2) for t in (q_pos, q_neg, k, v_pos, v_neg)))
+
+
+def call_error(backend: str, call: Call) -> str | None:
+    """Why ``backend`` (``kernel``, ``triton`` or ``sdpa``) cannot compute ``call``, or None when it can."""
     if backend == "sdpa":
         return None
-    if dropout_p:
+    if call.dropout:
         return f"the {backend} backend has no attention dropout"
     if backend == "kernel":
-        return dna_cpu.kernel_error(q_pos, k, q_neg, v_pos, v_neg, alpha, bias_pos, bias_neg, *(input_bias or ()))
+        return dna_cpu.call_error(cpu=call.device.type == "cpu", float32=call.dtype == torch.float32,
+                                  needs_grad=call.needs_grad, head_dim=call.head_dim, keys=call.keys)
     if backend == "triton":
-        return triton_error(q_pos, k, q_neg, v_pos, v_neg, alpha, bias=bias_pos is not None or bias_neg is not None)
+        return triton_call_error(cuda=call.device.type == "cuda", dtype_ok=call.dtype in (
+            torch.float16, torch.bfloat16, torch.float32), bias=call.masked, needs_grad=call.needs_grad,
+            head_dim=call.head_dim, batch_heads=call.batch_heads, queries=call.queries, row_stride=call.row_stride)
     raise ConfigError(f"the DnA backend {backend!r} does not exist; use one of: {', '.join(BACKENDS)}.")
+
+
+class Choice(NamedTuple):
+    """:func:`choose_backend`'s answer: the backend and, for each one passed over, why."""
+
+    backend: str
+    refused: tuple[tuple[str, str], ...] = ()
+
+
+def choose_backend(call: Call, requested: str = "auto", fused_attn: bool = True) -> Choice:
+    """The one place DnA's backend is picked: ``explicit`` when ``fused_attn`` is off; a ``requested`` backend
+    (``kernel``, ``triton``, ``sdpa``) as pinned, ConfigError with the reason when it cannot run ``call``; for
+    ``auto`` the first of kernel, triton, sdpa that can."""
+    if not fused_attn:
+        return Choice("explicit")
+    if requested != "auto":
+        why = call_error(requested, call)
+        if why:
+            raise ConfigError(f"DnA's {requested} backend cannot run this call: {why}; use backend='auto'.")
+        return Choice(requested)
+    refused = []
+    for backend in ("kernel", "triton"):
+        why = call_error(backend, call)
+        if why is None:
+            return Choice(backend, tuple(refused))
+        refused.append((backend, why))
+    return Choice("sdpa", tuple(refused))
+
+
+def backend_error(backend: str, q_pos, q_neg, k, v_pos, v_neg, alpha, *, bias_pos=None, bias_neg=None,
+                  input_bias=None, dropout_p: float = 0.0) -> str | None:
+    """Why ``backend`` cannot compute this call of :func:`dna_attention`, or None when it can."""
+    call = Call.of(q_pos, q_neg, k, v_pos, v_neg, alpha, bias_pos, bias_neg, *(input_bias or ()),
+                   masked=bias_pos is not None or bias_neg is not None, dropout_p=dropout_p)
+    return call_error(backend, call)
 
 
 def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_pos: torch.Tensor,
                   v_neg: torch.Tensor, alpha: torch.Tensor | None, *, scale_pos: float, scale_neg: float,
                   bias_pos: torch.Tensor | None = None, bias_neg: torch.Tensor | None = None,
                   input_bias: tuple[torch.Tensor | None, ...] | None = None, dropout_p: float = 0.0,
-                  backend: str = "auto") -> torch.Tensor:
+                  is_causal: bool = False, backend: str = "auto") -> torch.Tensor:
     """A_h = softmax(scale_pos q+ k^T + bias_pos) v+ + alpha_h softmin(scale_neg q- k^T - bias_neg) v-, (B, H, N, D).
 
     q_*: (B, H, N, D), k and v_*: (B, H, M, D); alpha (H,) or None (= 1); ``bias_neg`` in negated-logit form
-    (:func:`negative_bias`); ``input_bias``: None or five (H, D) tensors (or None) added to q+, q-, k, v+, v- first
-    (a projection's bias). ``backend="auto"`` takes the first of ``kernel``, ``triton``, ``sdpa`` that can run
-    the call; a named backend that cannot raises ConfigError with the reason.
+    (:func:`negative_bias`); ``is_causal`` (without biases): query i sees keys j <= i in both branches;
+    ``input_bias``: None or five (H, D) tensors (or None) added to q+, q-, k, v+, v- first (a projection's bias).
+    ``backend``: ``auto`` (:func:`choose_backend` picks), or ``kernel`` / ``triton`` / ``sdpa`` pinned.
     """
     args = (q_pos, q_neg, k, v_pos, v_neg, alpha)
-    if backend == "auto":
-        backend = next(b for b in ("kernel", "triton", "sdpa") if backend_error(
-            b, *args, bias_pos=bias_pos, bias_neg=bias_neg, input_bias=input_bias, dropout_p=dropout_p) is None)
-    else:
-        why = backend_error(backend, *args, bias_pos=bias_pos, bias_neg=bias_neg, input_bias=input_bias,
-                            dropout_p=dropout_p)
-        if why:
-            raise ConfigError(f"DnA's {backend} backend cannot run this call: {why}; use backend='auto'.")
+    call = Call.of(*args, bias_pos, bias_neg, *(input_bias or ()), dropout_p=dropout_p,
+                   masked=bias_pos is not None or bias_neg is not None or is_causal)
+    backend = choose_backend(call, backend).backend
     if backend == "kernel":
+        if is_causal:
+            N, M = q_pos.shape[-2], k.shape[-2]
+            causal = torch.ones(N, M, dtype=torch.bool, device=k.device).tril()
+            bias_pos = bias_neg = torch.zeros(N, M, device=k.device).masked_fill_(~causal, float("-inf"))
         return dna_cpu.dna_attention(*args, scale_pos=scale_pos, scale_neg=scale_neg, bias_pos=bias_pos,
                                      bias_neg=bias_neg, input_bias=input_bias)
     q_pos, q_neg, k, v_pos, v_neg = add_input_bias((q_pos, q_neg, k, v_pos, v_neg), input_bias)
     if backend == "triton":
         return dna_attention_triton(q_pos, q_neg, k, v_pos, v_neg, alpha, scale_pos=scale_pos, scale_neg=scale_neg)
     return combine(*dna_branches(q_pos, q_neg, k, v_pos, v_neg, scale_pos=scale_pos, scale_neg=scale_neg,
-                                 bias_pos=bias_pos, bias_neg=bias_neg, dropout_p=dropout_p), alpha)
+                                 bias_pos=bias_pos, bias_neg=bias_neg, dropout_p=dropout_p, is_causal=is_causal),
+                   alpha)
 
 
 def add_input_bias(heads: tuple[torch.Tensor, ...], input_bias) -> tuple[torch.Tensor, ...]:
@@ -265,9 +342,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         neg_init: the warm-start factor (1e-4, paper Sec. 4.2 and Table 13).
     """
 
-    map_kind = "dna"
     kv_cache = True  # generation may cache keys/values: a new query against them is its causal output
-
     adopts_wide_qkv = True  # reads Q+, K, V+ (and Q-, V-) out of another DnA module's fused projection
 
     def __init__(self, dim: int, num_heads: int = 8, *, variant: str = "qv", alpha_init: float = 0.5,
@@ -350,20 +425,18 @@ class DnAAttention(_DnAParams, AttnlabAttention):
 
         Q and K are normalised per head when qk_norm is on (each query branch by the same ``q_norm``).
         """
-        q, k, v, input_bias = self._project(x)
-        q_pos, q_neg, k, v_pos, v_neg = add_input_bias((*q, k, *v), input_bias)
-        return (q_pos, q_neg), k, (v_pos, v_neg)
+        q, k, v, _ = self._project(x, defer_bias=False)
+        return q, k, v
 
-    def _project(self, x: torch.Tensor):
-        """:meth:`project`'s result and the projection bias still to be added (five (H, D) tensors or None, see
-        :func:`dna_attention`). On the CPU without QK-norm the projection is one bias-free GEMM and the bias is
-        left to the backend: the kernel adds it as it copies each head, which spares a pass over the (B, N, 5*dim)
-        output (docs/perf.md); forward hooks on ``qkv`` do not see this GEMM. ``qkv.weight`` is read once (a
-        parametrisation such as sigma's power iteration runs on each read)."""
+    def _project(self, x: torch.Tensor, defer_bias: bool):
+        """:meth:`project`'s result and the projection bias still to be added (five (H, D) tensors, or None; see
+        :func:`dna_attention`). ``defer_bias`` (the kernel will run, and no QK-norm acts on the biased projection):
+        the projection is one bias-free GEMM and the kernel adds the bias as it copies each head, which spares a
+        pass over the (B, N, 5*dim) output (docs/perf.md); forward hooks on ``qkv`` do not see that GEMM.
+        ``qkv.weight`` is read once (a parametrisation such as sigma's power iteration runs on each read)."""
         B, N, _ = x.shape
         H, D, nb = self.num_heads, self.head_dim, len(self.qkv_blocks)
-        defer = x.device.type == "cpu" and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm,
-                                                                                              nn.Identity)
+        defer = defer_bias and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
         if defer:
             w, b = self.qkv.weight, self.qkv.bias
             y = F.linear(x, w)
@@ -385,93 +458,110 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         q_pos, v_pos = named.get("q_pos", named.get("q")), named.get("v_pos", named.get("v"))
         return q_pos, named.get("q_neg", q_pos), named["k"], v_pos, named.get("v_neg", v_pos)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+    def choose(self, x: torch.Tensor, mask: AttentionMask | None) -> Choice:
+        """This forward's backend (:func:`choose_backend`), from x (B, N, dim) before the projection runs: its device,
+        its dtype (autocast's, under autocast), whether a gradient will be needed (x's or any parameter's), dropout,
+        the mask, and the fused projection's layout."""
+        device = x.device.type
+        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        call = Call(x.device, dtype, needs_grad, self.training and self.attn_drop.p > 0,
+                    mask is not None or self.window_size is not None, self.head_dim, x.shape[0] * self.num_heads,
+                    x.shape[1], x.shape[1], len(self.qkv_blocks) * self.attn_dim)
+        return choose_backend(call, self.backend, self.fused_attn)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | AttentionMask | None = None, is_causal: bool = False,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """As :meth:`AttnlabAttention.forward`; the projection bias goes to :meth:`attend` unapplied where
-        :meth:`_project` leaves it."""
-        attn_mask = self.causal_mask(x, attn_mask, is_causal)
-        q, k, v, input_bias = self._project(x)
-        o = self.attend(q, k, v, mask=mask, attn_mask=attn_mask, input_bias=input_bias)
-        return self.merge(self.head_transform(o), x)
+        """As :meth:`AttnlabAttention.forward`: the backend is chosen first (:meth:`choose`), so the projection can
+        leave its bias to the kernel."""
+        mask = self.mask_of(x, attn_mask, is_causal, mask)
+        backend = self.choose(x, mask).backend
+        q, k, v, input_bias = self._project(x, defer_bias=backend == "kernel")
+        return self.finish(self.attend(q, k, v, mask, input_bias=input_bias, backend=backend), mask, x)
 
-    def _biases(self, B: int, N: int, mask, attn_mask, like: torch.Tensor):
-        """(bias_pos, bias_neg): the standard fused bias, and the softmin branch's in negated-logit form (its masks
-        in ``like``'s dtype and device)."""
-        bias_pos = self.attn_bias(B, N, mask, attn_mask)
-        if self.window_size is None and attn_mask is None:
-            return bias_pos, None
-        bias_neg = negative_bias(self.rel_pos_bias() if self.window_size is not None else None, None, like)
-        if mask is not None:  # (num_windows, N, N) 0 / -100, windows fastest-varying in B (as AttnlabAttention)
-            num_win = mask.shape[0]
-            excl = negative_bias(None, mask, like)
-            excl = excl.view(1, num_win, 1, N, N).expand(B // num_win, -1, self.num_heads, -1, -1)
-            excl = excl.reshape(-1, self.num_heads, N, N)
-            bias_neg = excl if bias_neg is None else bias_neg + excl
-        if attn_mask is not None:
-            excl = negative_bias(None, attn_mask, like)
-            bias_neg = excl if bias_neg is None else bias_neg + excl
-        return bias_pos, bias_neg
+    def _biases(self, mask: AttentionMask | None, like: torch.Tensor):
+        """(bias_pos, bias_neg, is_causal) for the fused backends: the standard fused bias, the softmin branch's in
+        negated-logit form (both None and ``is_causal`` True when causality is all the mask asks)."""
+        if mask is not None and mask.causal_only and self.window_size is None:
+            return None, None, True
+        B, _, N, _ = like.shape
+        keep = None if mask is None else mask.keep(B, N, N, like.device)
+        return (self.attn_bias(mask, like), negative_bias(self.logit_bias(mask, like.dtype), keep, like), False)
 
-    def weights(self, q, k, mask=None, attn_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def weights(self, q, k, mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Explicit attention weights (softmax(s^+), softmin(s^-)), each (B, H, N, N); q = (q_pos, q_neg).
 
         A shared query's q k^T is computed once (variants v, shared, sum), as in the paper's operation count.
         """
         (q_pos, q_neg) = q
-        B, N = q_pos.shape[0], q_pos.shape[2]
-        _, bias_neg = self._biases(B, N, mask, attn_mask, like=q_pos)
         kt = k.transpose(-2, -1)
         qk_pos = q_pos @ kt
         qk_neg = qk_pos if q_neg is q_pos else q_neg @ kt
-        w_pos = self.add_bias(qk_pos * self.scale_pos, mask, attn_mask).softmax(dim=-1)
+        w_pos = self.add_bias(qk_pos * self.scale_pos, mask).softmax(dim=-1)
         neg_logits = qk_neg * -self.scale_neg  # softmin(s) = softmax(-s)
+        B, _, N, M = qk_neg.shape
+        keep = None if mask is None else mask.keep(B, N, M, qk_neg.device)
+        bias_neg = negative_bias(self.logit_bias(mask, qk_neg.dtype), keep, qk_neg)
         if bias_neg is not None:
             neg_logits = neg_logits + bias_neg
         return w_pos, neg_logits.softmax(dim=-1)
 
-    def branches(self, q, k, v, mask=None, attn_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def branches(self, q, k, v, mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(o_pos, o_neg), each (B, H, N, D), before alpha: softmax(s^+) V^+ and softmin(s^-) V^-."""
         (q_pos, q_neg), (v_pos, v_neg) = q, v
         if self.fused_attn:
-            bias_pos, bias_neg = self._biases(q_pos.shape[0], q_pos.shape[2], mask, attn_mask, like=q_pos)
+            bias_pos, bias_neg, is_causal = self._biases(mask, q_pos)
             return dna_branches(q_pos, q_neg, k, v_pos, v_neg, scale_pos=self.scale_pos, scale_neg=self.scale_neg,
-                                bias_pos=bias_pos, bias_neg=bias_neg,
+                                bias_pos=bias_pos, bias_neg=bias_neg, is_causal=is_causal,
                                 dropout_p=self.attn_drop.p if self.training else 0.0)
-        w_pos, w_neg = self.weights(q, k, mask, attn_mask)
+        w_pos, w_neg = self.weights(q, k, mask)
         return self.attn_drop(w_pos) @ v_pos, self.attn_drop(w_neg) @ v_neg
 
-    def attend(self, q, k, v, mask=None, attn_mask=None, input_bias=None) -> torch.Tensor:
+    def attend(self, q, k, v, mask: AttentionMask | None = None, input_bias=None, backend: str | None = None
+               ) -> torch.Tensor:
         """A_h = softmax(s^+) V^+ + alpha_h softmin(s^-) V^-, (B, H, N, D); q = (q_pos, q_neg), v = (v_pos, v_neg),
-        ``input_bias`` as :func:`dna_attention`. The one place this module's backend is chosen: the explicit path
-        when ``fused_attn`` is off, else :func:`dna_attention` with ``self.backend``.
+        ``input_bias`` as :func:`dna_attention`; ``backend`` as :meth:`choose` returned it (default: ``explicit``
+        when ``fused_attn`` is off, else :func:`choose_backend` on these tensors with ``self.backend``).
 
         The explicit path with a shared V (variants q, shared, sum) forms [softmax(s^+) + alpha softmin(s^-)] V,
         one product with V, as Table 12 writes it.
         """
         (q_pos, q_neg), (v_pos, v_neg) = q, v
-        dropout_p = self.attn_drop.p if self.training else 0.0
-        if self.fused_attn:
-            bias_pos, bias_neg = self._biases(q_pos.shape[0], q_pos.shape[2], mask, attn_mask, like=q_pos)
+        backend = backend or ("explicit" if not self.fused_attn else self.backend)
+        if backend != "explicit":
+            bias_pos, bias_neg, is_causal = self._biases(mask, q_pos)
             return dna_attention(q_pos, q_neg, k, v_pos, v_neg, self.alpha, scale_pos=self.scale_pos,
-                                 scale_neg=self.scale_neg, bias_pos=bias_pos, bias_neg=bias_neg,
-                                 input_bias=input_bias, dropout_p=dropout_p, backend=self.backend)
+                                 scale_neg=self.scale_neg, bias_pos=bias_pos, bias_neg=bias_neg, is_causal=is_causal,
+                                 input_bias=input_bias, dropout_p=self.attn_drop.p if self.training else 0.0,
+                                 backend=backend)
         q_pos, q_neg, k, v_pos, v_neg = add_input_bias((q_pos, q_neg, k, v_pos, v_neg), input_bias)
         q, v = (q_pos, q_neg), (v_pos, v_neg)
         if v_pos is not v_neg:
-            return combine(*self.branches(q, k, v, mask, attn_mask), self.alpha)
-        w_pos, w_neg = self.weights(q, k, mask, attn_mask)
+            w_pos, w_neg = self.weights(q, k, mask)
+            return combine(self.attn_drop(w_pos) @ v_pos, self.attn_drop(w_neg) @ v_neg, self.alpha)
+        w_pos, w_neg = self.weights(q, k, mask)
         if self.alpha is None:
             w = w_pos + w_neg
         else:
             w = torch.addcmul(w_pos, self.alpha.to(w_pos.dtype).view(-1, 1, 1), w_neg)
         return self.attn_drop(w) @ v_pos
 
-    # ---- the two-branch convention (analysis) --------------------------------------------------------------------
-    def branch_outputs(self, x: torch.Tensor, mask: torch.Tensor | None = None,
-                       attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # ---- the two-branch convention and the weight maps (analysis) ------------------------------------------------
+    def branch_outputs(self, x: torch.Tensor, mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(A^{Q+V+}_h, A^{Q-V-}_h) for x: (B, N, dim), each (B, H, N, D), before alpha and head merge."""
         q, k, v = self.project(x)
-        return self.branches(q, k, v, mask, attn_mask)
+        return self.branches(q, k, v, mask)
+
+    def explicit_maps(self, x: torch.Tensor, mask: AttentionMask | None = None):
+        """(output, {"pos": softmax(s^+), "neg": softmin(s^-) with coefficient alpha_h}) on the explicit path."""
+        q, k, (v_pos, v_neg) = self.project(x)
+        w_pos, w_neg = self.weights(q, k, mask)
+        alpha = torch.ones(self.num_heads, dtype=w_neg.dtype, device=w_neg.device) if self.alpha is None \
+            else self.alpha.to(w_neg.dtype)
+        e_neg = alpha.view(-1, 1, 1) * w_neg
+        o = w_pos @ v_pos + e_neg @ v_neg
+        return self.finish(o, mask, x), {"pos": Branch(w_pos, w_pos), "neg": Branch(w_neg, e_neg)}
 
     def branch_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(V^+_h, V^-_h) for x: (B, N, dim), each (B, H, N, D); the same tensor twice when V is shared."""
@@ -491,5 +581,6 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         return f"{super().extra_repr()}, variant={self.variant}, scale={self.scale_mode}"
 
 
-__all__ = ["BACKENDS", "DnAAttention", "add_input_bias", "backend_error", "block_names", "combine", "dna_attention",
-           "dna_branches", "negative_bias", "VARIANTS"]
+__all__ = ["BACKENDS", "Call", "Choice", "DnAAttention", "add_input_bias", "backend_error", "block_names",
+           "call_error", "choose_backend", "combine", "dna_attention", "dna_branches", "negates_query",
+           "negative_bias", "VARIANTS"]

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import UnsupportedModelError
 from .dna import _canonical, _DnAParams, _rows, combine, dna_attention, dna_branches, negative_bias
+from .mask import AttentionMask
 
 
 class DnACrossAttention(_DnAParams, nn.Module):
@@ -86,26 +88,43 @@ class DnACrossAttention(_DnAParams, nn.Module):
         v_pos = named.get("v_pos", named.get("v"))
         return (q_pos, named.get("q_neg", q_pos)), named["k"], (v_pos, named.get("v_neg", v_pos))
 
-    def branches(self, q, k, v, attn_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _biases(self, mask: AttentionMask | None, like: torch.Tensor, M: int):
+        """(bias_pos, bias_neg) for queries ``like`` (B, H, N, D) and M keys (see :class:`DnAAttention`)."""
+        if mask is None:
+            return None, None
+        B, _, N, _ = like.shape
+        keep = mask.keep(B, N, M, like.device)
+        return (mask.additive(B, N, M, like.dtype, like.device),
+                negative_bias(mask.logit_bias(like.dtype), keep, like))
+
+    def branches(self, q, k, v, mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         (q_pos, q_neg), (v_pos, v_neg) = q, v
-        bias_neg = negative_bias(None, attn_mask, q_pos) if attn_mask is not None else None
+        bias_pos, bias_neg = self._biases(mask, q_pos, k.shape[-2])
         if self.fused_attn:
             return dna_branches(q_pos, q_neg, k, v_pos, v_neg, scale_pos=self.scale_pos, scale_neg=self.scale_neg,
-                                bias_pos=attn_mask, bias_neg=bias_neg,
+                                bias_pos=bias_pos, bias_neg=bias_neg,
                                 dropout_p=self.attn_drop.p if self.training else 0.0)
         kt = k.transpose(-2, -1)
         pos_logits = (q_pos * self.scale_pos) @ kt
-        if attn_mask is not None:
-            pos_logits = pos_logits.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
-                else pos_logits + attn_mask
+        if bias_pos is not None:
+            pos_logits = pos_logits + bias_pos
         neg_logits = -((q_neg * self.scale_neg) @ kt)
         if bias_neg is not None:
             neg_logits = neg_logits + bias_neg
         return (self.attn_drop(pos_logits.softmax(-1)) @ v_pos, self.attn_drop(neg_logits.softmax(-1)) @ v_neg)
 
-    def branch_outputs(self, x: torch.Tensor, context: torch.Tensor, attn_mask: torch.Tensor | None = None):
+    def _mask(self, attn_mask, x, context) -> AttentionMask | None:
+        mask = AttentionMask.of(attn_mask)
+        if mask is not None:
+            mask.check(x.shape[0], context.shape[1])
+            if mask.is_causal:
+                raise UnsupportedModelError("DnA cross-attention takes no causal mask: its queries and keys are "
+                                            "different sequences, so no order relates them.")
+        return mask
+
+    def branch_outputs(self, x: torch.Tensor, context: torch.Tensor, attn_mask=None):
         """(o_pos, o_neg), each (B, H, N, D), before alpha."""
-        return self.branches(*self.project(x, context), attn_mask=attn_mask)
+        return self.branches(*self.project(x, context), mask=self._mask(attn_mask, x, context))
 
     def branch_values(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(V^+_h, V^-_h) of ``context`` (B, M, kv_dim), each (B, H, M, D)."""
@@ -115,22 +134,26 @@ class DnACrossAttention(_DnAParams, nn.Module):
         v_pos = named.get("v_pos", named.get("v"))
         return v_pos, named.get("v_neg", v_pos)
 
-    def attend(self, q, k, v, attn_mask=None) -> torch.Tensor:
+    def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:
         """alpha-combined output of both branches, (B, H, N, D), from :meth:`project`'s queries, keys and values: the
         explicit path when ``fused_attn`` is off, else :func:`~attnlab.attention.dna.dna_attention` (which picks
         kernel, Triton or SDPA) with ``self.backend``."""
         if not self.fused_attn:
-            return combine(*self.branches(q, k, v, attn_mask=attn_mask), self.alpha)
+            return combine(*self.branches(q, k, v, mask), self.alpha)
         (q_pos, q_neg), (v_pos, v_neg) = q, v
-        bias_neg = negative_bias(None, attn_mask, q_pos) if attn_mask is not None else None
+        bias_pos, bias_neg = self._biases(mask, q_pos, k.shape[-2])
         return dna_attention(q_pos, q_neg, k, v_pos, v_neg, self.alpha, scale_pos=self.scale_pos,
-                             scale_neg=self.scale_neg, bias_pos=attn_mask, bias_neg=bias_neg,
+                             scale_neg=self.scale_neg, bias_pos=bias_pos, bias_neg=bias_neg,
                              dropout_p=self.attn_drop.p if self.training else 0.0, backend=self.backend)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (B, N, dim) queries, context: (B, M, kv_dim); ``attn_mask`` broadcastable to (B, H, N, M), bool
-        (True = attend) or additive. Returns (B, N, dim)."""
-        o = self.attend(*self.project(x, context), attn_mask=attn_mask)
+    def forward(self, x: torch.Tensor, context: torch.Tensor, attn_mask=None) -> torch.Tensor:
+        """x: (B, N, dim) queries, context: (B, M, kv_dim); ``attn_mask``: broadcastable to (B, H, N, M), bool
+        (True = attend) or additive, or an :class:`AttentionMask` (key padding over the context's M tokens: a
+        sample whose context is all padding outputs zeros). Returns (B, N, dim)."""
+        mask = self._mask(attn_mask, x, context)
+        o = self.attend(*self.project(x, context), mask=mask)
+        if mask is not None:
+            o = mask.zero_empty_rows(o)
         B, _, N, _ = o.shape
         return self.proj_drop(self.proj(o.transpose(1, 2).reshape(B, N, self.attn_dim)))
 

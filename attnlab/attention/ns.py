@@ -8,6 +8,11 @@ feature-by-token output, after value aggregation and before head merge.
 
 A ``head`` term: it composes after any kernel (``ns``, ``dna+ns``) and adds no parameters, so an ``ns`` model loads
 a ``standard`` model's state dict. The math lives in :func:`attnlab.ops.ns_transform`.
+
+Masks. The transform mixes all N tokens of a head (the Frobenius norm and the Gram product run over every token),
+so it is not causal: a causal mask is refused with that reason. With key padding the rows of padded tokens are zero
+before the transform (the attention module zeroes them), so they add nothing to the norm or the Gram, and a zero
+row stays zero: real tokens' outputs do not depend on the padding.
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ class NSTransform(nn.Module):
             Gram-space formulation in torch ops), ``kernel`` (always the fused kernel; an error where it cannot
             run) or ``reference`` (Algorithm 1 literally). See :func:`attnlab.ops.ns_transform`.
     """
+
+    #: why the transform cannot run under a causal mask (the attention module refuses with it)
+    causal_refusal = ("ns cannot honour a causal mask: its transform mixes all N tokens of a head (the Frobenius norm "
+                      "and the Gram product run over every token), so token i's output depends on later tokens")
 
     def __init__(self, steps: int = 1, eps: float = NS_EPS, impl: str = "auto",
                  coeffs: tuple[float, float, float] = NS_COEFFS) -> None:

@@ -5,10 +5,15 @@ Per head, with m landmarks q~, k~ (segment means of q and k, Sec. 3.2) and the i
 
     o_h = softmax(q k~^T / sqrt(D)) softmax(q~ k~^T / sqrt(D))^+ softmax(q~ k^T / sqrt(D)) v  [+ conv(v)]
 
-The optional skip ``conv(v)`` is the authors' depthwise convolution over the tokens of each head's values
-(kernel (conv, 1), one filter per head, no bias). The formula is in :func:`attnlab.ops.lowrank.nystrom_attention`.
-The q, k, v projections are the standard module's, so weight terms (``nystrom+speccond``) act on them as on softmax
-attention. No additive bias: Swin's windows (relative-position bias) and attention masks are refused.
+With m >= N it is softmax attention, computed exactly (the authors' fallback). The optional skip ``conv(v)`` is the
+authors' depthwise convolution over the tokens of each head's values (kernel (conv, 1), one filter per head, no
+bias; their LRA configurations use 35). The formula is in :func:`attnlab.ops.lowrank.nystrom_attention`. The q, k, v
+projections are the standard module's, so weight terms (``nystrom+speccond``) act on them as on softmax attention.
+
+Masks: key padding as the authors mask it (padded tokens' q, k and, for the convolution, v are zero, and padded keys
+are excluded from the softmax over keys). Causal masks are refused: a landmark is a mean over a segment of the whole
+sequence, so every output depends on every token. Swin's windows (a relative-position bias) and a caller's
+``attn_mask`` are refused as well.
 """
 
 from __future__ import annotations
@@ -16,52 +21,76 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import SpecError, UnsupportedModelError
-from ..ops.lowrank import nystrom_attention
+from ..errors import SpecError
+from ..ops.lowrank import Z0_SCALES, nystrom_attention
 from .base import AttnlabAttention, norm_in_dtype
+from .mask import AttentionMask
+
+#: what Nyström attention cannot honour of a mask, by part (AttentionMask.refuse)
+MASK_REFUSALS = dict(
+    causal="its landmarks are means over segments of the whole sequence, so every output depends on every token",
+    other="it takes no attn_mask or window bias, only key padding (an AttentionMask)")
 
 
 class NystromAttention(AttnlabAttention):
     """Nyström approximation of softmax attention; arguments as :class:`AttnlabAttention` plus:
 
     Args:
-        landmarks: number of landmarks m (paper: 64; m >= N uses every token).
+        landmarks: number of landmarks m (paper: 64; m >= N is exact softmax attention).
         pinv: ``"iterative"`` (Eq. 16) or ``"exact"`` (SVD pseudo-inverse).
         iters: iterations of Eq. 16 (paper: 6).
-        conv: kernel length of the depthwise-convolution skip on v (odd; 0: none).
+        conv: kernel length of the depthwise-convolution skip on v (odd; 0: none; the authors' LRA code: 35).
+        z0: scale of Eq. 16's initial guess (:func:`attnlab.ops.lowrank.iterative_pinv`): ``head`` (per matrix,
+            default), ``authors`` (one maximum over the batch), ``lucidrains``.
     """
 
     global_only = "nystrom"
 
     def __init__(self, dim: int, num_heads: int = 8, *, landmarks: int = 64, pinv: str = "iterative",
-                 iters: int = 6, conv: int = 0, **kwargs) -> None:
+                 iters: int = 6, conv: int = 0, z0: str = "head", **kwargs) -> None:
         super().__init__(dim, num_heads, **kwargs)
         if conv and conv % 2 == 0:
-            raise SpecError(f"nystrom(conv={conv}) is not valid; conv is an odd kernel length (e.g. 33) or 0.")
-        self.landmarks, self.pinv, self.iters, self.conv_size = landmarks, pinv, iters, conv
+            raise SpecError(f"nystrom(conv={conv}) is not valid; conv is an odd kernel length (e.g. 35) or 0.")
+        if z0 not in Z0_SCALES:
+            raise SpecError(f"nystrom(z0={z0}) is not valid; z0 is one of: {', '.join(Z0_SCALES)}.")
+        self.landmarks, self.pinv, self.iters, self.conv_size, self.z0 = landmarks, pinv, iters, conv, z0
         self.conv = (nn.Conv2d(self.num_heads, self.num_heads, (conv, 1), padding=(conv // 2, 0), bias=False,
                                groups=self.num_heads) if conv else None)
 
-    def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:
-        if attn_mask is not None or mask is not None:
-            raise UnsupportedModelError("nystrom takes no attention mask; run it on unmasked (global) attention.")
-        o = nystrom_attention(q, k, v, self.landmarks, scale=self.scale,
-                              pinv_iters=None if self.pinv == "exact" else self.iters)
-        return o if self.conv is None else o + self.conv(v)
+    def _nystrom(self, q, k, v, key_padding):
+        return nystrom_attention(q, k, v, self.landmarks, scale=self.scale, z0=self.z0, key_padding=key_padding,
+                                 pinv_iters=None if self.pinv == "exact" else self.iters)
 
-    def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
-        """One head's o (N, D) from x (N, C) and its weights (D, C): the Jacobian instrument's formula."""
+    def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:
+        kp = None
+        if mask is not None:
+            mask.refuse("nystrom", **MASK_REFUSALS)
+            kp = mask.key_padding
+        o = self._nystrom(q, k, v, None if kp is None else kp[:, None, :])
+        if self.conv is None:
+            return o
+        return o + self.conv(v if kp is None else v * kp[:, None, :, None])
+
+    def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int,
+                    mask: AttentionMask | None = None) -> torch.Tensor:
+        """One head's o (N, D) from x (N, C) and its weights (D, C): the Jacobian instrument's formula; ``mask``: this
+        sequence's (a batch of one)."""
         q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
         q, k = norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k)
-        o = nystrom_attention(q, k, v, self.landmarks, scale=self.scale,
-                              pinv_iters=None if self.pinv == "exact" else self.iters)
+        kp = None
+        if mask is not None:
+            mask.refuse("nystrom", **MASK_REFUSALS)
+            kp = None if mask.key_padding is None else mask.key_padding[0]
+        o = self._nystrom(q, k, v, kp)
         if self.conv is not None:
             weight = self.conv.weight[head : head + 1].detach().to(x.dtype)
+            v = v if kp is None else v * kp[:, None]
             o = o + nn.functional.conv2d(v[None], weight, padding=(self.conv_size // 2, 0))[0]
         return o
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, landmarks={self.landmarks}, pinv={self.pinv}, iters={self.iters}, conv={self.conv_size}"
+        return (f"{super().extra_repr()}, landmarks={self.landmarks}, pinv={self.pinv}, iters={self.iters}, "
+                f"conv={self.conv_size}, z0={self.z0}")
 
 
 __all__ = ["NystromAttention"]

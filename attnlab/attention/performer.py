@@ -6,11 +6,15 @@ Per head, with M positive orthogonal random features phi (Lemma 1, Sec. 2.4):
     o_h = phi(q) (phi(k)^T v) / (phi(q) (phi(k)^T 1)),   phi(x) = exp(W x - ||x||^2 / 2) / sqrt(M),  x = q / D^(1/4)
 
 an unbiased estimate of softmax(q k^T / sqrt(D)) v's numerator and denominator, linear in N
-(:func:`attnlab.ops.lowrank.performer_attention`). The projection W (M, D) is a buffer of each module, drawn from
-a seed (``seed``, the block's index, the draw number), so a run's features are reproducible; ``redraw=n`` draws new
-ones every n training forwards (the authors redraw periodically), ``redraw=0`` keeps the first draw. Both the
-projection and the forward count are saved with the model, so a resumed run continues the same schedule.
-No additive bias: Swin's windows and attention masks are refused.
+(:func:`attnlab.ops.lowrank.performer_attention`). Masks: key padding drops the padded keys from both sums (their
+features weigh 0); a causal mask gives the unidirectional FAVOR+ of Sec. 2.2, both sums taken over the keys j <= i
+by prefix sums; a caller's ``attn_mask`` or Swin's windows are refused (there is no N x N map to add them to).
+
+The projection W (M, D) is a buffer of each module, drawn from a seed (``seed``, the block's index, the draw
+number), so a run's features are reproducible on any device; ``redraw=n`` draws new ones every n training forwards
+(``redraw=1``: every call, as Google's FAVOR+; lucidrains/performer-pytorch: every 1000), ``redraw=0`` keeps the
+first draw. The count is kept in Python (no device read per forward) and saved with the model (``forwards``), so a
+resumed run continues the same schedule. Evaluation never redraws.
 """
 
 from __future__ import annotations
@@ -18,10 +22,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import ConfigError, UnsupportedModelError
+from ..errors import ConfigError
 from ..ops import performer_cpu
 from ..ops.lowrank import orthogonal_gaussian, performer_attention
 from .base import AttnlabAttention, norm_in_dtype
+from .mask import AttentionMask
+
+#: what FAVOR+ cannot honour of a mask, by part (AttentionMask.refuse)
+MASK_REFUSALS = dict(other="FAVOR+ has no N x N map to add an attn_mask or Swin's window bias to; pass key padding "
+                           "and causality as an AttentionMask instead")
 
 
 class PerformerAttention(AttnlabAttention):
@@ -29,10 +38,11 @@ class PerformerAttention(AttnlabAttention):
 
     Args:
         features: number of random features M (default 256).
-        redraw: draw new features every this many training forwards (0: never).
+        redraw: draw new features every this many training forwards (0: never; 1: every call).
         seed: seed of the draws (with the block's index and the draw number).
         impl: ``auto`` (the fused CPU kernel, :mod:`attnlab.ops.performer_cpu`, for float32 forward passes without
-            gradient outside ``torch.compile``; else torch ops), ``torch`` or ``kernel`` (an error where it cannot run).
+            gradient or causal mask outside ``torch.compile``; else torch ops), ``torch`` or ``kernel`` (an error where
+            it cannot run).
     """
 
     global_only = "performer"
@@ -46,6 +56,12 @@ class PerformerAttention(AttnlabAttention):
         self.features, self.redraw, self.seed = features, redraw, seed
         self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
         self.register_buffer("projection", self.draw(0))
+        self._count = 0  # ``forwards`` as a Python int: the schedule never reads the device
+        self._register_load_state_dict_pre_hook(self._load_count)
+
+    def _load_count(self, state_dict, prefix, *args) -> None:
+        if prefix + "forwards" in state_dict:
+            self._count = int(state_dict[prefix + "forwards"])
 
     def draw(self, number: int) -> torch.Tensor:
         """Draw ``number`` of this block's projection (M, D): a function of (seed, layer_index, number) alone."""
@@ -53,28 +69,49 @@ class PerformerAttention(AttnlabAttention):
         generator = torch.Generator().manual_seed(int(key[0]) << 32 | int(key[1]))
         return orthogonal_gaussian(self.features, self.head_dim, generator=generator)
 
-    def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:
-        if attn_mask is not None or mask is not None:
-            raise UnsupportedModelError("performer takes no attention mask; run it on unmasked (global) attention.")
+    @torch.compiler.disable
+    def _advance(self) -> None:
+        """Count a training forward; every ``redraw`` of them, load the next draw (without waiting for the device:
+        from pinned memory on CUDA)."""
+        if self._count and self._count % self.redraw == 0:
+            new = self.draw(self._count // self.redraw).to(self.projection.dtype)
+            if self.projection.is_cuda:
+                self._staged = new.pin_memory()  # kept alive until the asynchronous copy has run
+                self.projection.copy_(self._staged, non_blocking=True)
+            else:
+                self.projection.copy_(new)
+        self._count += 1
+        self.forwards.fill_(self._count)
+
+    def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:
+        key_padding, causal = None, False
+        if mask is not None:
+            mask.refuse("performer", **MASK_REFUSALS)
+            causal = mask.is_causal
+            key_padding = None if mask.key_padding is None else mask.key_padding[:, None, :]
         if self.training and self.redraw:
-            count = int(self.forwards)
-            if count and count % self.redraw == 0:
-                self.projection.copy_(self.draw(count // self.redraw))
-            self.forwards += 1
+            self._advance()
         projection = self.projection.to(q.dtype)
         if self.impl != "torch":
-            why = performer_cpu.kernel_error(q, k, v, projection)
+            why = ("the fused kernel computes bidirectional FAVOR+ without a mask" if mask is not None
+                   else performer_cpu.kernel_error(q, k, v, projection))
             if why is None and (self.impl == "kernel" or not torch.compiler.is_compiling()):
                 return performer_cpu.performer_kernel(q, k, v, projection)
             if self.impl == "kernel":
                 raise ConfigError(f"performer(impl=kernel) cannot run here: {why}; use impl=auto.")
-        return performer_attention(q, k, v, projection)
+        return performer_attention(q, k, v, projection, key_padding=key_padding, causal=causal)
 
-    def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
-        """One head's o (N, D) from x (N, C) and its weights (D, C), with the current features."""
+    def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int,
+                    mask: AttentionMask | None = None) -> torch.Tensor:
+        """One head's o (N, D) from x (N, C) and its weights (D, C), with the current features; ``mask``: this
+        sequence's (a batch of one)."""
         q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
         q, k = norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k)
-        return performer_attention(q, k, v, self.projection.to(x.dtype))
+        if mask is not None:
+            mask.refuse("performer", **MASK_REFUSALS)
+        kp = None if mask is None or mask.key_padding is None else mask.key_padding[0]
+        return performer_attention(q, k, v, self.projection.to(x.dtype), key_padding=kp,
+                                   causal=mask is not None and mask.is_causal)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, features={self.features}, redraw={self.redraw}, seed={self.seed}, "

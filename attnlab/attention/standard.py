@@ -2,10 +2,12 @@
 
     o_h = softmax(q_h k_h^T / sqrt(D) + bias) v_h
 
-``bias`` is Swin's relative-position bias plus the shifted-window mask (0 / -100), or a ViT ``attn_mask``. The fused
+``bias`` is Swin's relative-position bias plus the call's mask (:class:`~attnlab.attention.mask.AttentionMask`:
+the shifted-window mask 0 / -100, a ViT ``attn_mask``, causal order, key padding; excluded keys at -inf). The fused
 path calls ``F.scaled_dot_product_attention`` through :func:`attnlab.ops.sdpa.sdpa` (explicit products for short
-sequences in CPU training, where they measure faster); the explicit path is the readable definition and matches
-timm's own explicit path operation for operation, so converting a timm model to ``standard`` changes no output bit.
+sequences in CPU training, where they measure faster), with SDPA's ``is_causal`` when causality is all the mask
+asks; the explicit path is the readable definition and matches timm's own explicit path operation for operation, so
+converting a timm model to ``standard`` changes no output bit.
 """
 
 from __future__ import annotations
@@ -13,22 +15,30 @@ from __future__ import annotations
 import torch
 
 from ..ops.sdpa import sdpa
-from .base import AttnlabAttention
+from .base import AttnlabAttention, Branch
+from .mask import AttentionMask
 
 
 class StandardAttention(AttnlabAttention):
     """Softmax attention; the reference every other mechanism is compared against. Arguments as AttnlabAttention."""
 
     plain_softmax = True
-    map_kind = "softmax"
     kv_cache = True  # generation may cache keys/values: a new query against them is its causal output
 
-    def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:
+    def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:
         if self.fused_attn:
-            return sdpa(
-                q, k, v,
-                attn_mask=self.attn_bias(q.shape[0], q.shape[2], mask, attn_mask),
-                dropout_p=self.attn_drop.p if self.training else 0.0,
-            )
-        logits = self.add_bias((q * self.scale) @ k.transpose(-2, -1), mask, attn_mask)
-        return self.attn_drop(logits.softmax(dim=-1)) @ v
+            dropout_p = self.attn_drop.p if self.training else 0.0
+            if mask is not None and mask.causal_only and self.window_size is None:
+                return sdpa(q, k, v, dropout_p=dropout_p, is_causal=True)
+            return sdpa(q, k, v, attn_mask=self.attn_bias(mask, q), dropout_p=dropout_p)
+        return self.attn_drop(self.weights(q, k, mask)) @ v
+
+    def weights(self, q, k, mask: AttentionMask | None = None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(D) + bias), (B, H, N, M)."""
+        return self.add_bias((q * self.scale) @ k.transpose(-2, -1), mask).softmax(dim=-1)
+
+    def explicit_maps(self, x: torch.Tensor, mask: AttentionMask | None = None):
+        """(output, {"attn": softmax map}) on the explicit path, for the map instruments."""
+        q, k, v = self.project(x)
+        w = self.weights(q, k, mask)
+        return self.finish(w @ v, mask, x), {"attn": Branch(w, w)}

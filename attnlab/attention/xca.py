@@ -42,7 +42,7 @@ class XCAttention(ChannelMapAttention):
         super().adopt(module)
         self.temperature = module.temperature
 
-    def attend(self, q, k, v, mask=None, attn_mask=None) -> torch.Tensor:
+    def attend(self, q, k, v, mask=None) -> torch.Tensor:
         # timm works on (B, H, D, N); the transposes are views, so the ops below are timm's own
         q, k, v = q.transpose(-2, -1), k.transpose(-2, -1), v.transpose(-2, -1)
         if self.fused_attn:

@@ -8,7 +8,8 @@ An example is a tree of operators over digits; its label is the tree's value (10
 Operators (LRA's four): MAX, MIN, MED (median; for an even count the floor of the mean of the two middle values,
 as LRA's ``int(np.median(...))``), SM (sum modulo 10). The generator follows LRA's: a node below ``max_depth`` is an
 operator with probability 0.25 (else a digit), an operator takes 2 to ``max_args`` arguments, a tree is kept when
-its length (tokens without parentheses) lies in [min_length, max_length], and duplicates are dropped; LRA's
+its length (tokens without parentheses) lies strictly between min_length and max_length (LRA's
+``min_length < length < max_length``: both bounds excluded), and duplicates are dropped; LRA's
 defaults are depth 10, 10 arguments, lengths 500 to 2000, 96,000 / 2,000 / 2,000 examples. Generation is seeded
 (``seed``) and written once.
 
@@ -77,10 +78,11 @@ def _tree(rng: random.Random, depth: int, max_depth: int, max_args: int, budget:
 
 def generate(num: int, *, seed: int = 0, min_length: int = 500, max_length: int = 2000, max_depth: int = 10,
              max_args: int = 10) -> list[tuple[str, int]]:
-    """``num`` distinct (source, label) examples whose lengths lie in [min_length, max_length]."""
-    if min_length > max_length:
-        raise DatasetError(f"listops min_length {min_length} exceeds max_length {max_length}; give a min_length "
-                           f"at most max_length.")
+    """``num`` distinct (source, label) examples whose lengths lie strictly between min_length and max_length."""
+    if min_length + 1 >= max_length:
+        raise DatasetError(f"listops keeps lengths strictly between min_length and max_length (LRA's rule), and "
+                           f"none lies between {min_length} and {max_length}; give a min_length at most "
+                           f"max_length - 2.")
     rng = random.Random(seed)  # Python's generator, as LRA's; much faster per draw than numpy's here
     seen: dict[str, int] = {}
     tries = 0
@@ -94,7 +96,7 @@ def generate(num: int, *, seed: int = 0, min_length: int = 500, max_length: int 
             text, value = _tree(rng, 1, max_depth, max_args, budget)
         except _TooLong:
             continue
-        if max_length - budget[0] >= min_length:
+        if min_length < max_length - budget[0] < max_length:  # LRA's rule: both bounds excluded
             seen.setdefault(text, value)
     return list(seen.items())
 
@@ -110,7 +112,7 @@ def ensure_files(data_dir, *, num_train: int, num_val: int, num_test: int, seed:
     """``<data_dir>/listops`` with the three split files, generated on first use; returns the folder."""
     folder = Path(data_dir) / "listops"
     options = dict(num_train=num_train, num_val=num_val, num_test=num_test, seed=seed, min_length=min_length,
-                   max_length=max_length, max_depth=max_depth, max_args=max_args)
+                   max_length=max_length, max_depth=max_depth, max_args=max_args, lengths="strict")
     record = folder / GENERATOR_FILE
     if all((folder / f).exists() for f in SPLITS.values()):
         if record.exists() and json.loads(record.read_text()) != options:

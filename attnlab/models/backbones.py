@@ -67,7 +67,20 @@ PRESETS: dict[str, Preset] = {
              drop_rate=0.1, attn_drop_rate=0.1),
         num_classes=10,
         doc="LRA ListOps sequence classifier: token embedding + learned positions (2000), dim 64, depth 2, 2 heads "
-            "(D=32), MLP 128, mean pooling (model option pool=token: class token)",
+            "(D=32), MLP 128, mean pooling over every position, padding attended (model option pool=token: class "
+            "token; the lra preset masks the padding)",
+    ),
+    # The Nyströmformer authors' LRA model (mlpen/Nystromformer, LRA/code): their small configuration with padding
+    # masked (id 0), ListOps' 2000 tokens padded to 2048 (a multiple of 64 landmarks), LayerNorm eps 1e-5 and their
+    # two-layer MLP head; their Nyströmformer is this preset with attn="nystrom(conv=35)"
+    "lra": Preset(
+        SequenceClassifier,
+        dict(vocab_size=16, max_length=2000, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0, pool="mean",
+             drop_rate=0.1, attn_drop_rate=0.1, norm_eps=1e-5, pad_id=0, pad_multiple=64, head="mlp"),
+        num_classes=10,
+        doc="the Nystromformer authors' LRA model: as seq_listops, with the padding (id 0) masked in every block and "
+            "in the mean pooling, sequences padded to a multiple of 64 (2000 -> 2048), LayerNorm eps 1e-5, an MLP "
+            "head (64 -> 128 -> classes, ReLU); their Nystromformer is --attn 'nystrom(conv=35)'",
     ),
     "seq_text": Preset(
         SequenceClassifier,

@@ -26,7 +26,7 @@ from torch.utils.flop_counter import register_flop_formula, sdpa_flop_count
 
 from attnlab.ops import ckernel
 
-__all__ = ["dna_attention", "kernel_error", "runs_error", "supports"]
+__all__ = ["call_error", "dna_attention", "kernel_error", "runs_error", "supports"]
 
 _SOURCE = "dna_kernel.c"
 _ABI = 2  # ATTNLAB_DNA_ABI in dna_kernel.c
@@ -76,11 +76,20 @@ def runs_error(tensors, *, head_dim: int, keys: int) -> str | None:
     """Why the fused kernel cannot run on a call whose tensors (those it reads, or those they are computed from
     under the same grad mode) are ``tensors``, with this head dim and number of keys; None when it can."""
     tensors = [t for t in tensors if t is not None]
-    if any(t.device.type != "cpu" for t in tensors):
+    return call_error(cpu=all(t.device.type == "cpu" for t in tensors),
+                      float32=all(t.dtype in (torch.float32, torch.bool) for t in tensors),
+                      needs_grad=torch.is_grad_enabled() and any(t.requires_grad for t in tensors),
+                      head_dim=head_dim, keys=keys)
+
+
+def call_error(*, cpu: bool, float32: bool, needs_grad: bool, head_dim: int, keys: int) -> str | None:
+    """Why the fused kernel cannot run a call with these properties (decidable before the projection runs), or
+    None when it can."""
+    if not cpu:
         return "the fused DnA kernel runs on the CPU"
-    if any(t.dtype != torch.float32 for t in tensors if t.dtype != torch.bool):
+    if not float32:
         return "the fused DnA kernel takes float32"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if needs_grad:
         return "the fused DnA kernel is forward-only; this call needs a gradient"
     if not supports(head_dim, keys):
         return f"the fused DnA kernel takes head dim 16, 32, 48 or 64 and <= 1024 keys, got {head_dim}, {keys}"

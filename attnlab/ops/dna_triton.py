@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch.utils.flop_counter import register_flop_formula, sdpa_flop_count
 
-__all__ = ["TILES", "dna_attention_triton", "grid_size", "prune_configs", "triton_error", "warps_for"]
+__all__ = ["TILES", "call_error", "dna_attention_triton", "grid_size", "prune_configs", "triton_error", "warps_for"]
 
 _LOG2E = 1.4426950408889634
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -167,26 +167,37 @@ def _kernels():
 def triton_error(q: torch.Tensor, k: torch.Tensor, *others: torch.Tensor | None, bias: bool = False) -> str | None:
     """Why :func:`dna_attention_triton` cannot run on these (B, H, N, D) queries / (B, H, M, D) keys (and the call's
     other tensors), or None when it can. ``bias``: the call has an attention bias or mask."""
+    tensors = [t for t in (q, k, *others) if t is not None]
+    if q.ndim != 4 or k.ndim != 4:
+        return "the Triton DnA kernel takes (B, H, N, D) tensors"
+    same = q.dtype in (torch.float16, torch.bfloat16, torch.float32) and all(t.dtype == q.dtype for t in tensors
+                                                                             if t.ndim == 4)
+    return call_error(cuda=all(t.device.type == "cuda" for t in tensors), dtype_ok=same, bias=bias,
+                      needs_grad=torch.is_grad_enabled() and any(t.requires_grad for t in tensors),
+                      head_dim=q.shape[-1], batch_heads=q.shape[0] * q.shape[1], queries=q.shape[2],
+                      row_stride=max(t.stride(-2) for t in tensors if t.ndim == 4))
+
+
+def call_error(*, cuda: bool, dtype_ok: bool, bias: bool, needs_grad: bool, head_dim: int, batch_heads: int,
+               queries: int, row_stride: int) -> str | None:
+    """Why the Triton kernel cannot run a call with these properties (decidable before the projection), or None.
+    ``dtype_ok``: q, k, v share one of fp16, bf16, fp32; ``row_stride``: the largest token stride of q, k, v."""
     if not enabled():
         return "the Triton DnA kernel is opt-in (ATTNLAB_DNA_TRITON=1)"
-    tensors = [t for t in (q, k, *others) if t is not None]
-    if any(t.device.type != "cuda" for t in tensors) and not _interpreting():
+    if not cuda and not _interpreting():
         return "the Triton DnA kernel runs on CUDA"
     if bias:
         return "the Triton DnA kernel takes no attention bias or mask"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if needs_grad:
         return "the Triton DnA kernel is forward-only; this call needs a gradient"
-    if q.ndim != 4 or k.ndim != 4:
-        return "the Triton DnA kernel takes (B, H, N, D) tensors"
-    D = q.shape[-1]
+    D = head_dim
     if D < 16 or D & (D - 1):
         return f"the Triton DnA kernel takes a power-of-two head dim >= 16, got {D}"
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or any(t.dtype != q.dtype for t in (q, k, *others)
-                                                                              if t is not None and t.ndim == 4):
+    if not dtype_ok:
         return "the Triton DnA kernel takes q, k, v of one dtype: fp16, bf16 or fp32"
-    if grid_size(q.shape[0] * q.shape[1], q.shape[2], min(bm for bm, _ in TILES))[0] > GRID_X_MAX:
+    if grid_size(batch_heads, queries, min(bm for bm, _ in TILES))[0] > GRID_X_MAX:
         return "the Triton DnA kernel's grid would pass CUDA's 2^31 - 1 programs"
-    if any(max(TILES)[0] * t.stride(-2) + t.shape[-1] > _INT32_MAX for t in tensors if t.ndim == 4):
+    if max(TILES)[0] * row_stride + head_dim > _INT32_MAX:
         return "the Triton DnA kernel takes row strides below 2^24 elements (its in-tile offsets are 32-bit)"
     if not _HAVE_TRITON:
         return "Triton is not installed"

@@ -9,8 +9,8 @@ where Z is the Moore-Penrose pseudo-inverse, computed by the paper's iteration (
 
     Z_0 = A^T / (||A||_1 ||A||_inf),    Z_{j+1} = Z_j (13 I - A Z_j (15 I - A Z_j (7 I - A Z_j))) / 4
 
-or exactly (SVD). Cost O(N m D + m^3) instead of O(N^2 D). With m = N the landmarks are q and k themselves, so
-with the exact pseudo-inverse o = S S^+ S v = S v, softmax attention.
+or exactly (SVD). Cost O(N m D + m^3) instead of O(N^2 D). With m >= N there is nothing to approximate and softmax
+attention is computed exactly, as the authors do.
 
 Performer (Choromanski et al., "Rethinking Attention with Performers", ICLR 2021, arXiv:2009.14794), FAVOR+ with
 positive random features (Lemma 1): for w_1..w_M with rows marginally N(0, I_D),
@@ -22,7 +22,8 @@ applied to x = q / D^(1/4), y = k / D^(1/4), so phi(x) . phi(y) estimates exp(q 
     o = phi(q) (phi(k)^T v) / (phi(q) (phi(k)^T 1)),
 
 linear in N. The rows of W are drawn orthogonal in blocks of D (Sec. 2.4: lower variance, still unbiased) and
-rescaled to the lengths of independent Gaussian vectors, so each row is marginally N(0, I_D).
+rescaled to the lengths of independent Gaussian vectors, so each row is marginally N(0, I_D). The causal
+(unidirectional) form replaces both sums over the keys by prefix sums (Sec. 2.2; query i sees keys j <= i).
 """
 
 from __future__ import annotations
@@ -50,16 +51,29 @@ def segment_means(x: torch.Tensor, m: int) -> torch.Tensor:
     return sums / (bounds[1:] - bounds[:-1]).to(x.dtype).unsqueeze(-1)
 
 
-def iterative_pinv(a: torch.Tensor, iters: int = 6) -> torch.Tensor:
+Z0_SCALES = ("head", "authors", "lucidrains")
+
+
+def iterative_pinv(a: torch.Tensor, iters: int = 6, z0: str = "head") -> torch.Tensor:
     """Nyströmformer's Eq. 16: ``iters`` steps of the Razavi et al. iteration towards a^+. a: (..., m, m).
 
-    Z_0 = a^T / (||a||_1 ||a||_inf) per matrix (max column sum times max row sum); the authors' code takes the two
-    maxima over the whole batch instead, which only shrinks Z_0 further.
+    Z_0 = a^T / s, with s by ``z0``: ``head`` ||a||_1 ||a||_inf of each matrix (max column sum times max row sum;
+    the paper's choice, which keeps the samples of a batch independent); ``authors`` the one largest column sum over
+    the whole batch and every head (the Nyströmformer authors' LRA code, which couples the samples of a batch: for
+    softmax rows ||a||_inf = 1, so per matrix it is the same start); ``lucidrains`` the largest column sum times the
+    largest row sum over the whole batch (lucidrains/nystrom-attention).
     """
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    norm_1 = a.abs().sum(dim=-2).amax(dim=-1)
-    norm_inf = a.abs().sum(dim=-1).amax(dim=-1)
-    z = a.mT / (norm_1 * norm_inf)[..., None, None]
+    cols, rows = a.abs().sum(dim=-2), a.abs().sum(dim=-1)
+    if z0 == "head":
+        scale = (cols.amax(dim=-1) * rows.amax(dim=-1))[..., None, None]
+    elif z0 == "authors":
+        scale = cols.amax()
+    elif z0 == "lucidrains":
+        scale = cols.amax() * rows.amax()
+    else:
+        raise ValueError(f"z0 must be one of {', '.join(Z0_SCALES)}, got {z0!r}")
+    z = a.mT / scale
     for _ in range(iters):
         az = a @ z
         z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
@@ -67,17 +81,32 @@ def iterative_pinv(a: torch.Tensor, iters: int = 6) -> torch.Tensor:
 
 
 def nystrom_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, landmarks: int, *, scale: float,
-                      pinv_iters: int | None = 6) -> torch.Tensor:
+                      pinv_iters: int | None = 6, z0: str = "head", key_padding: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """Nyströmformer's o (Eq. 15). q, k, v: (..., N, D) -> (..., N, D).
 
-    ``pinv_iters=None`` uses the exact pseudo-inverse (``torch.linalg.pinv``) instead of Eq. 16's iteration.
+    ``landmarks >= N``: exact softmax attention (the authors' fallback; there is nothing to approximate).
+    ``pinv_iters=None`` uses the exact pseudo-inverse (``torch.linalg.pinv``) instead of Eq. 16's iteration, whose
+    Z_0 ``z0`` selects (:func:`iterative_pinv`). ``key_padding`` (broadcastable to (..., N), True at real tokens), as
+    the authors mask: padded tokens' q and k are zero, so a landmark is its segment's sum over real tokens divided
+    by the segment's length, and padded keys are excluded from the softmax over keys (the third kernel, and the
+    exact fallback). A sequence of padding only attends every key (its rows are the caller's to discard).
     """
+    keep = None
+    if key_padding is not None:
+        real = key_padding.unsqueeze(-1)
+        q, k = q * real, k * real
+        keep = (key_padding | ~key_padding.any(dim=-1, keepdim=True)).unsqueeze(-2)  # (..., 1, N)
     q = q * scale
+    if landmarks >= q.shape[-2]:
+        logits = q @ k.mT
+        return (logits if keep is None else logits.masked_fill(~keep, float("-inf"))).softmax(dim=-1) @ v
     q_land, k_land = segment_means(q, landmarks), segment_means(k, landmarks)
     kernel_1 = (q @ k_land.mT).softmax(dim=-1)             # (N, m)
     kernel_2 = (q_land @ k_land.mT).softmax(dim=-1)        # (m, m)
-    kernel_3 = (q_land @ k.mT).softmax(dim=-1)             # (m, N)
-    z = torch.linalg.pinv(kernel_2) if pinv_iters is None else iterative_pinv(kernel_2, pinv_iters)
+    logits_3 = q_land @ k.mT                               # (m, N)
+    kernel_3 = (logits_3 if keep is None else logits_3.masked_fill(~keep, float("-inf"))).softmax(dim=-1)
+    z = torch.linalg.pinv(kernel_2) if pinv_iters is None else iterative_pinv(kernel_2, pinv_iters, z0)
     return kernel_1 @ (z @ (kernel_3 @ v))
 
 
@@ -120,7 +149,8 @@ def positive_features(x: torch.Tensor, projection: torch.Tensor, *, stabilise: s
 
 
 def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
-                        eps: float = 1e-6) -> torch.Tensor:
+                        key_padding: torch.Tensor | None = None, causal: bool = False, chunk: int = 64,
+                        eps: float | None = None) -> torch.Tensor:
     """FAVOR+ (Sec. 2.2-2.4). q, k, v: (..., N, D), projection (M, D) -> (..., N, D).
 
     Equal to ``phi(q) (phi(k)^T v) / (phi(q) (phi(k)^T 1))`` with :func:`positive_features`, arranged so every
@@ -128,7 +158,14 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     factor exp(-|x|^2 / 2) / sqrt(M) is a row constant that cancels in its ratio, so phi(q) is exp(W x - max_j W x);
     each key's phi(k) is exp(W y - max_j W y) times a per-key weight c = exp(max_j W y - |y|^2 / 2 - C), C the
     largest exponent over the keys (a constant that cancels), applied to the (N, D) values instead of the (N, M)
-    features. Every exponent is <= 0, so nothing overflows. ``eps`` only guards the division.
+    features. Every exponent is <= 0, so nothing overflows.
+
+    ``key_padding`` (broadcastable to (..., N), True at real keys): padded keys get weight c = 0, so they are in
+    neither sum (and C is taken over the real keys). ``causal``: the unidirectional FAVOR+ of the paper's Sec. 2.2,
+    query i over keys j <= i, by prefix sums of phi(k_j) v_j^T and phi(k_j) computed ``chunk`` tokens at a time
+    (within a chunk the masked (chunk x chunk) product, across chunks the running (M, D) state). The denominator is
+    floored at ``eps`` (default the dtype's smallest normal number): it guards 0 / 0 for a query without any key and
+    changes nothing else.
     """
     w = projection * q.shape[-1] ** -0.25
     in_place = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or w.requires_grad))
@@ -137,12 +174,39 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     phi_q = wq.sub_(top_q).exp_() if in_place else (wq - top_q).exp()
     phi_k = wk.sub_(top_k).exp_() if in_place else (wk - top_k).exp()
     log_c = top_k - (0.5 * q.shape[-1] ** -0.5) * (k * k).sum(-1, keepdim=True)
-    c = (log_c - log_c.amax(-2, keepdim=True).detach()).exp()             # (..., N, 1), <= 1
+    if key_padding is not None:
+        log_c = log_c.masked_fill(~key_padding.unsqueeze(-1), float("-inf"))
+    top_c = log_c.amax(-2, keepdim=True).detach()
+    c = (log_c - top_c.clamp_min(torch.finfo(log_c.dtype).min)).exp()   # (..., N, 1), <= 1; 0 at padded keys
+    floor = torch.finfo(q.dtype).tiny if eps is None else eps
+    if causal:
+        return _causal_favor(phi_q, phi_k, v * c, c, floor, chunk)
     kv = phi_k.mT @ (v * c)                                               # (..., M, D): D columns, BLAS's fast shape
     z = torch.einsum("...nm,...n->...m", phi_k, c.squeeze(-1))            # phi(k)^T 1, as a sum rather than a GEMV
     den = torch.einsum("...nm,...m->...n", phi_q, z).unsqueeze(-1)
-    return (phi_q @ kv) / (den + eps)
+    return (phi_q @ kv) / den.clamp_min(floor)
 
 
-__all__ = ["segment_means", "iterative_pinv", "nystrom_attention", "orthogonal_gaussian", "positive_features",
-           "performer_attention"]
+def _causal_favor(phi_q: torch.Tensor, phi_k: torch.Tensor, cv: torch.Tensor, c: torch.Tensor, floor: float,
+                  chunk: int) -> torch.Tensor:
+    """sum_{j <= i} (phi_q_i . phi_k_j) cv_j / sum_{j <= i} (phi_q_i . phi_k_j) c_j for every query i, (..., N, D):
+    inside each chunk of T tokens the masked T x T product, plus each chunk's queries against the sum of
+    phi_k^T [cv, c] over all earlier chunks (an exclusive prefix sum of per-chunk (M, D + 1) states)."""
+    N = phi_q.shape[-2]
+    T = max(1, min(chunk, N))
+    pad = -N % T
+    if pad:  # zero features and weights: padded keys add nothing, padded queries are cut off below
+        phi_q, phi_k, cv, c = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (phi_q, phi_k, cv, c))
+    n = (N + pad) // T
+    qc, kc = phi_q.unflatten(-2, (n, T)), phi_k.unflatten(-2, (n, T))    # (..., n, T, M)
+    values = torch.cat([cv, c], dim=-1).unflatten(-2, (n, T))             # (..., n, T, D + 1): numerator, denominator
+    inside = (qc @ kc.mT).tril()                                          # (..., n, T, T): j <= i within the chunk
+    state = kc.mT @ values                                                # (..., n, M, D + 1)
+    before = torch.cat([torch.zeros_like(state[..., :1, :, :]), state[..., :-1, :, :].cumsum(dim=-3)], dim=-3)
+    out = inside @ values + qc @ before                                   # (..., n, T, D + 1)
+    out = out.flatten(-3, -2)[..., :N, :]
+    return out[..., :-1] / out[..., -1:].clamp_min(floor)
+
+
+__all__ = ["Z0_SCALES", "iterative_pinv", "nystrom_attention", "orthogonal_gaussian", "performer_attention",
+           "positive_features", "segment_means"]

@@ -28,7 +28,7 @@ from attnlab.ops import ckernel
 __all__ = ["kernel_error", "performer_kernel", "supports", "unavailable"]
 
 _SOURCE = "performer_kernel.c"
-_ABI = 1  # ATTNLAB_PERFORMER_ABI in performer_kernel.c
+_ABI = 2  # ATTNLAB_PERFORMER_ABI in performer_kernel.c
 _NT = 4   # Q, K, V, OUT
 
 
@@ -83,10 +83,11 @@ def kernel_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: 
 
 
 def performer_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor,
-                     eps: float = 1e-6) -> torch.Tensor:
+                     eps: float | None = None) -> torch.Tensor:
     """FAVOR+ by the fused kernel; the caller has checked :func:`kernel_error`. (B, H, N, D) inputs give an output
-    laid out (B, N, H, D), so the head merge after it is a view."""
-    return _OP(q, k, v, projection, eps)
+    laid out (B, N, H, D), so the head merge after it is a view. The denominator is floored at ``eps`` (default
+    float32's smallest normal number), as :func:`attnlab.ops.lowrank.performer_attention` does."""
+    return _OP(q, k, v, projection, torch.finfo(torch.float32).tiny if eps is None else eps)
 
 
 def _as4(x: torch.Tensor) -> torch.Tensor:

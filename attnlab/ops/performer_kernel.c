@@ -5,7 +5,7 @@
  *
  *     keys:    p_j = W y_j,  c_j = exp(max_m p_jm - |y_j|^2 / (2 sqrt(D)) - C),  e_j = exp(p_j - max_m p_jm) c_j
  *              S = sum_j e_j v_j^T (M x D),  z = sum_j e_j (M)
- *     queries: p_i = W x_i,  f_i = exp(p_i - max_m p_im),  o_i = f_i^T S / (f_i . z + eps)
+ *     queries: p_i = W x_i,  f_i = exp(p_i - max_m p_im),  o_i = f_i^T S / max(f_i . z, eps)
  *
  * which is attnlab.ops.lowrank.performer_attention's arrangement (every exponent <= 0; C, the largest log c_j, is
  * tracked online: when a tile of keys raises it, S and z are rescaled). The (N, M) feature matrices never exist:
@@ -146,7 +146,7 @@ INLINE void performer_head(const performer_args *a, int64_t b, int64_t h, float 
             exp_row(f, M, row_max(f, M), 1.0f);
             vec d = splat(0.0f);
             for (int64_t m = 0; m < M; m += L) d += load(f + m) * load(z + m);
-            den[r] = 1.0f / (hsum(d) + a->eps);
+            den[r] = 1.0f / fmaxf(hsum(d), a->eps); /* eps only guards 0 / 0 */
         }
         vec acc[R][64 / L];
         for (int r = 0; r < R; r++)
@@ -166,7 +166,7 @@ INLINE void performer_head(const performer_args *a, int64_t b, int64_t h, float 
 
 /* The handshake with attnlab/ops/performer_cpu.py: bump ATTNLAB_PERFORMER_ABI whenever an entry point or
    performer_args changes. */
-#define ATTNLAB_PERFORMER_ABI 1
+#define ATTNLAB_PERFORMER_ABI 2
 int64_t attnlab_abi(void) { return ATTNLAB_PERFORMER_ABI; }
 int64_t attnlab_performer_args_size(void) { return (int64_t)sizeof(performer_args); }
 

@@ -8,6 +8,10 @@ fp32 and even in bf16. So inside :func:`short_sequence_products` (the trainer's 
 steps), CPU passes that need a gradient take the explicit product up to :data:`EXPLICIT_MAX_KEYS` keys; everything
 else (inference, GPUs, long sequences, and any forward outside a training step, so that ``convert(model,
 "standard")`` stays bit-identical to timm) calls SDPA.
+
+The training-step hint is a flag that only :func:`short_sequence_products` sets and only :func:`explicit_is_faster`
+reads: a module global, because ``torch.compile`` guards on a global's value and recompiles when it changes, while a
+``ContextVar`` or a ``threading.local`` read inside a compiled forward is baked into the graph and goes stale.
 """
 
 from __future__ import annotations
@@ -49,12 +53,16 @@ def explicit_is_faster(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
-         dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
-    """``F.scaled_dot_product_attention``'s result (same arguments, no causal flag), by whichever path
-    :func:`explicit_is_faster` picks. ``attn_mask``: additive (float) or keep-mask (bool), broadcastable."""
+         dropout_p: float = 0.0, scale: float | None = None, is_causal: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``'s result (same arguments), by whichever path :func:`explicit_is_faster`
+    picks. ``attn_mask``: additive (float) or keep-mask (bool), broadcastable; ``is_causal``: query i attends keys
+    j <= i (not together with ``attn_mask``)."""
     if not explicit_is_faster(q, k):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
+                                              is_causal=is_causal)
     logits = (q * (q.shape[-1] ** -0.5 if scale is None else scale)) @ k.transpose(-2, -1)
+    if is_causal:
+        attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     if attn_mask is not None:
         logits = logits.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else logits + attn_mask
     weights = logits.softmax(dim=-1, dtype=torch.float32).to(v.dtype)  # bf16 logits, float32 normalisation

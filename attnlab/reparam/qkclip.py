@@ -16,8 +16,10 @@ so that the logits the step recorded become exactly tau for that head's worst qu
 are untouched (multiplied by exactly 1.0: bit-identical), W_v is never touched, and the record is reset.
 
 Choices, where the Kimi K2 report leaves room:
-- The logit is q . k / sqrt(D), without Swin's relative-position bias or shifted-window mask: the rescaling of W_q,
-  W_k can only move that term, as in Kimi's decoder (which has no additive bias).
+- The logit is q . k / sqrt(D), without Swin's relative-position bias: the rescaling of W_q, W_k can only move that
+  term, as in Kimi's decoder (which has no additive bias). Only allowed positions count: those the forward's mask
+  (causal order, key padding, Swin's shifted-window mask, a caller's attn_mask) lets a real query attend; a padded
+  token is neither a query nor a key of the maximum.
 - ``qkv`` is one fused Linear: head h's W_q rows are rows ``[h*D, (h+1)*D)`` of its q block (the first ``H*D`` rows),
   W_k rows the same rows of the k block. Their bias entries are scaled with them (Kimi's projections have none):
   then q_h and k_h scale exactly by gamma^alpha and gamma^(1-alpha), so the recorded maximum lands on tau.
@@ -64,14 +66,17 @@ def _tile_sizes(B: int, H: int, N: int, M: int, D: int, block: int) -> tuple[int
 
 
 def max_scaled_logits(q: torch.Tensor, k: torch.Tensor, scale: float, heads: torch.Tensor | None = None,
-                      block: int | None = None) -> torch.Tensor:
+                      block: int | None = None, allowed=None) -> torch.Tensor:
     """Per-head max of (q_i . k_j) * scale over batch, i and j, in float32, computed tile by tile.
 
     q: (B, N, H, D), k: (B, M, H, D) (the layout of the fused projection's output; Swin: B = images x windows).
-    ``heads``: indices of the heads to compute (default all). Returns (len(heads),) or (H,). Tiles of images, heads,
-    queries and keys are cast to float32 and multiplied one at a time, so no intermediate holds more than
-    ``block`` (default :data:`CHUNK_ELEMENTS`) elements when ``block >= D``; the maximum of the tiles' maxima is
-    the maximum of the whole logit tensor, and each logit is the same float32 dot product.
+    ``heads``: indices of the heads to compute (default all). ``allowed(b0, b1, r0, r1, c0, c1)``: a bool map of the
+    positions that count in that tile of images, queries and keys (ends within the tensors), broadcastable to
+    (b, 1, r, c) (a mask's allowed
+    positions), or None for all. Returns (len(heads),) or (H,); -inf for a head without any allowed position. Tiles
+    of images, heads, queries and keys are cast to float32 and multiplied one at a time, so no intermediate holds
+    more than ``block`` (default :data:`CHUNK_ELEMENTS`) elements when ``block >= D``; the maximum of the tiles'
+    maxima is the maximum of the whole logit tensor, and each logit is the same float32 dot product.
     """
     block = CHUNK_ELEMENTS if block is None else block
     B, N, H, D = q.shape
@@ -90,9 +95,43 @@ def max_scaled_logits(q: torch.Tensor, k: torch.Tensor, scale: float, heads: tor
                     for c0 in range(0, M, tc):
                         kt = k[b0:b0 + tb, c0:c0 + tc]
                         kt = (kt[:, :, h0:h1] if idx is None else kt.index_select(2, idx)).transpose(1, 2).float()
-                        m = (qt @ kt.transpose(-2, -1)).amax(dim=(0, 2, 3))  # (b, h, r, c) logits -> (h,)
-                        torch.maximum(out[h0:h1], m, out=out[h0:h1])
+                        logits = qt @ kt.transpose(-2, -1)  # (b, h, r, c)
+                        if allowed is not None:
+                            ok = allowed(b0, min(b0 + tb, B), r0, min(r0 + tr, N), c0, min(c0 + tc, M))
+                            logits = logits.masked_fill(~ok, float("-inf"))
+                        torch.maximum(out[h0:h1], logits.amax(dim=(0, 2, 3)), out=out[h0:h1])
     return out * scale
+
+
+def allowed_positions(mask, device):
+    """The ``allowed`` tile function of :func:`max_scaled_logits` for an AttentionMask (None: every position): the
+    positions the mask lets a real query attend, each tile formed on its own from the mask's parts (causal order,
+    key padding, Swin's windows, a caller's attn_mask), so no (N, M) map is ever held."""
+    if mask is None:
+        return None
+    user = mask.attn_mask
+    if user is not None:
+        user = user if user.dtype == torch.bool else ~torch.isneginf(user)
+        user = user.reshape((1,) * (4 - user.ndim) + tuple(user.shape))
+        if user.shape[1] > 1:  # a per-head mask: a position counts if any head may attend it (never too low a max)
+            user = user.any(dim=1, keepdim=True)
+
+    def allowed(b0, b1, r0, r1, c0, c1):
+        ok = torch.ones((), dtype=torch.bool, device=device)
+        if mask.is_causal:
+            rows = torch.arange(r0, r1, device=device)[:, None]
+            ok = ok & (rows >= torch.arange(c0, c1, device=device)[None, :])
+        if mask.key_padding is not None:
+            kp = mask.key_padding
+            ok = ok & kp[b0:b1, None, r0:r1, None] & kp[b0:b1, None, None, c0:c1]
+        if mask.window is not None:  # image-major batch, windows fastest: sample b is window b % num_windows
+            windows = torch.arange(b0, b1, device=device)
+            ok = ok & (mask.window[windows % mask.window.shape[0], r0:r1, c0:c1] == 0)[:, None]
+        if user is not None:
+            ok = ok & user[b0:b1 if user.shape[0] > 1 else 1, :, r0:r1 if user.shape[2] > 1 else 1,
+                           c0:c1 if user.shape[3] > 1 else 1]
+        return ok
+    return allowed
 
 
 #: relative margin on the Cauchy-Schwarz bound, so float32 rounding cannot certify a head that is in fact over tau
@@ -114,7 +153,7 @@ def _max_norms(qk: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def screened_max_logits(qk: torch.Tensor, scale: float, tau: float, select: bool | None = None,
-                        block: int | None = None) -> torch.Tensor:
+                        block: int | None = None, mask=None) -> torch.Tensor:
     """Per-head max logit where it matters for the clip: exact S_max,h for every head that could exceed ``tau``, and
     for the others the Cauchy-Schwarz bound (<= tau) that shows it cannot.
 
@@ -123,23 +162,28 @@ def screened_max_logits(qk: torch.Tensor, scale: float, tau: float, select: bool
     Heads with bound_h > tau get :func:`max_scaled_logits`. ``select`` (default: on the CPU) computes the exact
     maximum for those heads only, which needs their indices on the host; otherwise (GPU: no host sync) every head's
     exact maximum is computed and ``where(bound > tau, exact, bound)`` is returned. Both give the same values.
-    qk: (B, N, 2, H, D), queries then keys (a view of the fused projection's output). Returns (H,) float32. No
-    intermediate holds more than ``block`` (default :data:`CHUNK_ELEMENTS`) elements when ``block >= 2 H D``.
+    qk: (B, N, 2, H, D), queries then keys (a view of the fused projection's output). ``mask``: the forward's
+    AttentionMask, whose excluded positions (and padded tokens, as queries and keys) do not count. Returns (H,)
+    float32. No intermediate holds more than ``block`` (default :data:`CHUNK_ELEMENTS`) elements when
+    ``block >= 2 H D``.
     """
     block = CHUNK_ELEMENTS if block is None else block
     if select is None:  # torch.compile: the dense path, one graph (selecting needs a data-dependent shape)
         select = qk.device.type == "cpu" and not torch.compiler.is_compiling()
+    allowed = allowed_positions(mask, qk.device)
+    q, k = qk[:, :, 0], qk[:, :, 1]
+    if mask is not None and mask.key_padding is not None:  # padded tokens out of the bound as well
+        qk = qk * mask.key_padding[:, :, None, None, None].to(qk.dtype)
     norms = _max_norms(qk, block)  # (B, 2, H): one pass over q and k
     bound = (norms[:, 0] * norms[:, 1]).amax(dim=0) * (scale * (1 + BOUND_MARGIN))
     over = bound > tau
-    q, k = qk[:, :, 0], qk[:, :, 1]
     if not select:
-        return torch.where(over, max_scaled_logits(q, k, scale, block=block), bound)
+        return torch.where(over, max_scaled_logits(q, k, scale, block=block, allowed=allowed), bound)
     heads = over.nonzero().flatten()
     if heads.numel() == 0:
         return bound
     out = bound.clone()
-    out[heads] = max_scaled_logits(q, k, scale, heads=heads, block=block)
+    out[heads] = max_scaled_logits(q, k, scale, heads=heads, block=block, allowed=allowed)
     return out
 
 
@@ -159,6 +203,7 @@ class QKClip(nn.Module):
         self.register_buffer("max_logit", torch.full((num_heads,), float("-inf")), persistent=False)
         self.register_buffer("last_max_logit", torch.full((num_heads,), float("-inf")), persistent=False)
         self.register_buffer("last_clipped", torch.zeros((), dtype=torch.long), persistent=False)
+        self.pending_mask = None  # the mask of the training forward whose projection is being recorded
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, tau={self.tau:g}, alpha={self.alpha:g}"
@@ -166,14 +211,15 @@ class QKClip(nn.Module):
 
 def _record(attn: nn.Module, qkv: nn.Module, inputs, output: torch.Tensor) -> None:
     """Forward hook on ``attn.qkv``: fold this forward's per-head max logit into ``attn.qk_clip.max_logit``."""
-    if not attn.training:
+    if not attn.training or output.is_meta:  # a meta model (shapes only) has no logits to record
         return
     H, D = attn.num_heads, attn.head_dim
     B, N = output.shape[0], output.shape[1]
     with torch.no_grad():
         qk = output.detach()[..., : 2 * H * D].reshape(B, N, 2, H, D)
         state = attn.qk_clip
-        m = screened_max_logits(qk, attn.scale, state.tau)
+        m = screened_max_logits(qk, attn.scale, state.tau, mask=state.pending_mask)
+        state.pending_mask = None
         torch.maximum(state.max_logit, m.to(state.max_logit.dtype), out=state.max_logit)
 
 
@@ -199,7 +245,8 @@ def apply(model: nn.Module, modules: list[nn.Module], tau: float = 100.0, alpha:
     for module in modules:
         weight = module.qkv.weight
         module.qk_clip = QKClip(module.num_heads, tau, alpha).to(weight.device)
-        # a callable object, not a closure: copy.deepcopy(model) then gives the copy's hook the copy's module
+        # callable objects, not closures: copy.deepcopy(model) then gives the copy's hooks the copy's module
+        module.register_forward_pre_hook(_MaskHook(), with_kwargs=True)
         module.qkv.register_forward_hook(_RecordHook(module))
 
 
@@ -211,6 +258,14 @@ class _RecordHook:
 
     def __call__(self, qkv, inputs, output):
         _record(self.attn, qkv, inputs, output)
+
+
+class _MaskHook:
+    """Forward pre-hook on the attention module: hands the training forward's mask to the recording hook."""
+
+    def __call__(self, module, args, kwargs):
+        if module.training:
+            module.qk_clip.pending_mask = module.forward_mask(args, kwargs)[1]
 
 
 def clipped_modules(model: nn.Module) -> list[nn.Module]:

@@ -92,9 +92,9 @@ def top_right_singular_vector(w: torch.Tensor) -> torch.Tensor:
     else:
         u = torch.linalg.eigh(w64.T @ w64).eigenvectors[:, -1]
     norm = torch.linalg.vector_norm(u)
-    if norm == 0:  # an all-zero weight: any unit vector will do
-        return torch.full_like(w[0], w.shape[1] ** -0.5)
-    return (u / norm).to(w.dtype)
+    # an all-zero weight: any unit vector will do (a select, not a branch: no value is read, so meta tensors pass)
+    unit = torch.where(norm > 0, u / norm.clamp_min(torch.finfo(u.dtype).tiny), w.shape[1] ** -0.5)
+    return unit.to(w.dtype)
 
 
 class SigmaReparam(nn.Module):
@@ -158,7 +158,7 @@ class SigmaReparam(nn.Module):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         device = weight.device.type
-        if torch.is_autocast_enabled(device):
+        if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
             # the power iteration and the scaled weight stay in the parameter's precision; the layer casts after
             with torch.autocast(device, enabled=False):
                 return self._reparam(weight)
@@ -174,17 +174,26 @@ class SigmaReparam(nn.Module):
 
 
 def _targets(model: nn.Module, modules: list[nn.Module], targets: str) -> list[nn.Module]:
-    """Every Linear and Conv2d of the model (``all``), or the Linears inside the attention modules (``attn``)."""
+    """Every Linear and Conv2d of the model (``all``), or the Linears inside the attention modules (``attn``).
+
+    Each weight is reparametrised at most once, and a weight an ``nn.Embedding`` shares (a language model's head tied
+    to its token embedding) stays plain: the embedding reads rows of it as token vectors, and reparametrising it in
+    the head alone would make the two uses of one matrix differ."""
     if targets == "all":
-        return [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
-    if targets == "attn":
-        seen: dict[int, nn.Module] = {}
-        for attn in modules:
-            for m in attn.modules():
-                if isinstance(m, nn.Linear):
-                    seen.setdefault(id(m), m)
-        return list(seen.values())
-    raise SpecError(f"targets={targets!r} is not valid; targets is one of: all, attn.")
+        layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    elif targets == "attn":
+        layers = list({id(m): m for attn in modules for m in attn.modules() if isinstance(m, nn.Linear)}.values())
+    else:
+        raise SpecError(f"targets={targets!r} is not valid; targets is one of: all, attn.")
+    seen = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    out = []
+    for layer in layers:
+        weight = layer.parametrizations.weight.original if parametrize.is_parametrized(layer, "weight") \
+            else layer.weight
+        if id(weight) not in seen:
+            seen.add(id(weight))
+            out.append(layer)
+    return out
 
 
 def _register(layers: Iterable[nn.Module], gamma_init: float | str, learn_gamma: bool,

@@ -91,7 +91,10 @@ def _blocks_of(weight: torch.Tensor, blocks: int) -> list[torch.Tensor]:
 
 
 def auto_lam(layers: list[tuple[nn.Module, int]]) -> float:
-    """The smallest lam meeting condition (1) of the corrected Theorem 3.8 on every block: max sigma_max + 1 + margin."""
+    """The smallest lam meeting condition (1) of the corrected Theorem 3.8 on every block: max sigma_max + 1 + margin.
+    On the meta device (a model built to check its shapes) there are no values: 1 + margin stands in."""
+    if any(layer.weight.is_meta for layer, _ in layers):
+        return 1.0 + AUTO_MARGIN
     top = max(float(torch.linalg.matrix_norm(block.double(), 2))
               for layer, blocks in layers for block in _blocks_of(layer.weight, blocks))
     return top + 1.0 + AUTO_MARGIN

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import attnlab
+from attnlab.attention.mask import AttentionMask
 from attnlab.analysis.dna import (alpha_stats, branch_cosine, branch_instruments, compare_branches,
                                   intruder_dimensions, value_similarity)
 from attnlab.errors import UnsupportedModelError
@@ -114,7 +115,7 @@ def test_hooks_reproduce_the_module_inputs_on_swin():
         model(torch.randn(1, 3, 32, 32))
         h.remove()
         assert seen["mask"] is not None
-        o_pos, o_neg = attn.branch_outputs(seen["x"], mask=seen["mask"])
+        o_pos, o_neg = attn.branch_outputs(seen["x"], AttentionMask(window=seen["mask"]))
         o = o_pos + attn.alpha.view(-1, 1, 1) * o_neg
         torch.testing.assert_close(attn.merge(o, seen["x"]), seen["out"])
     result = branch_instruments(model, torch.randn(1, 3, 32, 32))

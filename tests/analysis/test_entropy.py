@@ -185,3 +185,60 @@ def test_unsupported_kernels():
     assert "entropy/mean" not in probe and "qk_spectral_norm/max" in probe
     with pytest.raises(UnsupportedModelError, match="attnlab.convert"):
         E.max_logits(attnlab.build_model("vit_digits", **TINY_VIT, attn=None), images)
+
+
+def _padded_lra_model():
+    torch.manual_seed(0)  # the authors' LRA model, tiny: its forward passes its blocks the key-padding mask
+    model = attnlab.build_model("lra", attn="standard", max_length=10, pad_multiple=1, depth=1).eval()
+    tokens = torch.randint(1, 16, (2, 10))
+    tokens[0, 7:] = 0
+    tokens[1, 4:] = 0
+    return model, tokens
+
+
+def test_padded_positions_are_not_measured():
+    model, tokens = _padded_lra_model()
+    attn = attention_modules(model)[0][1]
+    seen = []
+    handle = attn.register_forward_pre_hook(lambda m, args, kwargs: seen.append(args[0].detach()), with_kwargs=True)
+    with torch.no_grad():
+        model(tokens)
+    handle.remove()
+    x, real = seen[0], (tokens != 0).numpy()
+    bias = np.where(real[:, None, None, :], 0.0, -np.inf)  # padded keys: weight 0
+    rows = ref.row_entropies(attn.qkv.weight, attn.qkv.bias, x, attn.num_heads, bias=bias)  # (B, H, N)
+    want = np.stack([rows[:, h][real].mean() for h in range(attn.num_heads)])  # real queries only
+    (layer,) = E.attention_entropy(model, tokens)
+    np.testing.assert_allclose(layer["mean"].numpy(), want, rtol=1e-5)
+    allowed = real[:, :, None] & real[:, None, :]  # a real query and a real key
+    (top,) = E.max_logits(model, tokens)
+    np.testing.assert_allclose(top["max"].numpy(), ref.max_logit(attn.qkv.weight, attn.qkv.bias, x, attn.num_heads,
+                                                                 allowed=allowed), rtol=1e-5)
+
+
+class _Causal(torch.nn.Module):
+    """A causal stack of timm blocks (what a GPT passes its blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        from timm.models.vision_transformer import Block
+
+        self.blocks = torch.nn.ModuleList([Block(16, 2, qkv_bias=True)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x, is_causal=True)
+        return x
+
+
+def test_causal_models_are_measured_over_allowed_keys():
+    torch.manual_seed(1)
+    model = attnlab.convert(_Causal(), "standard").eval()
+    x = torch.randn(3, 6, 16)
+    attn = attention_modules(model)[0][1]
+    causal = np.where(np.tril(np.ones((6, 6), dtype=bool)), 0.0, -np.inf)
+    (layer,) = E.attention_entropy(model, x)
+    rows = ref.row_entropies(attn.qkv.weight, attn.qkv.bias, model.blocks[0].norm1(x),
+                             attn.num_heads, bias=causal)
+    np.testing.assert_allclose(layer["mean"].numpy(), rows.mean(axis=(0, 2)), rtol=1e-5)
+    assert layer["low"].min() == 0.0  # the first query sees one key: entropy exactly 0

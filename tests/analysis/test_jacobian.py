@@ -155,3 +155,30 @@ def test_result_holds_no_autograd_graph():
         result = jacobian_conditioning(model, images, blocks=[0], heads=[0])
         assert not result.kappa.requires_grad and result.kappa.grad_fn is None, (name, kernel)
         assert torch.isfinite(result.kappa).all()
+
+
+def test_padded_positions_are_not_rows_of_the_jacobian():
+    torch.manual_seed(0)
+    model = attnlab.build_model("lra", attn="standard", max_length=6, pad_multiple=1, depth=1, embed_dim=8,
+                                num_heads=2).double()
+    tokens = torch.tensor([[3, 5, 7, 2, 0, 0]])
+    attn = model.blocks[0].attn
+    seen = {}
+    handle = attn.register_forward_pre_hook(lambda m, args, kwargs: seen.update(x=args[0].detach()) and None,
+                                            with_kwargs=True)
+    result = jacobian_conditioning(model, tokens, blocks=[0], heads=[1])
+    handle.remove()
+    d, a = attn.head_dim, attn.attn_dim
+    w, bias = _np(attn.qkv.weight), _np(attn.qkv.bias)
+    rows = [slice(p * a + d, p * a + 2 * d) for p in range(3)]
+    real = (tokens[0] != 0).numpy()
+    key_bias = np.where(real[None, :], 0.0, -np.inf)
+
+    def head(wq, wk, wv):  # the head's outputs at the real tokens only
+        return ref.head_attention(_np(seen["x"][0]), wq, wk, wv, *(bias[r] for r in rows), d ** -0.5,
+                                  np.broadcast_to(key_bias, (6, 6)))[real]
+
+    j_ref = ref.finite_difference_jacobian(head, [w[r] for r in rows])
+    assert j_ref.shape[0] == int(real.sum()) * d
+    assert float(result.sigma_max[0, 0, 0]) == pytest.approx(np.linalg.norm(j_ref, 2), rel=1e-6)
+    assert float(result.kappa[0, 0, 0]) == pytest.approx(ref.kappa(j_ref), rel=1e-4)

@@ -16,15 +16,15 @@ from attnlab.variants import VARIANTS, training_hooks
 
 
 class OwnAttend(StandardAttention):
-    def attend(self, q, k, v, mask=None, attn_mask=None):
+    def attend(self, q, k, v, mask=None):
         return v  # not softmax attention any more
 
 
 class DeclaredSoftmax(StandardAttention):
     plain_softmax = True
 
-    def attend(self, q, k, v, mask=None, attn_mask=None):
-        return super().attend(q, k, v, mask=mask, attn_mask=attn_mask)
+    def attend(self, q, k, v, mask=None):
+        return super().attend(q, k, v, mask)
 
 
 def test_plain_softmax_is_declared_by_standard_only_and_lost_by_overriding_attend():
@@ -67,17 +67,18 @@ def test_the_trainer_names_no_method_and_gets_qkclip_from_the_registry():
 
 
 class OwnCog(CogAttention):
-    def attend(self, q, k, v, mask=None, attn_mask=None):
+    def attend(self, q, k, v, mask=None):
         return v
 
 
-def test_map_kind_is_declared_per_family_and_lost_by_overriding_attend():
-    from attnlab.analysis.maps import kind_of, map_modules
+def test_explicit_maps_are_owned_per_mechanism_and_lost_by_overriding_attend():
+    from attnlab.analysis.maps import map_modules
+    from attnlab.attention.nystrom import NystromAttention
 
-    assert [c.map_kind for c in (StandardAttention, CogAttention, DnAAttention, DiffAttention)] == \
-        ["softmax", "cog", "dna", "diff"]
-    assert OwnAttend.map_kind is None and OwnCog.map_kind is None and DeclaredSoftmax.map_kind is None
+    for cls in (StandardAttention, CogAttention, DnAAttention, DiffAttention):
+        assert callable(cls.explicit_maps), cls
+    for cls in (OwnAttend, OwnCog, DeclaredSoftmax, NystromAttention):
+        assert cls.explicit_maps is None, cls
     model = _model_with(OwnCog)
-    assert kind_of(model.blocks[0].attn) is None
-    with pytest.raises(UnsupportedModelError):
+    with pytest.raises(UnsupportedModelError, match="explicit_maps"):
         map_modules(model)

@@ -11,6 +11,7 @@ import torch
 from timm.models.swin_transformer import SwinTransformerBlock
 
 import attnlab
+from attnlab.attention.mask import AttentionMask
 from attnlab.attention.cog import CogAttention
 from attnlab.attention.standard import StandardAttention
 from attnlab.models import attention_modules
@@ -77,7 +78,7 @@ def test_masked_positions_get_exactly_zero_weight():
     x = torch.randn(mask.shape[0], 16, 48, dtype=torch.float64)
     with torch.no_grad():
         q, k, _ = attn.project(x)
-        w = attn.weights(q, k, mask=mask)
+        w = attn.weights(q, k, AttentionMask(window=mask))
     off = (mask != 0).unsqueeze(1).expand_as(w)
     assert off.any() and (w[off] == 0).all()
     # absolute weights over the unmasked keys sum to one, and some weights are negative
@@ -90,7 +91,7 @@ def test_masked_positions_get_exactly_zero_weight():
     k = torch.tensor([[[[1.0, 0.0], [-2.0, 0.0], [0.5, 0.0]]]], dtype=torch.float64)
     e1, e2 = math.exp(1.0), math.exp(2.0)
     want = torch.tensor([e1 / (e1 + e2), -e2 / (e1 + e2), 0.0], dtype=torch.float64)
-    got = one.weights(q, k, attn_mask=torch.tensor([[True, True, False]]))
+    got = one.weights(q, k, AttentionMask(attn_mask=torch.tensor([[True, True, False]])))
     torch.testing.assert_close(got.flatten(), want, rtol=1e-14, atol=1e-14)
 
 

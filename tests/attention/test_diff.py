@@ -12,6 +12,7 @@ from timm.models.swin_transformer import SwinTransformerBlock
 from timm.models.vision_transformer import VisionTransformer
 
 import attnlab
+from attnlab.attention.mask import AttentionMask
 from attnlab.attention.diff import DiffAttention
 from attnlab.errors import UnsupportedModelError
 from attnlab.models.backbones import PRESETS
@@ -105,7 +106,7 @@ def test_swin_matches_float64_loop(fused):
         attn.lambda_k2.detach(), attn.sub_norm.weight.detach(), depth=1, bias=bias, mask=mask)
     with torch.no_grad():
         torch.testing.assert_close(attn(x, mask=mask), want, rtol=1e-10, atol=1e-10)
-        o_pos, o_neg = attn.branch_outputs(x, mask=mask)
+        o_pos, o_neg = attn.branch_outputs(x, AttentionMask(window=mask))
     assert o_pos.shape == o_neg.shape == (x.shape[0], attn.num_heads, attn.window_area, attn.head_dim)
     for b in range(x.shape[0]):
         for h in range(attn.num_heads):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import attnlab
+from attnlab.attention.mask import AttentionMask
 from attnlab.attention import DnAAttention, DnACrossAttention
 from attnlab.attention.dna import dna_branches
 from attnlab.attention.standard import StandardAttention
@@ -175,7 +176,7 @@ def test_masked_positions_get_exactly_zero_softmin_weight(fused):
     # make the masked keys the most attractive ones for softmin: very negative logits
     eye = torch.eye(N, dtype=torch.float64).expand(4, 2, N, N)
     with torch.no_grad():
-        _, w_neg = m.branches((q, q), k, (eye, eye), mask=mask)
+        _, w_neg = m.branches((q, q), k, (eye, eye), AttentionMask(window=mask))
     blocked = (mask < 0).repeat(2, 1, 1).unsqueeze(1).expand(-1, 2, -1, -1)
     assert torch.all(w_neg[blocked] == 0)
     assert torch.all(w_neg[~blocked] > 0)

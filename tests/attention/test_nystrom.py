@@ -80,3 +80,58 @@ def test_refusals():
         attnlab.build_model("swin_cifar", attn="nystrom", depths=(1, 1, 1))
     with pytest.raises(SpecError, match="odd kernel"):
         attnlab.build_model("vit_digits", attn="nystrom(conv=4)")
+
+
+@pytest.mark.parametrize("m", [16, 20])
+def test_landmarks_at_least_tokens_is_exact_softmax_whatever_the_pinv(m):
+    # the authors fall back to softmax when there is nothing to approximate; Eq. 16's iteration would land ~4% off
+    q, k, v = qkv()
+    out = nystrom_attention(q, k, v, landmarks=m, scale=8 ** -0.5, pinv_iters=6)
+    np.testing.assert_allclose(out.numpy(), softmax_attention(q, k, v), rtol=1e-12, atol=1e-12)
+
+
+def test_z0_per_head_by_default_and_the_authors_batch_maximum_selectable():
+    from tests.reference_lowrank import pinv_eq16
+
+    q, k, _ = qkv(n=8, d=4, heads=2, seed=3)
+    a = ((q @ k.mT) * 0.5).softmax(dim=-1)  # (2, 2, 8, 8): rows sum to 1
+    a[1, 1] = a[1, 1] * 3  # one matrix with larger column sums than the rest
+    for z0 in ("head", "authors", "lucidrains"):
+        got = iterative_pinv(a, 3, z0=z0)
+        for b in range(2):
+            for h in range(2):
+                m = a[b, h].numpy()
+                cols, rows = np.abs(a.numpy()).sum(-2), np.abs(a.numpy()).sum(-1)
+                scale = {"head": np.abs(m).sum(0).max() * np.abs(m).sum(1).max(),  # ||A||_1 ||A||_inf of this one
+                         "authors": cols.max(),  # one maximum column sum over the whole batch and every head
+                         "lucidrains": cols.max() * rows.max()}[z0]
+                np.testing.assert_allclose(got[b, h].numpy(), pinv_eq16(m, 3, scale), rtol=1e-10, atol=1e-12)
+    # per head, sample 0 does not depend on sample 1; with the authors' one maximum it does
+    other = a.clone()
+    other[1] = other[1] * 2
+    assert torch.equal(iterative_pinv(a, 3)[0], iterative_pinv(other, 3)[0])
+    assert not torch.allclose(iterative_pinv(a, 3, z0="authors")[0], iterative_pinv(other, 3, z0="authors")[0])
+    assert "nystrom(z0=authors)" == str(attnlab.parse_spec("nystrom(z0=authors)"))
+
+
+@pytest.mark.parametrize("n,m", [(16, 4), (15, 4)])
+def test_key_padding_as_the_authors_mask_it(n, m):
+    from tests.reference_lowrank import nystrom_padded_reference
+
+    q, k, v = qkv(n=n)
+    real = torch.ones(2, n, dtype=torch.bool)
+    real[0, -5:] = False
+    real[1, :2] = False
+    out = nystrom_attention(q, k, v, landmarks=m, scale=8 ** -0.5, pinv_iters=None, key_padding=real[:, None, :])
+    for b in range(2):
+        if n % m:
+            continue  # the authors' form needs m | N; attnlab's uneven segments are checked unmasked above
+        np.testing.assert_allclose(out[b].numpy(), nystrom_padded_reference(q[b], k[b], v[b], m, real[b].numpy()),
+                                   rtol=1e-8, atol=1e-10)
+    # padded tokens' q, k, v do not reach any output
+    noise = torch.randn_like(q)
+    pad = ~real[:, None, :, None]
+    again = nystrom_attention(torch.where(pad, noise, q), torch.where(pad, noise, k), torch.where(pad, noise, v),
+                              landmarks=m, scale=8 ** -0.5, pinv_iters=6, key_padding=real[:, None, :])
+    torch.testing.assert_close(again, nystrom_attention(q, k, v, landmarks=m, scale=8 ** -0.5, pinv_iters=6,
+                                                        key_padding=real[:, None, :]), rtol=0, atol=0)

@@ -4,12 +4,14 @@ to softmax attention, checked against float64 references; the seeded redraw poli
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
+import torch.utils._python_dispatch
 
 import attnlab
 from attnlab.models import attention_modules
 from attnlab.ops.lowrank import orthogonal_gaussian, performer_attention, positive_features
-from tests.reference_lowrank import softmax_attention
+from tests.reference_lowrank import favor_attention, softmax_attention
 
 
 def test_feature_map_is_an_unbiased_estimate_of_exp_dot():
@@ -106,3 +108,50 @@ def test_head_output_is_the_forward_of_one_head():
     jac = attnlab.analysis.jacobian.jacobian_conditioning(model, torch.randn(1, 1, 8, 8, dtype=torch.float64),
                                                           heads=[0])
     assert torch.isfinite(jac.kappa).all()
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0, 3.0])
+def test_denominator_guard_only_guards_at_large_logits(scale):
+    # the same features, the exact ratio: a constant added to the (rescaled) denominator moved it by 4e-3 at x3
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    q, k = q * scale, k * scale
+    w = orthogonal_gaussian(64, 16, generator=g, dtype=torch.float64)
+    want = favor_attention(q, k, v, w)
+    np.testing.assert_allclose(performer_attention(q, k, v, w).numpy(), want, rtol=1e-9, atol=1e-12)
+    # a query without any key: 0, not 0 / 0
+    real = torch.zeros(1, 1, 24, dtype=torch.bool)
+    assert torch.equal(performer_attention(q, k, v, w, key_padding=real), torch.zeros_like(q))
+
+
+class _NoHostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts reads of a tensor's value on the host (what .item() / int(tensor) dispatch to)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("redraw", [1, 3])
+def test_redraw_per_call_or_every_n_without_reading_the_device(redraw):
+    model = attnlab.build_model("vit_digits", attn=f"performer(features=16,redraw={redraw},seed=2)").train()
+    module = attention_modules(model)[0][1]
+    x = torch.randn(2, 1, 8, 8)
+    draws = []
+    with _NoHostReads() as mode:
+        for _ in range(4):
+            model(x)
+            draws.append(module.projection.clone())
+    assert mode.reads == 0
+    for i, draw in enumerate(draws):  # forward i ran with draw i // redraw (the buffer holds it afterwards)
+        assert torch.equal(draw, module.draw(i // redraw))
+    assert int(module.forwards) == 4
+    again = attnlab.build_model("vit_digits", attn=f"performer(features=16,redraw={redraw},seed=2)").train()
+    again.load_state_dict(model.state_dict())  # resumed: the next draw follows the saved count
+    again(x)
+    assert torch.equal(attention_modules(again)[0][1].projection, module.draw(4 // redraw))

@@ -28,7 +28,7 @@ def test_labels_equal_an_independent_evaluator_and_limits_hold(limits):
         value, depth, widest = listops_evaluate(tokens)
         assert label == value, source
         length = sum(t not in ("(", ")") for t in tokens)
-        assert limits["min_length"] <= length <= limits["max_length"]
+        assert limits["min_length"] < length < limits["max_length"]  # LRA keeps both bounds out
         assert depth <= limits["max_depth"] and 2 <= widest <= limits["max_args"]
         seen_ops |= {t for t in tokens if t.startswith("[")}
         labels.add(label)
@@ -38,7 +38,7 @@ def test_labels_equal_an_independent_evaluator_and_limits_hold(limits):
 
 def test_lra_parentheses_layout():
     # LRA writes [MAX 2 9 ] as the nested pairs ((([MAX, 2), 9), ])
-    rows = generate(50, seed=0, max_length=4, min_length=4, max_depth=2, max_args=2)
+    rows = generate(50, seed=0, max_length=5, min_length=3, max_depth=2, max_args=2)  # length exactly 4
     for source, label in rows:
         op, a, b = source.split()[3], source.split()[4], source.split()[6]
         assert source == f"( ( ( {op} {a} ) {b} ) ] )"
@@ -131,3 +131,13 @@ def test_seq_listops_preset():
         model(torch.zeros(1, 13, dtype=torch.long))
     with pytest.raises(ConfigError, match="norm must be 'pre', 'post' or 'none'"):
         build_model("seq_listops", norm="bogus")
+
+
+def test_lengths_follow_lras_strict_rule():
+    # LRA keeps a tree only if min_length < length < max_length: neither bound is ever produced
+    lengths = set()
+    for source, _ in generate(400, seed=5, max_length=8, min_length=3, max_depth=3, max_args=3):
+        lengths.add(sum(t not in ("(", ")") for t in source.split()))
+    assert lengths == {4, 5, 7}  # 2 + 2 or 3 children of lengths 1, 4, 5: 3 and 8 would be the bounds
+    with pytest.raises(DatasetError, match="strictly between"):
+        generate(5, seed=0, max_length=6, min_length=5)

@@ -157,9 +157,9 @@ def test_a_subclass_with_its_own_attend_keeps_it_on_cpu_inference(monkeypatch):
     seen = []
 
     class Traced(DnAAttention):
-        def attend(self, q, k, v, mask=None, attn_mask=None, input_bias=None):
+        def attend(self, q, k, v, mask=None, input_bias=None, backend=None):
             seen.append(1)
-            return super().attend(q, k, v, mask=mask, attn_mask=attn_mask, input_bias=input_bias)
+            return super().attend(q, k, v, mask, input_bias=input_bias, backend=backend)
 
     m = _randomise(Traced(32, 2, qkv_bias=True), seed=12)
     calls = _spy(monkeypatch)

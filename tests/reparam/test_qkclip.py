@@ -165,17 +165,20 @@ def test_record_is_running_max_over_training_forwards_only():
     assert all(torch.isneginf(m.qk_clip.max_logit).all() for m in mods)
 
 
-def test_swin_records_q_dot_k_without_position_bias():
+def test_swin_records_q_dot_k_without_position_bias_over_allowed_positions():
     torch.manual_seed(0)
     model = attnlab.build_model("swin_cifar", attn="qkclip(tau=0.001)")
-    block = model.layers[0].blocks[1]  # shifted windows: mask present, and excluded from the record
+    block = model.layers[0].blocks[1]  # shifted windows: the positions the mask excludes do not count
     seen = []
     h = block.attn.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(args[0].detach().clone()),
                                              with_kwargs=True)
     model.train()
     model(torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)))
     h.remove()
-    expected = _ref_max(block.attn, seen[0])
+    allowed = _window_allowed(block, 1).numpy()
+    assert not allowed.all()
+    expected = ref.max_logit(block.attn.qkv.weight, block.attn.qkv.bias, seen[0], block.attn.num_heads,
+                             allowed=allowed)
     np.testing.assert_allclose(block.attn.qk_clip.max_logit.double().numpy(), expected, rtol=1e-5)
 
 
@@ -209,13 +212,18 @@ def test_no_op_without_qkclip():
 @pytest.mark.parametrize("spec,words", [
     ("qkclip+qknorm", "no effect"),
     ("qknorm+qkclip(tau=30)", "no effect"),
-    ("cog+qkclip", "|q k^T / sqrt(D)|"),
-    ("diff+qkclip", "half-width"),
 ])
 def test_spec_conflicts(spec, words):
     with pytest.raises(SpecError, match="cannot be combined") as info:
         attnlab.parse_spec(spec)
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("kernel", ["cog", "diff", "dna", "nystrom", "performer"])
+def test_kernels_are_refused_by_capability_at_conversion(kernel):
+    # one rule (plain_softmax), no list of kernels: each is refused with the module it cannot act on
+    with pytest.raises(SpecError, match="needs softmax attention"):
+        attnlab.build_model("vit_digits", attn=f"{kernel}+qkclip")
 
 
 def test_qk_norm_model_refused_at_apply():
@@ -281,9 +289,19 @@ class LargestAllocation(TorchDispatchMode):
         return out
 
 
-def _exact_max(q, k, scale):
-    """Per-head max of the float64 logits, every (B, H, N, M) logit materialised at once."""
-    return (torch.einsum("bnhd,bmhd->bhnm", q.double(), k.double()) * scale).amax(dim=(0, 2, 3))
+def _exact_max(q, k, scale, allowed=None):
+    """Per-head max of the float64 logits, every (B, H, N, M) logit materialised at once; ``allowed`` (B, N, M):
+    the positions that count."""
+    logits = torch.einsum("bnhd,bmhd->bhnm", q.double(), k.double()) * scale
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed[:, None], float("-inf"))
+    return logits.amax(dim=(0, 2, 3))
+
+
+def _window_allowed(block, batch):
+    """Swin's shifted-window mask of ``block`` as the (batch * windows, N, N) positions that may attend."""
+    mask = block.attn_mask
+    return (mask == 0).repeat(batch, 1, 1) if mask is not None else None
 
 
 BLOCK = 512  # float32 elements: below one image's logits of one head (40 x 40), and below q or k of one image
@@ -327,7 +345,8 @@ def test_logit_pass_is_exact_and_never_holds_more_than_a_block(monkeypatch, dtyp
 def test_record_in_small_blocks_is_the_exact_max(monkeypatch, name, dtype):
     """A training forward with 256-element blocks (one head's logits of one image or window) records, for every
     layer and head (tau tiny: all exact), the maximum of that layer's float64 q k^T / sqrt(D) (Swin: over every
-    window, without position bias or mask), and the recording never holds more than a block."""
+    window, without position bias, over the positions its shifted-window mask allows), and the recording never
+    holds more than a block."""
     monkeypatch.setattr(qkclip, "CHUNK_ELEMENTS", 256)
     largest = []
     screened = qkclip.screened_max_logits
@@ -356,9 +375,32 @@ def test_record_in_small_blocks_is_the_exact_max(monkeypatch, name, dtype):
         h.remove()
     assert len(outputs) == len(mods) == len(largest)
     assert max(largest)[0] <= 256 * 4, max(largest)
-    for m, out in zip(mods, outputs):
+    blocks = [b for s in model.layers for b in s.blocks] if name != "vit_digits" else [None] * len(mods)
+    for m, out, block in zip(mods, outputs, blocks):
         assert out.dtype == dtype
         H, D = m.num_heads, m.head_dim
         q = out[..., :H * D].unflatten(-1, (H, D))
         k = out[..., H * D:2 * H * D].unflatten(-1, (H, D))
-        torch.testing.assert_close(m.qk_clip.max_logit.double(), _exact_max(q, k, m.scale), rtol=1e-5, atol=0)
+        allowed = None if block is None else _window_allowed(block, x.shape[0])
+        torch.testing.assert_close(m.qk_clip.max_logit.double(), _exact_max(q, k, m.scale, allowed), rtol=1e-5,
+                                   atol=0)
+
+
+def test_the_max_logit_is_over_allowed_positions_only():
+    """A causal, padded forward records the max over real queries' allowed keys (j <= i, real j), nothing else."""
+    from timm.models.vision_transformer import Block
+
+    from attnlab.attention.mask import AttentionMask
+
+    torch.manual_seed(0)
+    model = attnlab.convert(torch.nn.ModuleList([Block(16, 2, qkv_bias=True)]), "qkclip(tau=0.001)").train()
+    attn = model[0].attn
+    x = torch.randn(2, 7, 16)
+    real = torch.ones(2, 7, dtype=torch.bool)
+    real[0, 5:] = False
+    real[1, :2] = False
+    attn(x, attn_mask=AttentionMask(is_causal=True, key_padding=real))
+    allowed = np.tril(np.ones((7, 7), dtype=bool))[None] & real.numpy()[:, :, None] & real.numpy()[:, None, :]
+    want = ref.max_logit(attn.qkv.weight, attn.qkv.bias, x, 2, allowed=allowed)
+    np.testing.assert_allclose(attn.qk_clip.max_logit.double().numpy(), want, rtol=1e-5)
+    assert not np.allclose(want, _ref_max(attn, x))  # the excluded positions held larger logits

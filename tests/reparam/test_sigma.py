@@ -307,3 +307,27 @@ def test_eval_sigma_estimates_differ_while_u_has_not_converged_and_refresh_is_cl
     assert str(attnlab.parse_spec("sigma(estimate=refresh)")) == "sigma(estimate=refresh)"
     with pytest.raises(SpecError, match="estimate"):
         attnlab.parse_spec("sigma(estimate=fresh)")
+
+
+def test_a_head_tied_to_the_embedding_stays_plain_and_no_weight_is_reparametrised_twice():
+    from timm.models.vision_transformer import Block
+
+    class TinyLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(11, 16)
+            self.block = Block(16, 2, qkv_bias=True)
+            self.twin_a, self.twin_b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+            self.twin_b.weight = self.twin_a.weight  # one matrix, two layers
+            self.head = torch.nn.Linear(16, 11, bias=False)
+            self.head.weight = self.wte.weight  # tied, as GPT-2 and nanoGPT tie them
+
+        def forward(self, tokens):
+            x = self.block(self.wte(tokens))
+            return self.head(self.twin_b(self.twin_a(x)))
+
+    model = attnlab.convert(TinyLM(), "sigma")
+    assert not parametrize.is_parametrized(model.head, "weight") and model.head.weight is model.wte.weight
+    assert parametrize.is_parametrized(model.twin_a, "weight") != parametrize.is_parametrized(model.twin_b, "weight")
+    assert parametrize.is_parametrized(model.block.attn.qkv, "weight")
+    assert len(sigma_modules(model)) == 5  # qkv, proj, fc1, fc2 and one of the twins

@@ -1,0 +1,174 @@
+"""One mask for every attention term: causal order, key padding, a caller's ``attn_mask`` and Swin's window mask.
+
+A model says which keys each query may see; each mechanism decides how to honour it (or refuses with the reason):
+
+    AttentionMask(is_causal=True)                          query i sees keys j <= i (SDPA's top-left convention)
+    AttentionMask(key_padding=tokens != pad_id)            (B, M) bool, True at real tokens: padded keys unseen
+    AttentionMask(attn_mask=m)                             SDPA's attn_mask: bool (True = attend) or additive float
+    AttentionMask(window=swin_mask)                        Swin's shifted-window mask (num_windows, N, N), 0 / -100
+
+They combine (a causal model with padded batches passes both). A model hands one to its blocks as timm's
+``attn_mask`` (timm's ``Block`` passes it through unchanged), or as ``is_causal=True``: every attnlab attention
+module's ``forward(x, attn_mask=None, is_causal=False, mask=None)`` folds its arguments into one ``AttentionMask``
+(:meth:`AttentionMask.of`) and hands it to its mechanism's ``attend``. What a mechanism asks of it:
+
+- :meth:`keep`: a bool map (B|1, H|1, N, M), True where a query may attend, for branches that exclude positions
+  (DnA's softmin, Cog's |s|); :meth:`additive`: the same as an additive float bias for softmax branches (Swin's
+  window mask enters as timm adds it, -100; excluded positions as -inf). Neither is formed when only causality is
+  asked (:attr:`causal_only`): SDPA's ``is_causal`` needs no mask in memory.
+- A float ``attn_mask``'s finite entries are part of the logit (like Swin's relative-position bias): softmax adds
+  them, DnA's softmin negates them with the logit, Cog takes |s + b|; its -inf entries exclude the position in
+  every branch. Swin's window mask excludes its nonzero positions.
+- Rows with no allowed key. Causality and key padding never leave a real query without a key in self-attention
+  (it sees itself). A padded query can have none (causal with left padding, or a sequence of padding only): for
+  such rows :meth:`keep` and :meth:`additive` allow every key, so nothing computes 0/0, and
+  :meth:`zero_padded_queries` then sets the output of every padded query to exactly zero (and its gradient). The
+  outputs at padded positions are therefore always zero, whatever the mechanism; a row that a caller's own
+  ``attn_mask`` empties follows that backend's convention (SDPA's: zeros on the CPU).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..errors import ConfigError, UnsupportedModelError
+
+
+class AttentionMask(NamedTuple):
+    """Which keys each query may attend (see the module docstring). A NamedTuple, so ``torch.compile`` traces it."""
+
+    is_causal: bool = False
+    key_padding: torch.Tensor | None = None  # (B, M) bool, True at real tokens
+    attn_mask: torch.Tensor | None = None  # bool (True = attend) or additive float, broadcastable to (B, H, N, M)
+    window: torch.Tensor | None = None  # Swin: (num_windows, N, N), 0 attend / nonzero masked, windows fastest in B
+
+    # ---- construction ---------------------------------------------------------------------------------------------
+    @classmethod
+    def of(cls, attn_mask=None, is_causal: bool = False, window: torch.Tensor | None = None) -> "AttentionMask | None":
+        """One mask from an attention forward's arguments (timm's ``attn_mask`` / ``is_causal`` / Swin's ``mask``);
+        ``attn_mask`` may itself be an AttentionMask. None when nothing is masked."""
+        if isinstance(attn_mask, AttentionMask):
+            mask = attn_mask._replace(is_causal=attn_mask.is_causal or bool(is_causal))
+            return mask._replace(window=window) if window is not None else mask
+        if attn_mask is None and not is_causal and window is None:
+            return None
+        return cls(is_causal=bool(is_causal), attn_mask=attn_mask, window=window)
+
+    @classmethod
+    def from_tokens(cls, tokens: torch.Tensor, pad_id: int, *, is_causal: bool = False) -> "AttentionMask":
+        """Key padding from token ids (B, N): every position holding ``pad_id`` is padding."""
+        return cls(is_causal=is_causal, key_padding=tokens != pad_id)
+
+    def check(self, B: int, M: int) -> None:
+        """ConfigError unless ``key_padding`` is a bool (B, M) tensor for this call's batch and keys."""
+        kp = self.key_padding
+        if kp is not None and (kp.dtype != torch.bool or tuple(kp.shape) != (B, M)):
+            raise ConfigError(f"key_padding must be a bool tensor of shape (batch, keys) = ({B}, {M}), True at real "
+                              f"tokens; got {kp.dtype} {tuple(kp.shape)}.")
+
+    # ---- what a backend asks --------------------------------------------------------------------------------------
+    @property
+    def causal_only(self) -> bool:
+        """Only causality is asked: SDPA's ``is_causal`` path, no mask in memory."""
+        return self.is_causal and self.key_padding is None and self.attn_mask is None and self.window is None
+
+    def refusal(self, name: str, *, causal: str | None = None, padding: str | None = None,
+                other: str | None = None) -> str | None:
+        """The first reason (given per part) why mechanism ``name`` cannot honour this mask, or None. A part whose
+        reason is None is honoured."""
+        other_present = self.attn_mask is not None or self.window is not None
+        for present, part, why in ((self.is_causal, "a causal mask", causal),
+                                   (self.key_padding is not None, "key padding", padding),
+                                   (other_present, "this attention mask", other)):
+            if present and why:
+                return f"{name} cannot honour {part}: {why}"
+        return None
+
+    def refuse(self, name: str, **reasons: str | None) -> None:
+        """Raise UnsupportedModelError with :meth:`refusal`'s sentence, if any."""
+        why = self.refusal(name, **reasons)
+        if why:
+            raise UnsupportedModelError(f"{why}.")
+
+    # ---- the mask as tensors --------------------------------------------------------------------------------------
+    def _windows(self, B: int, t: torch.Tensor) -> torch.Tensor:
+        """A (num_windows, N, M) tensor as (B, 1, N, M): windows are the fastest-varying part of Swin's batch."""
+        num_win, N, M = t.shape
+        return t.view(1, num_win, 1, N, M).expand(B // num_win, -1, -1, -1, -1).reshape(B, 1, N, M)
+
+    def _ours(self, N: int, M: int, device, padding: bool = True) -> torch.Tensor | None:
+        """Causality and key padding as a keep map (1|B, 1, N|1, M), rows without any key opened (module
+        docstring), or None."""
+        keep = None
+        if self.is_causal:
+            keep = torch.ones(N, M, dtype=torch.bool, device=device).tril()
+        if padding and self.key_padding is not None:
+            kp = self.key_padding[:, None, None, :]
+            keep = kp if keep is None else keep & kp
+            keep = keep | ~keep.any(dim=-1, keepdim=True)  # a padded query without keys: open, zeroed later
+        return keep
+
+    def keep(self, B: int, N: int, M: int, device, *, window: bool = True, padding: bool = True
+             ) -> torch.Tensor | None:
+        """True where a query may attend, broadcastable to (B, H, N, M); ``window=False`` leaves Swin's window mask
+        out (a softmax branch adds it as a bias instead), ``padding=False`` the key padding (a caller that applies
+        it per token). None when every position is allowed."""
+        keep = self._ours(N, M, device, padding)
+        user = self.attn_mask
+        if user is not None:
+            allowed = user if user.dtype == torch.bool else ~torch.isneginf(user)
+            keep = allowed if keep is None else keep & allowed
+        if window and self.window is not None:
+            allowed = self._windows(B, self.window == 0)
+            keep = allowed if keep is None else keep & allowed
+        return keep
+
+    def logit_bias(self, dtype) -> torch.Tensor | None:
+        """The finite part of a float ``attn_mask`` (its -inf entries as 0): a bias that is part of each logit."""
+        user = self.attn_mask
+        if user is None or user.dtype == torch.bool:
+            return None
+        return user.masked_fill(torch.isneginf(user), 0.0).to(dtype)
+
+    def additive(self, B: int, N: int, M: int, dtype, device) -> torch.Tensor | None:
+        """The mask as one additive float bias for a softmax, broadcastable to (B, H, N, M): Swin's window mask as
+        given (timm's -100), a float ``attn_mask`` as given, excluded positions -inf. None when nothing is masked."""
+        bias = None if self.window is None else self._windows(B, self.window.to(dtype))
+        user = self.attn_mask
+        if user is not None and user.dtype != torch.bool:
+            bias = user.to(dtype) if bias is None else bias + user
+        keep = self._ours(N, M, device)
+        if user is not None and user.dtype == torch.bool:
+            keep = user if keep is None else keep & user
+        if keep is None:
+            return bias
+        if bias is None:
+            return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+        return bias.masked_fill(~keep, float("-inf"))
+
+    def zero_padded_queries(self, o: torch.Tensor) -> torch.Tensor:
+        """Self-attention output (B, H, N, D) with every padded query's row exactly zero (module docstring)."""
+        if self.key_padding is None:
+            return o
+        return torch.where(self.key_padding[:, None, :, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+
+    def zero_empty_rows(self, o: torch.Tensor) -> torch.Tensor:
+        """Cross-attention output (B, H, N, D) with every row of a sample whose keys are all padding at zero."""
+        if self.key_padding is None:
+            return o
+        alive = self.key_padding.any(dim=-1)[:, None, None, None]
+        return torch.where(alive, o, torch.zeros((), dtype=o.dtype, device=o.device))
+
+    def for_sample(self, index: int) -> "AttentionMask":
+        """The mask of one sample (or Swin window) of the batch, as a batch of one (the Jacobian instrument)."""
+        user = self.attn_mask
+        if user is not None and user.ndim == 4 and user.shape[0] > 1:
+            user = user[index:index + 1]
+        return self._replace(
+            key_padding=None if self.key_padding is None else self.key_padding[index:index + 1], attn_mask=user,
+            window=None if self.window is None else self.window[index % self.window.shape[0]][None])
+
+
+__all__ = ["AttentionMask"]

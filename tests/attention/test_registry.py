@@ -1,0 +1,150 @@
+"""One suite over the registry (as timm's tests/test_models.py runs its checks once per registered model): for every
+registered term, a set of compositions and a toy method registered by this file (one file, one entry), build, a
+forward and a backward, the state-dict round trip, a build and forward on the meta device, tracing with
+torch.compile (fullgraph, eager backend), causal and key-padding masks (honoured or refused in one line), and the
+map instruments (read from the module's own explicit maps, or refused in one line)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from timm.models.vision_transformer import Block
+from torch import nn
+
+import attnlab
+from attnlab.analysis.redundancy import head_redundancy
+from attnlab.attention.mask import AttentionMask
+from attnlab.errors import SpecError, UnsupportedModelError
+from attnlab.models import attention_modules
+from attnlab.variants import VARIANTS, Option, Variant, register
+
+TOY = Variant("toy", "kernel", "softmax at a temperature (the registry suite's toy method)", "attnlab's tests",
+              "tests.attention.toy_attention:ToyAttention",
+              options={"temperature": Option(2.0, float, above=0.0, help="divides every logit")})
+COMPOSITIONS = ["dna+ns", "dna(variant=q)+speccond", "ns+sigma", "qknorm+speccond", "qkclip+ns",
+                "performer(features=16)+sigma", "nystrom(landmarks=4)+ns", "cog(all_layers=true)+ns", "diff+qknorm",
+                "toy(temperature=3)+ns+sigma"]
+SPECS = [*VARIANTS, "toy", *COMPOSITIONS]
+DIGITS = dict(embed_dim=32, num_heads=2, depth=2)  # vit_digits, tiny: 16 tokens, head dim 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def toy_method():
+    register(TOY)
+    yield
+    del VARIANTS["toy"]
+
+
+def _build(spec, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return attnlab.build_model("vit_digits", attn=spec, **{**DIGITS, **kwargs})
+
+
+def _images(n=2):
+    return torch.randn(n, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_build_forward_backward_and_state_dict_round_trip(spec):
+    assert str(attnlab.parse_spec(str(attnlab.parse_spec(spec)))) == str(attnlab.parse_spec(spec))
+    model = _build(spec).train()
+    out = model(_images())
+    assert out.shape == (2, 10) and torch.isfinite(out).all()
+    out.square().mean().backward()
+    attn = attention_modules(model)[0][1]
+    grads = [p.grad for p in attn.parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    model.eval()
+    other = _build(spec, seed=1).eval()
+    other.load_state_dict(model.state_dict(), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(other(_images()), model(_images()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_meta_device_and_compile_tracing(spec):
+    with torch.device("meta"):  # shapes only, no values: what a run's plan checks before it starts
+        out = _build(spec).train()(torch.empty(2, 1, 8, 8))
+    assert out.shape == (2, 10) and out.is_meta
+    attn = attention_modules(_build(spec).eval())[0][1]
+    x = torch.randn(2, 16, attn.dim)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        traced = torch.compile(attn, fullgraph=True, backend="eager")(x)
+        torch.testing.assert_close(traced, attn(x), rtol=1e-5, atol=1e-6)
+
+
+class _Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(32, 2, mlp_ratio=2.0, qkv_bias=True) for _ in range(2))
+
+    def forward(self, x, attn_mask=None, is_causal=False):
+        for block in self.blocks:
+            x = block(x, attn_mask=attn_mask, is_causal=is_causal)
+        return x
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("kind", ["causal", "padding"])
+def test_masks_are_honoured_or_refused_in_one_line(spec, kind):
+    torch.manual_seed(0)
+    model = attnlab.convert(_Blocks(), spec).double().eval()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 10, 32, generator=g, dtype=torch.float64)
+    changed = x.clone()
+    if kind == "causal":
+        mask, seen = AttentionMask(is_causal=True), torch.zeros(2, 10, dtype=torch.bool)
+        seen[:, :4] = True  # outputs up to position 3 must not see positions 4 on
+    else:
+        seen = torch.ones(2, 10, dtype=torch.bool)
+        seen[0, 7:] = False
+        seen[1, :2] = False
+        mask = AttentionMask(key_padding=seen)
+    changed[~seen] = torch.randn(int((~seen).sum()), 32, generator=g, dtype=torch.float64) * 3
+    try:
+        with torch.no_grad():
+            a, b = model(x, attn_mask=mask), model(changed, attn_mask=mask)
+    except UnsupportedModelError as err:
+        assert "\n" not in str(err) and "cannot honour" in str(err) and kind == "causal", str(err)
+        return
+    torch.testing.assert_close(a[seen], b[seen], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_map_instruments_ask_the_module(spec):
+    model = _build(spec)
+    modules = [m for _, m in attention_modules(model)]
+    if any(getattr(m, "explicit_maps", None) is None for m in modules):
+        with pytest.raises(UnsupportedModelError, match="explicit attention maps"):
+            head_redundancy(model, _images())
+        return
+    layers = head_redundancy(model, _images())  # the hook checks each module's maps reproduce its output
+    assert len(layers) == len(modules)
+    for layer in layers:
+        for branch in layer["branches"].values():
+            assert 0.0 <= branch["distance"] <= 2.0 and math.isfinite(branch["distance"])
+
+
+def test_the_toy_method_is_one_file_and_one_entry():
+    assert {"toy", "temperature"} <= {VARIANTS["toy"].name, *VARIANTS["toy"].options}
+    model = _build("toy(temperature=4)")
+    assert attention_modules(model)[0][1].temperature == 4.0
+    with pytest.raises(SpecError, match="above 0"):
+        attnlab.parse_spec("toy(temperature=0)")
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("qkclip(alpha=7)", "alpha must be at least 0 and at most 1"),
+    ("qkclip(tau=0)", "tau must be above 0"),
+    ("sigma(gamma_init=nan)", "gamma_init must be a finite number"),
+    ("dna(alpha_init=inf)", "alpha_init must be a finite number"),
+    ("ns(eps=0)", "eps must be above 0"),
+    ("performer(features=0)", "features must be at least 1"),
+    ("speccond(lam=-1)", "lam must be at least 0"),
+])
+def test_option_ranges_are_checked_when_the_spec_is_read(spec, words):
+    with pytest.raises(SpecError, match=words):
+        attnlab.parse_spec(spec)
