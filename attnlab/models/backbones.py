@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import timm
 from timm.layers import DropPath
@@ -20,6 +20,7 @@ from .blocks import PostNormBlock
 from .convert import convert
 from .pretrained import create_pretrained, load_strict, read_state_dict
 from .sequence import SequenceClassifier
+from .timesformer import TimeSformer, init_timesformer
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,10 @@ class Preset:
     num_classes: int
     doc: str
     fixed_drop_path: bool = False  # same rate in every block (the paper's ViT) instead of timm's linear rise
+    #: init(model, state_dict, source) reads a pretrained file by meaning instead of loading it strictly, and
+    #: ``pretrained=True`` feeds it timm's weights of ``image_model`` (TimeSformer starts from an image ViT)
+    init: Callable[[nn.Module, dict, str], Any] | None = None
+    image_model: str | None = None
 
 
 PRESETS: dict[str, Preset] = {
@@ -73,6 +78,24 @@ PRESETS: dict[str, Preset] = {
         num_classes=2,
         doc="LRA byte-level text classifier: as seq_listops, 257 ids (bytes + padding), 4000 positions, 2 classes",
     ),
+    # TimeSformer (arXiv 2102.05095): clips (B, C, T, H, W); model option attention=divided|joint|space_only
+    "timesformer_tiny": Preset(
+        TimeSformer,
+        dict(img_size=16, patch_size=4, in_chans=1, embed_dim=64, depth=2, num_heads=4, mlp_ratio=2.0,
+             num_frames=8, attention="divided", drop_path_rate=0.0),
+        num_classes=4, init=init_timesformer,
+        doc="tiny TimeSformer for the embedded moving digits (8 frames of 16x16, 1 channel): patch 4 (16 patches "
+            "per frame), dim 64, depth 2, 4 heads (D=16), divided space-time attention",
+    ),
+    "timesformer_base": Preset(
+        TimeSformer,
+        dict(img_size=224, patch_size=16, in_chans=3, embed_dim=768, depth=12, num_heads=12, mlp_ratio=4.0,
+             num_frames=8, attention="divided", drop_path_rate=0.1),
+        num_classes=400, init=init_timesformer, image_model="vit_base_patch16_224",
+        doc="TimeSformer (ViT-B/16, 8 frames of 224x224, divided space-time attention); pretrained: timm's "
+            "vit_base_patch16_224 (temporal attention copied from the spatial), or a file: an image ViT or a "
+            "TimeSformer checkpoint",
+    ),
 }
 
 
@@ -96,7 +119,9 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
     conversion, so the same seed gives the same shared weights whatever the variant.
     ``pretrained=True`` loads timm's weights (hub cache, or ``pretrained_file``: safetensors or a weights-only torch
     file) before the conversion, so ``attn="dna(init=copy)"`` warm-starts from them; a preset takes
-    ``pretrained_file`` alone (its own state dict, loaded strictly).
+    ``pretrained_file`` alone (its own state dict, loaded strictly), except the TimeSformer presets, which read an
+    image ViT's or a TimeSformer checkpoint's weights by meaning (``timesformer_base`` also takes ``pretrained=True``:
+    timm's ``vit_base_patch16_224``).
     """
     if norm not in ("pre", "post", "none"):
         raise ConfigError(f"norm must be 'pre', 'post' or 'none', not {norm!r}.")
@@ -130,7 +155,7 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
 
 def _build(name: str, num_classes: int | None, overrides: dict, pretrained: bool = False,
            pretrained_file: str | None = None) -> nn.Module:
-    if name in PRESETS and pretrained and pretrained_file is None:
+    if name in PRESETS and pretrained and pretrained_file is None and PRESETS[name].image_model is None:
         raise ConfigError(f"the preset {name} has no published weights; give pretrained_file (--pretrained-file), "
                           f"or a timm model name.")
     if name in PRESETS:
@@ -140,7 +165,14 @@ def _build(name: str, num_classes: int | None, overrides: dict, pretrained: bool
         model = preset.cls(**kwargs)
         if preset.fixed_drop_path:
             _fix_drop_path(model, kwargs.get("drop_path_rate", 0.0))
-        if pretrained_file is not None:
+        if preset.init is not None and (pretrained or pretrained_file is not None):
+            model.attnlab_model = name
+            if pretrained_file is not None:
+                preset.init(model, read_state_dict(pretrained_file), f"pretrained file {pretrained_file}")
+            else:
+                image = create_pretrained(preset.image_model, {}).state_dict()
+                preset.init(model, image, f"timm's weights for {preset.image_model}")
+        elif pretrained_file is not None:
             model.attnlab_model = name
             load_strict(model, read_state_dict(pretrained_file), f"pretrained file {pretrained_file}")
     elif pretrained or pretrained_file is not None:

@@ -36,12 +36,13 @@ from ..errors import ConfigError, ModelNotFoundError
 
 DNA_LAYOUTS = ("auto", "forward", "legacy", "separate")
 _LEGACY_ORDER = ("q_pos", "k", "v_pos", "q_neg", "v_neg")
-_CONTAINER_KEYS = ("state_dict", "model", "module", "state_dict_ema", "model_ema")
+_CONTAINER_KEYS = ("state_dict", "model", "module", "state_dict_ema", "model_ema",
+                   "model_state")  # model_state: the SlowFast / TimeSformer checkpoints
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file or a weights-only torch file (a bare state dict, or one under
-    ``state_dict`` / ``model`` / ``module``), on the CPU; ConfigError for a missing, damaged or hostile file."""
+    ``state_dict`` / ``model`` / ``module`` / ``model_state``), on the CPU; ConfigError for a missing, damaged or hostile file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"pretrained file {path} does not exist; give a .safetensors or a weights-only torch file.")
