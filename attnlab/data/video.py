@@ -169,9 +169,7 @@ def decode_video(path: Path) -> list:
     av = _av()
     try:
         with av.open(str(path)) as container:
-            stream = container.streams.video[0]
-            stream.thread_type = "AUTO"
-            frames = list(container.decode(stream))
+            frames = list(container.decode(container.streams.video[0]))  # one thread: workers decode in parallel
     except (av.FFmpegError, OSError, IndexError, UnicodeDecodeError) as err:
         raise DatasetError(f"video file {path} cannot be decoded ({str(err).splitlines()[0][:80] or 'no video'}); "
                            f"give a decodable video or a folder of its frames.") from None

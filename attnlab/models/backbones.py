@@ -81,11 +81,11 @@ PRESETS: dict[str, Preset] = {
     # TimeSformer (arXiv 2102.05095): clips (B, C, T, H, W); model option attention=divided|joint|space_only
     "timesformer_tiny": Preset(
         TimeSformer,
-        dict(img_size=16, patch_size=4, in_chans=1, embed_dim=64, depth=2, num_heads=4, mlp_ratio=2.0,
+        dict(img_size=16, patch_size=8, in_chans=1, embed_dim=64, depth=2, num_heads=4, mlp_ratio=2.0,
              num_frames=8, attention="divided", drop_path_rate=0.0),
         num_classes=4, init=init_timesformer,
-        doc="tiny TimeSformer for the embedded moving digits (8 frames of 16x16, 1 channel): patch 4 (16 patches "
-            "per frame), dim 64, depth 2, 4 heads (D=16), divided space-time attention",
+        doc="tiny TimeSformer for the embedded moving digits (8 frames of 16x16, 1 channel): patch 8 (4 patches "
+            "per frame, 33 tokens per clip), dim 64, depth 2, 4 heads (D=16), divided space-time attention",
     ),
     "timesformer_base": Preset(
         TimeSformer,

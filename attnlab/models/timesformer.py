@@ -15,7 +15,10 @@ Each divided block (``attention="divided"``, the paper's default) runs, with its
     MLP        z'' = z' + MLP(LN(z'))
 
 ``temporal_fc`` starts at zero, so a fresh block (its temporal branch silent) computes exactly the image model's block
-on every frame, and a clip of one repeated frame gets the image model's logits. ``joint`` runs one attention over all
+on every frame; started from an image model (time embedding zero, as the authors' code keeps it), a clip of one
+repeated frame gets the image model's logits. A model trained from scratch draws its time embedding as the position
+embedding (truncated normal, std 0.02): at zero, such a model would be exactly blind to frame order at step 0 and
+learns to see it only through a second-order gradient (on moving digits it stalled at telling the axis of motion). ``joint`` runs one attention over all
 1 + T*N tokens per block (the paper's "Joint Space-Time"); ``space_only`` runs the image ViT on every frame
 independently and averages the frames' tokens before the final norm ("Space", no time embedding). The class token's
 final state, after LayerNorm, goes to the linear head.
@@ -31,7 +34,7 @@ module differ (none changes a forward in eval mode): tokens are held frame-major
 Weights: :func:`init_from_image` starts a TimeSformer from an image ViT's state dict (timm's layout) as the authors'
 loader does (spatial attention, norms, MLP, patch and position embeddings, class token, final norm from the image
 model; ``temporal_attn`` and ``temporal_norm1`` copies of each block's ``attn`` and ``norm1``; ``temporal_fc`` and the
-time embedding at zero); :func:`load_timesformer` reads a checkpoint in the layout of the authors' released models.
+time embedding zero); :func:`load_timesformer` reads a checkpoint in the layout of the authors' released models.
 """
 
 from __future__ import annotations
@@ -127,7 +130,7 @@ class TimeSformer(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
         self.pos_drop = nn.Dropout(drop_rate)
         if attention != "space_only":
-            self.time_embed = nn.Parameter(torch.zeros(1, num_frames, embed_dim))  # zero: starts as the image model
+            self.time_embed = nn.Parameter(torch.zeros(1, num_frames, embed_dim))
             self.time_drop = nn.Dropout(drop_rate)
         rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # timm's linear rise, meta-safe
         block = dict(dim=embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=drop_rate,
@@ -142,6 +145,8 @@ class TimeSformer(nn.Module):
     def _init_weights(self) -> None:
         trunc_normal_(self.pos_embed, std=0.02)
         trunc_normal_(self.cls_token, std=0.02)
+        if self.attention != "space_only":
+            trunc_normal_(self.time_embed, std=0.02)  # zeroed by init_from_image (module docstring)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 trunc_normal_(m.weight, std=0.02)
@@ -214,7 +219,7 @@ def init_from_image(model: TimeSformer, state_dict: Mapping[str, torch.Tensor],
         for video, image in _TEMPORAL_COPIES:
             key = key.replace(video, image)
         if name == "time_embed" or ".temporal_fc." in name:
-            out[name] = tensor  # zero: the temporal branch starts silent
+            out[name] = torch.zeros_like(tensor)  # the temporal branch and the frames' tags start silent
         elif name.startswith("head.") and (key not in state or state[key].shape != tensor.shape):
             out[name] = tensor  # a new classifier for another label set, as timm does for num_classes
         elif key not in state:

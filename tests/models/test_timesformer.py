@@ -50,7 +50,7 @@ def test_divided_attention_sees_frame_order_and_space_only_does_not():
 
 def _image_model():
     torch.manual_seed(0)
-    image = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, in_chans=1, embed_dim=64, depth=2,
+    image = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=8, in_chans=1, embed_dim=64, depth=2,
                               num_heads=4, mlp_ratio=2.0, num_classes=4).eval()
     with torch.no_grad():  # a trained-looking head and class token, not timm's zero / 1e-6 init
         image.head.weight.normal_(0, 0.5)
@@ -91,11 +91,11 @@ def test_pretrained_file_of_an_image_model_and_the_dna_warm_start(tmp_path):
 
 def test_image_models_that_do_not_fit_are_refused():
     video = attnlab.build_model("timesformer_tiny", attn=None)
-    pooled = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, in_chans=1, embed_dim=64, depth=2,
+    pooled = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=8, in_chans=1, embed_dim=64, depth=2,
                                num_heads=4, class_token=False, global_pool="avg")
     with pytest.raises(ConfigError, match="class token"):
         init_from_image(video, pooled.state_dict())
-    deeper = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, in_chans=1, embed_dim=64, depth=3,
+    deeper = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=8, in_chans=1, embed_dim=64, depth=3,
                                num_heads=4)
     with pytest.raises(ConfigError, match="blocks.2"):
         init_from_image(video, deeper.state_dict())
@@ -105,10 +105,10 @@ def test_image_models_that_do_not_fit_are_refused():
 
 
 def test_position_embedding_is_resampled_for_another_grid():
-    image = timm.create_model("vit_tiny_patch16_224", img_size=8, patch_size=4, in_chans=1, embed_dim=64, depth=2,
-                              num_heads=4, mlp_ratio=2.0, num_classes=4)
+    image = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, in_chans=1, embed_dim=64, depth=2,
+                              num_heads=4, mlp_ratio=2.0, num_classes=4)  # a 4 x 4 grid for the model's 2 x 2
     video = init_from_image(attnlab.build_model("timesformer_tiny", attn=None), image.state_dict())
-    assert video.pos_embed.shape == (1, 17, 64)
+    assert video.pos_embed.shape == (1, 5, 64)
     assert torch.equal(video.pos_embed[:, 0], image.pos_embed[:, 0])
 
 
@@ -140,6 +140,7 @@ def test_presets_and_wrong_inputs():
     assert sum(p.numel() for p in base.parameters()) == pytest.approx(121.6e6, rel=0.01)  # the paper's 121.4M
     assert (base.num_frames, base.patch_embed.img_size, base.attention) == (8, (224, 224), "divided")
     tiny = attnlab.build_model("timesformer_tiny")
+    assert tiny.time_embed.std() > 0.01  # trained from scratch the frames get tags (zero only from an image model)
     with pytest.raises(ConfigError, match=r"\(B, C, T, H, W\)"):
         tiny(torch.randn(2, 1, 16, 16))
     with pytest.raises(ConfigError, match="attention="):
