@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from attnlab.data.registry import DatasetInfo
 from attnlab.errors import DatasetError
 
 VIDEO_EXTENSIONS = (".mp4", ".avi", ".mkv", ".webm", ".mov", ".m4v", ".mpg", ".mpeg")
@@ -57,16 +58,10 @@ CROPS = (1, 3)
 
 
 @dataclass(frozen=True)
-class VideoInfo:
-    """What a model needs to know about a video dataset (the image datasets' DatasetInfo plus frames and names)."""
+class VideoInfo(DatasetInfo):
+    """What a model needs to know about a video dataset: the image datasets' fields plus frames and class names."""
 
-    name: str
-    num_classes: int
-    image_size: int
-    in_chans: int
-    mean: tuple
-    std: tuple
-    num_frames: int
+    num_frames: int = 8
     classes: tuple[str, ...] = ()
 
 

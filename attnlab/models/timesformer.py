@@ -17,8 +17,7 @@ Each divided block (``attention="divided"``, the paper's default) runs, with its
 ``temporal_fc`` starts at zero, so a fresh block (its temporal branch silent) computes exactly the image model's block
 on every frame; started from an image model (time embedding zero, as the authors' code keeps it), a clip of one
 repeated frame gets the image model's logits. A model trained from scratch draws its time embedding as the position
-embedding (truncated normal, std 0.02): at zero, such a model would be exactly blind to frame order at step 0 and
-learns to see it only through a second-order gradient (on moving digits it stalled at telling the axis of motion). ``joint`` runs one attention over all
+embedding (truncated normal, std 0.02): at zero, such a model would be exactly blind to frame order at step 0. ``joint`` runs one attention over all
 1 + T*N tokens per block (the paper's "Joint Space-Time"); ``space_only`` runs the image ViT on every frame
 independently and averages the frames' tokens before the final norm ("Space", no time embedding). The class token's
 final state, after LayerNorm, goes to the linear head.
@@ -53,6 +52,7 @@ from torch import nn
 from ..errors import ConfigError
 
 ATTENTIONS = ("divided", "joint", "space_only")
+WEIGHT_INITS = ("trunc_normal", "xavier")
 #: module-name globs of the two attentions of a divided block, for ``convert(model, spec, only=...)``
 ATTENTION_GROUPS = {"spatial": "blocks.*.attn", "temporal": "blocks.*.temporal_attn"}
 
@@ -107,17 +107,24 @@ class TimeSformer(nn.Module):
         drop_rate: dropout after the position (and time) embedding and in the MLPs.
         attn_drop_rate: dropout on attention weights. drop_path_rate: stochastic depth, rising linearly to it.
         norm_layer: LayerNorm (eps 1e-6, as timm's ViT and the authors' model).
+        weight_init: the Linears' weights: ``trunc_normal`` (std 0.02, the authors' and timm's default) or
+            ``xavier`` (uniform, scaled to each layer's width, as timm's ``jax`` ViT init); ``temporal_fc`` starts
+            at zero either way. At width 64, std 0.02 gives attention logits near zero: uniform attention over the
+            frames, which is blind to their order, and a model trained from scratch stalls there
+            (``timesformer_tiny`` uses ``xavier``).
     """
 
     def __init__(self, img_size: int = 224, patch_size: int = 16, in_chans: int = 3, num_classes: int = 400,
                  embed_dim: int = 768, depth: int = 12, num_heads: int = 12, mlp_ratio: float = 4.0,
                  qkv_bias: bool = True, num_frames: int = 8, attention: str = "divided", drop_rate: float = 0.0,
                  attn_drop_rate: float = 0.0, drop_path_rate: float = 0.1,
-                 norm_layer: type[nn.Module] = LayerNorm) -> None:
+                 norm_layer: type[nn.Module] = LayerNorm, weight_init: str = "trunc_normal") -> None:
         super().__init__()
         if attention not in ATTENTIONS:
             raise ConfigError(f"attention={attention!r} is not a TimeSformer attention; use one of: "
                               f"{', '.join(ATTENTIONS)}.")
+        if weight_init not in WEIGHT_INITS:
+            raise ConfigError(f"weight_init={weight_init!r} is not valid; use one of: {', '.join(WEIGHT_INITS)}.")
         if num_frames < 1:
             raise ConfigError(f"num_frames={num_frames} is not valid; a clip has at least 1 frame.")
         self.attention = attention
@@ -140,16 +147,19 @@ class TimeSformer(nn.Module):
         self.norm = norm_layer(embed_dim)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.attention_groups = ATTENTION_GROUPS if attention == "divided" else {}
-        self._init_weights()
+        self._init_weights(weight_init)
 
-    def _init_weights(self) -> None:
+    def _init_weights(self, weight_init: str) -> None:
         trunc_normal_(self.pos_embed, std=0.02)
         trunc_normal_(self.cls_token, std=0.02)
         if self.attention != "space_only":
             trunc_normal_(self.time_embed, std=0.02)  # zeroed by init_from_image (module docstring)
         for m in self.modules():
             if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=0.02)
+                if weight_init == "xavier":
+                    nn.init.xavier_uniform_(m.weight)
+                else:
+                    trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
         for block in self.blocks:

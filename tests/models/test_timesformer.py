@@ -145,6 +145,8 @@ def test_presets_and_wrong_inputs():
         tiny(torch.randn(2, 1, 16, 16))
     with pytest.raises(ConfigError, match="attention="):
         attnlab.build_model("timesformer_tiny", attention="axial")
+    with pytest.raises(ConfigError, match="weight_init="):
+        attnlab.build_model("timesformer_tiny", weight_init="kaiming")
     with pytest.raises(ConfigError, match="no published weights"):
         attnlab.build_model("timesformer_tiny", pretrained=True)
     longer = tiny(torch.randn(2, 1, 12, 16, 16))  # another clip length: the time embedding is resampled
