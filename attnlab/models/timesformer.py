@@ -17,10 +17,11 @@ Each divided block (``attention="divided"``, the paper's default) runs, with its
 ``temporal_fc`` starts at zero, so a fresh block (its temporal branch silent) computes exactly the image model's block
 on every frame; started from an image model (time embedding zero, as the authors' code keeps it), a clip of one
 repeated frame gets the image model's logits. A model trained from scratch draws its time embedding as the position
-embedding (truncated normal, std 0.02): at zero, such a model would be exactly blind to frame order at step 0. ``joint`` runs one attention over all
-1 + T*N tokens per block (the paper's "Joint Space-Time"); ``space_only`` runs the image ViT on every frame
-independently and averages the frames' tokens before the final norm ("Space", no time embedding). The class token's
-final state, after LayerNorm, goes to the linear head.
+embedding (truncated normal, std 0.02): at zero, such a model would be exactly blind to frame order at step 0.
+
+``joint`` runs one attention over all 1 + T*N tokens per block (the paper's "Joint Space-Time"); ``space_only`` runs
+the image ViT on every frame independently and averages the frames' tokens before the final norm ("Space", no time
+embedding). The class token's final state, after LayerNorm, goes to the linear head.
 
 Both attentions of a block are timm ``Attention`` modules (``attn`` spatial, ``temporal_attn`` temporal), so
 ``attnlab.convert`` replaces both (the DnA paper's setting) or one of them (``only="spatial"`` / ``"temporal"``);
@@ -44,8 +45,7 @@ from typing import Mapping
 
 import torch
 import torch.nn.functional as F
-from timm.layers import DropPath, LayerNorm, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
-from timm.layers import Attention
+from timm.layers import Attention, DropPath, LayerNorm, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
 from timm.models.vision_transformer import Block
 from torch import nn
 
