@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 
 from attnlab.errors import DatasetError
 
-from .video import VideoInfo
+from .video import VideoInfo, video_info_of
 
 #: (dy, dx) per frame, opposite directions adjacent: right, left, down, up, down-right, up-left, down-left, up-right
 DIRECTIONS = ((0, 1), (0, -1), (1, 0), (-1, 0), (1, 1), (-1, -1), (1, -1), (-1, 1))
@@ -33,25 +33,15 @@ DIRECTION_NAMES = ("right", "left", "down", "up", "down-right", "up-left", "down
 LABELS = ("direction", "digit_direction")
 DIGIT = 8  # the side of scikit-learn's digits
 
-OPTIONS = {"num_frames": 8, "image_size": 16, "directions": 4, "label": "direction", "speed": 1,
-           "num_train": 4096, "num_test": 1024, "seed": 0}
-MINIMUM = {"num_frames": 1, "image_size": DIGIT, "speed": 0, "num_train": 1, "num_test": 1, "seed": 0}
 
 
 def _check(options: dict) -> dict:
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise DatasetError(f"unknown option {', '.join(unknown)} for moving_digits; valid options are "
-                           f"{', '.join(OPTIONS)}.")
-    opts = {**OPTIONS, **options}
-    for key, low in MINIMUM.items():
-        if isinstance(opts[key], bool) or not isinstance(opts[key], int) or opts[key] < low:
-            raise DatasetError(f"moving_digits option {key}={opts[key]!r} must be an integer of at least {low}.")
+    """The table's options (defaults, types, bounds), the direction count and the canvas checked."""
+    from attnlab.data.registry import resolve_options
+
+    opts = resolve_options("moving_digits", options)
     if opts["directions"] not in (4, 8):
         raise DatasetError(f"moving_digits option directions={opts['directions']!r} is not valid; use 4 or 8.")
-    if opts["label"] not in LABELS:
-        raise DatasetError(f"moving_digits option label={opts['label']!r} is not valid; use one of "
-                           f"{', '.join(LABELS)}.")
     need = DIGIT + (opts["num_frames"] - 1) * opts["speed"]
     if opts["image_size"] < need:
         raise DatasetError(f"moving_digits with num_frames={opts['num_frames']} and speed={opts['speed']} needs "
@@ -65,11 +55,11 @@ def class_names(directions: int, label: str) -> tuple[str, ...]:
     return names if label == "direction" else tuple(f"{d}-{n}" for d in range(10) for n in names)
 
 
-def moving_digits_info(**options) -> VideoInfo:
+def moving_digits_info(data_dir=None, **options) -> VideoInfo:
+    """Classes, canvas, frames of the set (``data_dir`` is not used: nothing is read)."""
     opts = _check(options)
     classes = class_names(opts["directions"], opts["label"])
-    return VideoInfo("moving_digits", len(classes), opts["image_size"], 1, (0.0,), (1.0,), opts["num_frames"],
-                     classes)
+    return video_info_of("moving_digits", classes, opts["image_size"], 1, (0.0,), (1.0,), opts["num_frames"])
 
 
 def generate(digits: np.ndarray, digit_labels: np.ndarray, count: int, *, num_frames: int, image_size: int,
@@ -129,5 +119,5 @@ def build_moving_digits(train: bool, *, data_dir=None, download: bool = False, a
     return MovingDigits(train, **_check(options))
 
 
-__all__ = ["DIRECTIONS", "DIRECTION_NAMES", "MovingDigits", "OPTIONS", "build_moving_digits", "class_names",
+__all__ = ["DIRECTIONS", "DIRECTION_NAMES", "MovingDigits", "build_moving_digits", "class_names",
            "generate", "moving_digits_info"]

@@ -49,20 +49,24 @@ FRAME_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 MEAN, STD = (0.45, 0.45, 0.45), (0.225, 0.225, 0.225)  # TimeSformer's (and SlowFast's) DATA.MEAN / DATA.STD
 JITTER = (8 / 7, 10 / 7)  # TimeSformer's TRAIN_JITTER_SCALES [256, 320] for crops of 224
 
-#: dataset options and defaults (``lists``: the folder under data_dir holding the list files, "" for data_dir)
-OPTIONS = {"num_frames": 8, "image_size": 224, "in_chans": 3, "clips": 1, "crops": 3, "lists": "",
-           "num_classes": 0, "verify": True}
-MINIMUM = {"num_frames": 1, "image_size": 1, "in_chans": 1, "clips": 1, "crops": 1, "num_classes": 0}
 CHANNELS = (1, 3)
 CROPS = (1, 3)
 
 
 @dataclass(frozen=True)
 class VideoInfo(DatasetInfo):
-    """What a model needs to know about a video dataset: the image datasets' fields plus frames and class names."""
+    """What a model needs to know about a video dataset: the image datasets' fields plus frames and class names;
+    ``model_args`` size a TimeSformer (num_classes, in_chans, img_size, num_frames)."""
 
     num_frames: int = 8
     classes: tuple[str, ...] = ()
+
+
+def video_info_of(name: str, classes: tuple[str, ...], image_size: int, in_chans: int, mean: tuple, std: tuple,
+                  num_frames: int) -> VideoInfo:
+    args = (("num_classes", len(classes)), ("in_chans", in_chans), ("img_size", image_size),
+            ("num_frames", num_frames))
+    return VideoInfo(name, len(classes), image_size, in_chans, mean, std, "video", args, num_frames, classes)
 
 
 @dataclass(frozen=True)
@@ -386,14 +390,10 @@ def scan_clips(data_dir, train: bool, *, lists: str = "", num_classes: int = 0, 
 
 
 def _check(options: dict) -> dict:
-    opts = {**OPTIONS, **options}
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise DatasetError(f"unknown option {', '.join(unknown)} for video data; valid options are "
-                           f"{', '.join(OPTIONS)}.")
-    for key, low in MINIMUM.items():
-        if not isinstance(opts[key], int) or opts[key] < low:
-            raise DatasetError(f"video option {key}={opts[key]!r} must be an integer of at least {low}.")
+    """The table's options (defaults, types, bounds) with the choices of the two integer options checked."""
+    from attnlab.data.registry import resolve_options
+
+    opts = resolve_options("video", options)
     if opts["in_chans"] not in CHANNELS or opts["crops"] not in CROPS:
         raise DatasetError(f"video options in_chans and crops take 1 or 3, not {opts['in_chans']} and "
                            f"{opts['crops']}.")
@@ -405,7 +405,7 @@ def video_info(data_dir="data", **options) -> VideoInfo:
     opts = _check(options)
     classes = video_classes(data_dir, opts["lists"], opts["num_classes"])
     c = opts["in_chans"]
-    return VideoInfo("video", len(classes), opts["image_size"], c, MEAN[:c], STD[:c], opts["num_frames"], classes)
+    return video_info_of("video", classes, opts["image_size"], c, MEAN[:c], STD[:c], opts["num_frames"])
 
 
 def build_video(train: bool, *, data_dir="data", download: bool = False, augment: str = "none",
@@ -421,6 +421,6 @@ def build_video(train: bool, *, data_dir="data", download: bool = False, augment
                         augment=augment, clips_per_video=opts["clips"], crops=opts["crops"], classes=classes)
 
 
-__all__ = ["Clip", "FRAME_EXTENSIONS", "OPTIONS", "VIDEO_EXTENSIONS", "VideoDataset", "VideoInfo", "build_video",
+__all__ = ["Clip", "FRAME_EXTENSIONS", "VIDEO_EXTENSIONS", "VideoDataset", "VideoInfo", "build_video",
            "decode_video", "eval_views", "frame_files", "probe_video", "sample_indices", "scan_clips",
            "train_transform", "video_classes", "video_info"]

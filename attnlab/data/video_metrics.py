@@ -11,11 +11,13 @@ For N clips with class scores s_i (K,) and labels y_i:
                           s_i = (1/V) sum_v softmax(logits_iv), the views' probabilities averaged
 
 Ties in top-k go to the lower class index (``torch.topk`` on the CPU). The functions return fractions;
-:func:`evaluate_video` reports per cent, as the papers' tables, with the loss -log s_i[y_i] averaged (the
+:func:`evaluate_video` reports per cent, as the papers' tables, with the test loss -log s_i[y_i] averaged (the
 cross-entropy for one view).
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -56,29 +58,37 @@ def average_views(logits: torch.Tensor) -> torch.Tensor:
 
 
 def video_metrics(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """top1, top5, mean_class_accuracy (per cent) and loss (nats) of class probabilities (N, K)."""
+    """test_loss (nats), top1, top5 and mean_class_accuracy (per cent) of class probabilities (N, K)."""
     probs, labels = _check(probs, labels)
     picked = probs.double().gather(1, labels[:, None]).clamp_min(1e-12)
-    return {"top1": 100 * topk_accuracy(probs, labels, 1), "top5": 100 * topk_accuracy(probs, labels, 5),
-            "mean_class_accuracy": 100 * mean_class_accuracy(probs, labels), "loss": float(-picked.log().mean())}
+    return {"test_loss": float(-picked.log().mean()), "top1": 100 * topk_accuracy(probs, labels, 1),
+            "top5": 100 * topk_accuracy(probs, labels, 5),
+            "mean_class_accuracy": 100 * mean_class_accuracy(probs, labels)}
 
 
 @torch.no_grad()
-def predict_video(model: nn.Module, loader, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def predict_video(model: nn.Module, loader, device: torch.device | str = "cpu", *,
+                  amp_dtype: torch.dtype | None = None, pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(probabilities (N, K), labels (N,)) over ``loader``: batches (B, C, T, H, W) or (B, V, C, T, H, W), the
-    views of a clip averaged (:func:`average_views`); ``model`` in eval mode for the pass."""
+    views of a clip averaged (:func:`average_views`); ``model`` in eval mode for the pass, under autocast to
+    ``amp_dtype`` when given. ``pad_to``: forwards of fewer clips are padded with zero clips to this many (a compiled
+    model sees one shape; in eval mode each clip is computed on its own, so the others' logits are unchanged)."""
+    device = torch.device(device)
     was_training = model.training
     model.eval()
+    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
     probs, labels = [], []
     try:
         for clips, y in loader:
             clips = clips.to(device, non_blocking=True)
-            if clips.ndim == 6:  # several views per clip: one forward over all of them
-                B, V = clips.shape[:2]
-                logits = model(clips.flatten(0, 1)).reshape(B, V, -1)
-            else:
-                logits = model(clips)
-            probs.append(average_views(logits).cpu())
+            views = clips.shape[1] if clips.ndim == 6 else 0
+            flat = clips.flatten(0, 1) if views else clips  # several views per clip: one forward over all
+            n = flat.shape[0]
+            if pad_to is not None and n < pad_to:
+                flat = torch.cat([flat, flat.new_zeros((pad_to - n, *flat.shape[1:]))])
+            with autocast:
+                logits = model(flat)[:n].float()
+            probs.append(average_views(logits.reshape(clips.shape[0], views, -1) if views else logits).cpu())
             labels.append(torch.as_tensor(y).reshape(-1))
     finally:
         model.train(was_training)

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from attnlab.data.video import build_video, sample_indices, video_info
-from attnlab.errors import DatasetError
+from attnlab.errors import AttnlabError, DatasetError
 
 
 
@@ -161,7 +161,7 @@ def test_errors_name_the_file_and_what_would_be_right(tmp_path):
         (root / "val.csv").write_text(listed)
         with pytest.raises(DatasetError, match=error):
             build(root, train=False)
-    with pytest.raises(DatasetError, match="unknown option frames"):
+    with pytest.raises(AttnlabError, match="unknown option frames"):
         build_video(False, data_dir=root, frames=2)
     with pytest.raises(DatasetError, match="does not exist"):
         video_info(tmp_path / "nowhere")

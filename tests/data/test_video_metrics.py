@@ -33,9 +33,9 @@ def test_views_average_probabilities_not_logits():
     logits = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0]]])  # view 1: (1/2, 1/2), view 2: (3/4, 1/4)
     torch.testing.assert_close(average_views(logits), torch.tensor([[0.625, 0.375]]))
     m = video_metrics(average_views(logits), torch.tensor([1]))
-    assert m["top1"] == 0.0 and m["loss"] == pytest.approx(-math.log(0.375))
+    assert m["top1"] == 0.0 and m["test_loss"] == pytest.approx(-math.log(0.375))
     one = torch.tensor([[2.0, -1.0, 0.5], [0.0, 1.0, 3.0]])
-    loss = video_metrics(average_views(one), torch.tensor([0, 1]))["loss"]
+    loss = video_metrics(average_views(one), torch.tensor([0, 1]))["test_loss"]
     assert loss == pytest.approx(float(nn.functional.cross_entropy(one, torch.tensor([0, 1]))), rel=1e-6)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnlab.data.moving_digits import DIRECTIONS, build_moving_digits, moving_digits_info
-from attnlab.errors import DatasetError
+from attnlab.errors import AttnlabError, DatasetError
 
 SMALL = dict(num_train=400, num_test=100)
 
@@ -61,7 +61,7 @@ def test_option_errors():
         build_moving_digits(True, speed=2, **SMALL)
     with pytest.raises(DatasetError, match="use 4 or 8"):
         moving_digits_info(directions=6)
-    with pytest.raises(DatasetError, match="unknown option canvas"):
+    with pytest.raises(AttnlabError, match="unknown option canvas"):
         moving_digits_info(canvas=20)
-    with pytest.raises(DatasetError, match="label='digit'"):
+    with pytest.raises(AttnlabError, match="label='digit'"):
         moving_digits_info(label="digit")
