@@ -14,7 +14,8 @@ import math
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..train.files import CONFIG, METRICS
+from ..train.files import CONFIG
+from ..train.files import METRICS as METRICS_FILE
 
 METRICS = ("train_loss", "test_loss", "top1")
 
@@ -83,7 +84,7 @@ def training_curves(run_dirs: list[str | Path]) -> dict[str, dict]:
             raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give directories written by "
                               f"attnlab train or compare.")
         cfg = load_config(config)
-        found.append(((cfg.model, cfg.dataset), cfg.attn, read_metrics(run_dir / METRICS)))
+        found.append(((cfg.model, cfg.dataset), cfg.attn, read_metrics(run_dir / METRICS_FILE)))
     if not found:
         raise ConfigError("training curves need at least one run directory.")
     mixed = len({group for group, _, _ in found}) > 1
