@@ -145,7 +145,6 @@ RECIPES: dict[str, TrainConfig] = {
         recipe="timesformer", model="timesformer_base", dataset="video", epochs=15, batch_size=8, lr=0.005,
         optimizer="sgd", momentum=0.9, weight_decay=1e-4, warmup_epochs=0, warmup_lr=0.005, min_lr=5e-5,
         label_smoothing=0.0, augment="recipe", mixup=0.0, cutmix=0.0, mixup_prob=0.0, repeated_aug=1,
-        num_workers=8,
     ),
     # LRA ListOps (generated locally) with the seq_listops preset, close to the Nystromformer authors' LRA settings
     # (batch 32, lr 1e-4, about 1,000 warm-up and 5,000 total steps on 96,000 sequences); token sequences take no
