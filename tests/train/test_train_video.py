@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from train_helpers import weights
+from train_helpers import ARM_KILL, weights
 
 from attnlab.train import RECIPES, train
 from attnlab.train.run import Run
@@ -79,26 +79,8 @@ def test_views_are_averaged_as_probabilities(tmp_path):
 # Runs in a fresh interpreter: argv = runs_dir, data_dir, kill_at (training forward count at which the process
 # SIGKILLs itself; 0 = never). Every random part of the video recipe is on: temporal jitter, scale jitter, crop and
 # flip in 2 DataLoader workers, drop-path.
-SCRIPT = textwrap.dedent("""
-    import dataclasses, json, os, signal, sys
-    import attnlab.models as models
-    from attnlab.train import RECIPES, train
-
-    runs_dir, data_dir, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    build = models.build_model
-
-    def build_and_arm(*args, **kwargs):
-        model = build(*args, **kwargs)
-        count = [0]
-        def hook(module, inputs, output):
-            if module.training:
-                count[0] += 1
-                if count[0] == kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-        model.register_forward_hook(hook)
-        return model
-
-    models.build_model = build_and_arm
+SCRIPT = ARM_KILL + textwrap.dedent("""
+    runs_dir, data_dir = sys.argv[1], sys.argv[2]
     cfg = dataclasses.replace(
         RECIPES["moving_digits"], dataset="video", data_dir=data_dir, augment="recipe", epochs=2, batch_size=2,
         drop_path=0.2, num_workers=2, runs_dir=runs_dir, progress=False, resume=True,
