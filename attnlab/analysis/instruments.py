@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Callable
 
@@ -42,9 +43,24 @@ class Context:
         return self.out_dir / f"{self.prefix}{name}"
 
 
+def by_group(model: nn.Module, names: list[str], measures: dict[str, list[float]]) -> dict[str, float]:
+    """``{f"{measure}_{group}": mean over the group's layers}`` for the attention groups a model declares
+    (TimeSformer: ``spatial``, ``temporal``; none for other models), so that the two attentions of a divided block
+    are reported apart as well as together."""
+    out = {}
+    for group, pattern in (getattr(model, "attention_groups", None) or {}).items():
+        for measure, values in measures.items():
+            picked = [v for n, v in zip(names, values) if fnmatchcase(n, pattern)]
+            if picked:
+                out[f"{measure}_{group}"] = sum(picked) / len(picked)
+    return out
+
+
 def _spectra(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Context) -> dict:
     s = head_output_spectra(model, images, batch_size=batch_size).summary()
-    return {"summary": {"p1": s["p1"], "eff_rank": s["eff_rank"]}, "detail": s}
+    blocks = s.get("blocks") or []
+    groups = by_group(model, [b["layer"] for b in blocks], {k: [b[k] for b in blocks] for k in ("p1", "eff_rank")})
+    return {"summary": {"p1": s["p1"], "eff_rank": s["eff_rank"], **groups}, "detail": s}
 
 
 def _entropy(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Context) -> dict:
@@ -53,6 +69,7 @@ def _entropy(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Conte
     detail = [{"layer": e["layer"], "entropy_mean": e["mean"].tolist(), "entropy_low": e["low"].tolist(),
                "log_n": e["log_n"], "max_logit": m["max"].tolist()} for e, m in zip(layers, logits)]
     summary = {"entropy": torch.cat([e["mean"] for e in layers]).mean().item(),
+               **by_group(model, [e["layer"] for e in layers], {"entropy": [e["mean"].mean().item() for e in layers]}),
                "entropy_min_head": torch.cat([e["mean"] for e in layers]).min().item(),
                "max_logit": torch.cat([m["max"] for m in logits]).max().item()}
     return {"summary": summary, "detail": detail}
@@ -66,8 +83,11 @@ def _qk_norms(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Cont
 
 
 def _branches(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Context) -> dict:
-    summary = branch_instruments(model, images, batch_size=batch_size).summary()
+    measured = branch_instruments(model, images, batch_size=batch_size)
+    summary = measured.summary()
     flat = {k: v for k, v in summary.items() if k.endswith("_mean") and isinstance(v, float)}
+    flat.update(by_group(model, measured.layers, {f"{k}_mean": [float(t.double().mean()) for t in getattr(measured, k)]
+                                                  for k in ("intruders", "value_similarity", "branch_cosine")}))
     return {"summary": flat, "detail": summary}
 
 

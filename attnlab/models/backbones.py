@@ -22,6 +22,7 @@ from .gpt import GPT, GPT_PRESETS
 from .gpt_loaders import load_gpt_file
 from .pretrained import create_pretrained, load_strict, read_state_dict
 from .sequence import SequenceClassifier
+from .timesformer import TimeSformer, init_timesformer
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class Preset:
     doc: str
     fixed_drop_path: bool = False  # same rate in every block (the paper's ViT) instead of timm's linear rise
     load_file: Callable[[nn.Module, str], nn.Module] | None = None  # reads pretrained_file by meaning; None: strict
+    #: init(model, state_dict, source) reads a pretrained file by meaning instead of loading it strictly, and
+    #: ``pretrained=True`` feeds it timm's weights of ``image_model`` (TimeSformer starts from an image ViT)
+    init: Callable[[nn.Module, dict, str], Any] | None = None
+    image_model: str | None = None
 
 
 PRESETS: dict[str, Preset] = {
@@ -89,6 +94,25 @@ PRESETS: dict[str, Preset] = {
         num_classes=2,
         doc="LRA byte-level text classifier: as seq_listops, 257 ids (bytes + padding), 4000 positions, 2 classes",
     ),
+    # TimeSformer (arXiv 2102.05095): clips (B, C, T, H, W); model option attention=divided|joint|space_only
+    "timesformer_tiny": Preset(
+        TimeSformer,
+        dict(img_size=16, patch_size=8, in_chans=1, embed_dim=64, depth=2, num_heads=4, mlp_ratio=2.0,
+             num_frames=8, attention="divided", drop_path_rate=0.0, weight_init="xavier"),
+        num_classes=4, init=init_timesformer,
+        doc="tiny TimeSformer for the embedded moving digits (8 frames of 16x16, 1 channel): patch 8 (4 patches "
+            "per frame, 33 tokens per clip), dim 64, depth 2, 4 heads (D=16), divided space-time attention, "
+            "xavier-initialised Linears (std 0.02 leaves attention at this width uniform, blind to frame order)",
+    ),
+    "timesformer_base": Preset(
+        TimeSformer,
+        dict(img_size=224, patch_size=16, in_chans=3, embed_dim=768, depth=12, num_heads=12, mlp_ratio=4.0,
+             num_frames=8, attention="divided", drop_path_rate=0.1),
+        num_classes=400, init=init_timesformer, image_model="vit_base_patch16_224",
+        doc="TimeSformer (ViT-B/16, 8 frames of 224x224, divided space-time attention); pretrained: timm's "
+            "vit_base_patch16_224 (temporal attention copied from the spatial), or a file: an image ViT or a "
+            "TimeSformer checkpoint",
+    ),
 }
 PRESETS.update({name: Preset(GPT, kwargs, None, doc, load_file=load_gpt_file)
                 for name, (kwargs, doc) in GPT_PRESETS.items()})
@@ -115,8 +139,10 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
     conversion, so the same seed gives the same shared weights whatever the variant.
     ``pretrained=True`` loads timm's weights (hub cache, or ``pretrained_file``: safetensors or a weights-only torch
     file) before the conversion, so ``attn="dna(init=copy)"`` warm-starts from them; a preset takes
-    ``pretrained_file`` alone (its own state dict, loaded strictly; a GPT preset also reads nanoGPT checkpoints and
-    Hugging Face GPT-2 weights, :func:`attnlab.models.gpt_loaders.load_gpt_file`).
+    ``pretrained_file`` alone (its own state dict, loaded strictly), except the GPT presets (nanoGPT checkpoints and
+    Hugging Face GPT-2 weights, :func:`attnlab.models.gpt_loaders.load_gpt_file`) and the TimeSformer presets (an image
+    ViT's or a TimeSformer checkpoint's weights by meaning; ``timesformer_base`` also takes ``pretrained=True``:
+    timm's ``vit_base_patch16_224``), which read them by meaning.
     """
     if norm not in ("pre", "post", "none"):
         raise ConfigError(f"norm must be 'pre', 'post' or 'none', not {norm!r}.")
@@ -154,7 +180,7 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
 
 def _build(name: str, num_classes: int | None, overrides: dict, pretrained: bool = False,
            pretrained_file: str | None = None) -> nn.Module:
-    if name in PRESETS and pretrained and pretrained_file is None:
+    if name in PRESETS and pretrained and pretrained_file is None and PRESETS[name].image_model is None:
         raise ConfigError(f"the preset {name} has no published weights; give pretrained_file (--pretrained-file), "
                           f"or a timm model name.")
     if name in PRESETS:
@@ -168,7 +194,14 @@ def _build(name: str, num_classes: int | None, overrides: dict, pretrained: bool
         model = preset.cls(**kwargs)
         if preset.fixed_drop_path:
             _fix_drop_path(model, kwargs.get("drop_path_rate", 0.0))
-        if pretrained_file is not None:
+        if preset.init is not None and (pretrained or pretrained_file is not None):
+            model.attnlab_model = name
+            if pretrained_file is not None:
+                preset.init(model, read_state_dict(pretrained_file), f"pretrained file {pretrained_file}")
+            else:
+                image = create_pretrained(preset.image_model, {}).state_dict()
+                preset.init(model, image, f"timm's weights for {preset.image_model}")
+        elif pretrained_file is not None:
             model.attnlab_model = name
             if preset.load_file is not None:
                 preset.load_file(model, pretrained_file)

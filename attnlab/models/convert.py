@@ -4,12 +4,13 @@ spec's kind, taking over its weights, then applies the spec's q/k and weight ter
 from __future__ import annotations
 
 import re
+from fnmatch import fnmatchcase
 
 from torch import nn
 
 from ..attention.base import AttnlabAttention, is_supported
 from ..attention.channel import channel_mechanism
-from ..errors import SpecError, UnsupportedModelError
+from ..errors import ConfigError, SpecError, UnsupportedModelError
 from ..spec import Spec, parse_spec
 
 
@@ -46,13 +47,38 @@ def refusal(module: nn.Module, spec: Spec, name: str = "") -> str | None:
     return None
 
 
-def convert(model: nn.Module, spec: str | Spec) -> nn.Module:
+def _layers(found: list[tuple[str, nn.Module]]) -> tuple[list[int], int]:
+    """Each attention module's layer index and the number of layers: its block's index when every module sits in a
+    top-level ``blocks`` list (TimeSformer's spatial and temporal attention share their block's depth), else its
+    position in forward order."""
+    blocks = [re.match(r"blocks\.(\d+)\.", name) for name, _ in found]
+    if all(blocks):
+        index = [int(m[1]) for m in blocks]
+        return index, max(index) + 1
+    return list(range(len(found))), len(found)
+
+
+def _select(model: nn.Module, found: list[tuple[str, nn.Module]], only: str) -> list[bool]:
+    """Which of ``found`` the module-name glob ``only`` (or a group the model names in ``attention_groups``) picks."""
+    groups = getattr(model, "attention_groups", None) or {}
+    pattern = groups.get(only, only)
+    picked = [fnmatchcase(name, pattern) for name, _ in found]
+    if not any(picked):
+        named = f"; this model's groups are {', '.join(groups)}" if groups else ""
+        raise ConfigError(f"only={only!r} matches none of the attention modules ({found[0][0]}, ...){named}; give a "
+                          f"glob over their names, e.g. 'blocks.*.attn'.")
+    return picked
+
+
+def convert(model: nn.Module, spec: str | Spec, only: str | None = None) -> nn.Module:
     """Give ``model`` the attention variant ``spec`` in place and return it.
 
     Every timm ``Attention`` / ``WindowAttention`` (or attnlab module from an earlier conversion) is replaced by the
     spec's kernel built from it, keeping its parameters and their state-dict names; head terms (``ns``) become the
     module's ``head_transform``; q/k and weight terms are applied last. ``convert(model, "standard")`` leaves every
-    output bit unchanged.
+    output bit unchanged. ``only`` converts just the attention modules whose names match a glob
+    (``"blocks.*.temporal_attn"``) or a group the model declares in ``attention_groups`` (TimeSformer: ``"spatial"``,
+    ``"temporal"``); the others stay as they are, and each module keeps the layer index it has in the whole model.
     """
     spec = parse_spec(spec)
     previous = getattr(model, "attnlab_spec", None)
@@ -61,6 +87,15 @@ def convert(model: nn.Module, spec: str | Spec) -> nn.Module:
     found = attention_modules(model)
     if not found:
         raise _unsupported(model)
+    layers, num_layers = _layers(found)
+    if only is not None:
+        wide = next((t for t in spec.of_kind("weight") if t.resolved().get("targets") == "all"), None)
+        if wide is not None:
+            raise SpecError(f"{wide.name}(targets=all) reparametrises every Linear of the model, not only the "
+                            f"attention modules only={only!r} picks; use {wide.name}(targets=attn).")
+        picked = _select(model, found, only)
+        layers = [i for i, keep in zip(layers, picked) if keep]
+        found = [f for f, keep in zip(found, picked) if keep]
     for name, old in found:
         reason = refusal(old, spec, name)
         if reason:
@@ -69,10 +104,10 @@ def convert(model: nn.Module, spec: str | Spec) -> nn.Module:
     cls = kernel.variant.load()
     options = kernel.resolved()
     modules = []
-    for index, (name, old) in enumerate(found):
+    for index, (name, old) in zip(layers, found):
         # a channel map keeps its own formula under the standard kernel (the only kernel it takes)
         mechanism = channel_mechanism(old) or cls
-        new: AttnlabAttention = mechanism.from_module(old, layer_index=index, num_layers=len(found),
+        new: AttnlabAttention = mechanism.from_module(old, layer_index=index, num_layers=num_layers,
                                                       **({} if mechanism is not cls else options))
         new.head_transform = _head_transform(spec)
         parent_name, _, child = name.rpartition(".")
@@ -82,6 +117,7 @@ def convert(model: nn.Module, spec: str | Spec) -> nn.Module:
         for term in spec.of_kind(kind):
             term.variant.load()(model, modules, **term.resolved())
     model.attnlab_spec = str(spec)
+    model.attnlab_only = only
     return model
 
 

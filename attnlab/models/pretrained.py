@@ -37,7 +37,8 @@ from ..errors import ConfigError, ModelNotFoundError
 
 DNA_LAYOUTS = ("auto", "forward", "legacy", "separate")
 _LEGACY_ORDER = ("q_pos", "k", "v_pos", "q_neg", "v_neg")
-_CONTAINER_KEYS = ("state_dict", "model", "module", "state_dict_ema", "model_ema")
+_CONTAINER_KEYS = ("state_dict", "model", "module", "state_dict_ema", "model_ema",
+                   "model_state")  # model_state: the SlowFast / TimeSformer checkpoints
 # A safetensors header lists every tensor in about 100 bytes: 16 MiB is ~150k tensors, where timm's largest models
 # have a few thousand. safetensors itself parses up to 100 MB of header, which a hostile file fills with entries.
 MAX_HEADER_BYTES = 16 * 2**20
@@ -79,7 +80,7 @@ def shapes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]
 
 def read_state_dict(path: str | Path, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file or a weights-only torch file (a bare state dict, or one under
-    ``state_dict`` / ``model`` / ``module``), on the CPU; ConfigError for a missing, damaged or hostile file.
+    ``state_dict`` / ``model`` / ``module`` / ``model_state``), on the CPU; ConfigError for a missing, damaged or hostile file.
     ``model``: a safetensors file must hold its state dict's names and shapes, checked from the header before
     any tensor is read (ConfigError as :func:`load_strict` words it)."""
     path = Path(path)

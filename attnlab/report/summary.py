@@ -250,18 +250,20 @@ def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
     rows = []
     for (model, dataset, tag, setting) in sorted(by_group):
         variants = by_group[(model, dataset, tag, setting)]
+        metric, higher, shown = _headline(next(iter(next(iter(variants.values())).values())))
         base_runs = variants.get(baseline)
-        base_mean = _mean([r["top1"] for r in base_runs.values()]) if base_runs else None
+        base_mean = _mean([r[metric] for r in base_runs.values()]) if base_runs else None
         order = ([baseline] if base_runs else []) + sorted(v for v in variants if v != baseline)
         for variant in order:
             by_seed = variants[variant]
             seeds = sorted(by_seed, key=lambda s: (str(type(s)), s))
-            top1 = [float(by_seed[s]["top1"]) for s in seeds]
+            top1 = [float(by_seed[s][metric]) for s in seeds]
             mean = _mean(top1)
             top5 = [float(by_seed[s]["top5"]) for s in seeds if _is_number(by_seed[s].get("top5"))]
             extras: dict[str, list[float]] = {}
             for s in seeds:
-                for name, value in (by_seed[s].get("extra") or {}).items():
+                family = {k: by_seed[s].get(k) for k in shown}  # the task's other metrics (video: top-1 / mCA)
+                for name, value in {**family, **(by_seed[s].get("extra") or {})}.items():
                     if _is_number(value):
                         extras.setdefault(name, []).append(float(value))
             row = {
@@ -273,7 +275,8 @@ def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
                 "baseline": variant == baseline,
                 "n": len(seeds),
                 "seeds": seeds,
-                "top1_by_seed": {str(s): by_seed[s]["top1"] for s in seeds},
+                "metric": metric,
+                "top1_by_seed": {str(s): by_seed[s][metric] for s in seeds},
                 "mean": mean,
                 "sd": _sd(top1),
                 "top5_mean": _mean(top5) if top5 else None,
@@ -286,10 +289,32 @@ def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
             if base_runs and variant != baseline:
                 row["gain_pp"] = mean - base_mean
                 shared = [s for s in seeds if s in base_runs]
-                k = sum(by_seed[s]["top1"] > base_runs[s]["top1"] for s in shared)
+                k = sum((by_seed[s][metric] > base_runs[s][metric]) == higher and by_seed[s][metric] !=
+                        base_runs[s][metric] for s in shared)
                 row.update(wins=f"{k}/{len(shared)}", wins_k=k, wins_n=len(shared))
             rows.append(row)
     return rows
+
+
+#: how a report names a headline metric (``result.json``'s "metric") in its column
+METRIC_LABELS = {"top1": "Top-1", "mean_class_accuracy": "Mean class accuracy"}
+
+
+def _headline(run: dict) -> tuple[str, bool, tuple[str, ...]]:
+    """(the key a group compares, whether higher is better, the task's other metrics a row shows) from one of its
+    runs: result.json's "metric" when the run records a finite value under it (else top-1), the direction and the
+    metrics from its task family."""
+    metric = run.get("metric")
+    metric = metric if isinstance(metric, str) and _is_number(run.get(metric)) else "top1"
+    try:
+        from attnlab.train.tasks import task_class
+
+        task = task_class(run.get("task", "image"))
+        higher, metrics = bool(task.higher_is_better), tuple(task.metrics)
+    except AttnlabError:
+        higher, metrics = True, ()
+    shown = tuple(k for k in metrics if k not in (metric, "top5", "test_loss") and _is_number(run.get(k)))
+    return metric, higher, shown
 
 
 def _fmt_extra(x: float | None) -> str:
@@ -320,7 +345,9 @@ def accuracy_tables(rows: list[dict]) -> list[Table]:
     tables: list[Table] = []
     for key, group in groups(rows).items():
         extra_names = sorted({name for row in group for name in row.get("extras", {})})
-        header = ["Variant", "Top-1 (mean ± SD)", "Gain (pp)", "Wins", "n", *extra_names]
+        metric = group[0].get("metric", "top1")
+        header = ["Variant", f"{METRIC_LABELS.get(metric, metric)} (mean ± SD)", "Gain (pp)", "Wins", "n",
+                  *extra_names]
         cells = []
         for row in group:
             label = f"{row['variant']} (baseline)" if row.get("baseline") else row["variant"]

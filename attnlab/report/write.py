@@ -133,7 +133,8 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     out.mkdir(parents=True, exist_ok=True)
 
     title = "attnlab report"
-    intro = (f"Final-epoch top-1 (%) as mean ± sample SD over seeds; gains in percentage points against "
+    intro = (f"Final-epoch top-1 (%; or the metric a comparison's column names, such as a video run's mean class "
+             f"accuracy) as mean ± sample SD over seeds; gains in percentage points against "
              f"`{''.join(baseline.split())}`, computed from unrounded means; wins count matched seeds where the "
              f"variant is strictly higher. Runs are compared only when trained alike: the same config but for "
              f"variant, seed and runtime keys (device, paths, ...).")

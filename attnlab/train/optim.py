@@ -51,13 +51,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, name: str = "adamw",
                     momentum: float = 0.9, beta2: float = 0.999) -> torch.optim.Optimizer:
-    """AdamW (default) or timm's LARS over :func:`param_groups`.
+    """AdamW (default), timm's LARS or momentum SGD over :func:`param_groups`.
 
     AdamW runs its fused kernel, which updates every tensor in one call; PyTorch picks it only on request, and on CPU
     the default per-tensor loop costs a small model more time than its backward pass. LARS scales each tensor's step
     by its trust ratio ||w|| / ||g|| only in the decay group, so biases and norms take plain momentum SGD steps.
     """
     groups = param_groups(model, weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum)
     if name == "lars":
         from timm.optim import Lars
 

@@ -10,31 +10,13 @@ import textwrap
 
 import pytest
 import torch
-from train_helpers import weights
+from train_helpers import ARM_KILL, weights
 
 # Runs in a fresh interpreter: argv = runs_dir, kill_at (training forward count at which the process SIGKILLs
 # itself; 0 = never). The config uses every random part of the recipe: augmentation in 2 DataLoader workers,
 # Mixup/CutMix, repeated augmentation (1280 images = 20 batches of 64 per epoch), drop-path, label smoothing.
-SCRIPT = textwrap.dedent("""
-    import dataclasses, json, os, signal, sys
-    import attnlab.models as models
-    from attnlab.train import RECIPES, train
-
-    runs_dir, kill_at = sys.argv[1], int(sys.argv[2])
-    build = models.build_model
-
-    def build_and_arm(*args, **kwargs):
-        model = build(*args, **kwargs)
-        count = [0]
-        def hook(module, inputs, output):
-            if module.training:
-                count[0] += 1
-                if count[0] == kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-        model.register_forward_hook(hook)
-        return model
-
-    models.build_model = build_and_arm
+SCRIPT = ARM_KILL + textwrap.dedent("""
+    runs_dir = sys.argv[1]
     cfg = dataclasses.replace(
         RECIPES["demo"], epochs=3, batch_size=64, augment="recipe", mixup=0.8, cutmix=1.0, mixup_prob=0.5,
         label_smoothing=0.1, repeated_aug=3, drop_path=0.1, num_workers=2, runs_dir=runs_dir, progress=False,

@@ -21,3 +21,28 @@ def tiny(runs_dir, **overrides):
 
 def weights(path):
     return load_file(str(path))
+
+
+# The start of a training script run in a fresh interpreter (argv[-1] = kill_at): build_model is wrapped so that the
+# process SIGKILLs itself at the kill_at-th training forward (0: never). Used by the SIGKILL-then-resume tests.
+ARM_KILL = """
+import dataclasses, json, os, signal, sys
+import attnlab.models as models
+from attnlab.train import RECIPES, train
+
+kill_at = int(sys.argv[-1])
+build = models.build_model
+
+def build_and_arm(*args, **kwargs):
+    model = build(*args, **kwargs)
+    count = [0]
+    def hook(module, inputs, output):
+        if module.training:
+            count[0] += 1
+            if count[0] == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+    model.register_forward_hook(hook)
+    return model
+
+models.build_model = build_and_arm
+"""

@@ -17,6 +17,7 @@ TASKS: dict[str, str] = {
     "image": "attnlab.train.tasks.classify:ImageClassification",
     "sequence": "attnlab.train.tasks.classify:SequenceClassification",
     "lm": "attnlab.train.tasks.lm:LanguageModelling",
+    "video": "attnlab.train.tasks.video:VideoClassification",
 }
 
 

@@ -1,0 +1,67 @@
+"""Video classification (TimeSformer on clips): the image task's training with clips for images, and the video
+evaluation (several views per clip averaged; top-1, top-5 and mean class accuracy, Toyota Smarthome's metric).
+
+A training batch is ``(clips (B, C, T, H, W), labels, labels)`` on the device from the CPU loader (no Mixup/CutMix:
+the video datasets refuse them). Evaluation batches hold ``(B, V, C, T, H, W)`` when the split gives several views
+(``clips`` x ``crops``); the views' softmax probabilities are averaged (:mod:`attnlab.data.video_metrics`). The run's
+``video_metric`` (top1, or mean_class_accuracy for Smarthome) is what result.json reports first and a report compares.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from .classify import Classification, classification_stats
+
+
+class VideoClassification(Classification):
+    """Cross-entropy on clips, evaluated by test loss, top-1, top-5 and mean class accuracy over the views."""
+
+    name = "video"
+    metrics = ("test_loss", "top1", "top5", "mean_class_accuracy")
+    headline = "top1"
+
+    def __init__(self, run) -> None:
+        super().__init__(run)
+        self.headline = run.cfg.video_metric
+
+    def train_stats(self, sums, seconds):
+        stats = classification_stats(sums, seconds)
+        stats["clips_per_s"] = stats.pop("img_per_s")
+        return stats
+
+    def _views(self) -> int:
+        item = self.test_set()[0][0]
+        return item.shape[0] if item.ndim == 5 else 1
+
+    def evaluate(self, model, *, device, amp_dtype, static_shapes: bool = False) -> dict[str, float]:
+        from attnlab.data.video_metrics import predict_video, video_metrics
+
+        if getattr(self, "_test_loader", None) is None:
+            per_batch = max(1, 2 * self.cfg.batch_size // self._views())  # about 2 x batch_size clips per forward
+            self._test_loader = DataLoader(self.test_set(), batch_size=per_batch, shuffle=False,
+                                           num_workers=self.cfg.num_workers, pin_memory=device.type == "cuda",
+                                           generator=torch.Generator().manual_seed(0))
+        pad = self._test_loader.batch_size * self._views() if static_shapes else None
+        return video_metrics(*predict_video(model, self._test_loader, device, amp_dtype=amp_dtype, pad_to=pad))
+
+    def example_input(self, batch: int = 1, device="cpu") -> torch.Tensor:
+        info = self.run.info
+        return torch.zeros(batch, info.in_chans, info.num_frames, info.image_size, info.image_size, device=device)
+
+    def inputs(self, n: int) -> torch.Tensor:
+        """The first ``n`` test clips (C, T, H, W); of several views, the middle one (the centre crop)."""
+        test = self.test_set()
+        clips = [test[i][0] for i in range(min(n, len(test)))]
+        return torch.stack([c[c.shape[0] // 2] if c.ndim == 5 else c for c in clips])
+
+    def line(self, record: dict[str, Any]) -> str:
+        return (f"train_loss {record['train_loss']:.4f}  test_loss {record['test_loss']:.4f}  top1 "
+                f"{record['top1']:.2f}  top5 {record['top5']:.2f}  mca {record['mean_class_accuracy']:.2f}  "
+                f"{record['clips_per_s']:.1f} clips/s")
+
+
+__all__ = ["VideoClassification"]
