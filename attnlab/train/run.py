@@ -243,8 +243,9 @@ class Run:
             raise ConfigError(f"{path} is not a run directory (it has no {CONFIG}); give a directory made by "
                               f"attnlab train.")
         cfg = load_config(path / CONFIG)
-        run = cls(dataclasses.replace(cfg, runs_dir=str(path.parent), name=path.name))
-        run.dir = path
+        # the directory is the run's, whatever its name: a reader neither renames nor refuses it
+        run = cls(dataclasses.replace(cfg, runs_dir=str(path.parent), name=None))
+        run.name, run.dir = path.name, path
         return run
 
     def metrics(self) -> list[dict[str, Any]]:
