@@ -319,3 +319,13 @@ def test_backbones_and_options_the_task_cannot_take(name, kwargs, error):
 def test_spec_error_is_the_convert_one(tiny):
     with pytest.raises(SpecError):
         build_detector("vitdet_tiny", attn="nonsense")
+
+
+@pytest.mark.parametrize("name, millions", [
+    ("vitdet_base_224", 111),  # the ViTDet paper's ViT-B Mask R-CNN (its Table 5)
+    ("swin_small_maskrcnn", 69),  # the Swin paper's Mask R-CNN with Swin-S
+])
+def test_paper_shapes_have_the_papers_parameter_counts(name, millions):
+    with torch.device("meta"):
+        model = attnlab.build_model(name, attn=None)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6) == millions
