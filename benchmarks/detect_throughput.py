@@ -197,7 +197,7 @@ def main() -> None:
     for k in names:
         (tr, inf), (btr, binf), (str_, sinf) = rate[k], rate[BASE], rate[ref]
         mib = memory.get(k, float("nan")) / 2**20
-        print(f"| {k} | {tr:.2f} | {inf:.2f} | {tr / btr:.3f} | {inf / binf:.3f} | {tr / str_:.3f} | "
+        print(f"| {k} | {tr:.3g} | {inf:.3g} | {tr / btr:.3f} | {inf / binf:.3f} | {tr / str_:.3f} | "
               f"{inf / sinf:.3f} | {mib:.0f} |", flush=True)
         result["arms"][k] = {"train_img_s": tr, "infer_img_s": inf, "train_vs_timm": tr / btr,
                              "infer_vs_timm": inf / binf, "train_vs_standard": tr / str_,

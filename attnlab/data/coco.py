@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import Dataset
 from torchvision.datasets import CocoDetection, VisionDataset
 
-from attnlab.errors import DatasetError
+from attnlab.errors import DatasetError, did_you_mean
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 
@@ -74,9 +74,18 @@ def read_coco(annotations: str | Path):
     return coco
 
 
-def check_coco(coco, images: str | Path, name: str = "the annotation file") -> None:
+def _valid_segmentation(seg) -> bool:
+    if isinstance(seg, dict):  # RLE
+        return isinstance(seg.get("counts"), (str, list)) and isinstance(seg.get("size"), list)
+    return (isinstance(seg, list) and len(seg) > 0
+            and all(isinstance(p, list) and len(p) >= 6 and len(p) % 2 == 0 for p in seg))
+
+
+def check_coco(coco, images: str | Path, name: str = "the annotation file", masks: bool = True) -> None:
     """What training and evaluation need, checked before they start: categories, annotations that name known
-    images and categories with valid boxes, at least one annotation, and every listed image in ``images``."""
+    images and categories with valid boxes (and, with ``masks``, segmentations), at least one annotation, and
+    every listed image in ``images``. ``iscrowd`` and ``area``, which COCO's evaluation reads, default to 0 and the
+    box's area where an annotation leaves them out."""
     data = coco.dataset
     for key in ("images", "annotations", "categories"):
         if not isinstance(data.get(key), list):
@@ -102,6 +111,11 @@ def check_coco(coco, images: str | Path, name: str = "the annotation file") -> N
                 and box[2] >= 0 and box[3] >= 0):
             raise DatasetError(f"{name}: annotation {ann.get('id')} has bbox {box!r}; COCO boxes are "
                                f"[x, y, width, height] with width and height >= 0.")
+        if masks and not _valid_segmentation(ann.get("segmentation")):
+            raise DatasetError(f"{name}: annotation {ann.get('id')} has no usable segmentation (polygons or RLE); "
+                               f"give masks for every object, or train boxes only (masks=False, Faster R-CNN).")
+        ann.setdefault("iscrowd", 0)
+        ann.setdefault("area", box[2] * box[3])
     folder = Path(images)
     if not folder.is_dir():
         raise DatasetError(f"image folder {folder} does not exist; give the folder of {name}'s images.")
@@ -165,7 +179,7 @@ class CocoInstances(Dataset):
         from torchvision.datasets import wrap_dataset_for_transforms_v2
 
         self.coco = read_coco(annotations)
-        check_coco(self.coco, images, name=Path(annotations).name)
+        check_coco(self.coco, images, name=Path(annotations).name, masks=masks)
         self.images, self.annotations = Path(images), Path(annotations)
         self.categories = [self.coco.cats[i] for i in sorted(self.coco.cats)]
         #: label -> COCO category id (index 0: background)
@@ -242,8 +256,15 @@ def build_shapes(train: bool, *, data_dir, img_size: int = 128, augment: str = "
                  jitter: Sequence[float] = (0.5, 1.5), mean=IMAGENET_MEAN, **options) -> CocoInstances:
     """The synthetic shapes set (:mod:`attnlab.data.shapes`), generated under ``<data_dir>/shapes`` on first use
     (``options``: :class:`~attnlab.data.shapes.ShapesOptions` fields) and read as COCO."""
+    import dataclasses
+
     from attnlab.data.shapes import ShapesOptions, generate_shapes
 
+    valid = [f.name for f in dataclasses.fields(ShapesOptions)]
+    bad = next((k for k in options if k not in valid), None)
+    if bad is not None:
+        raise DatasetError(f"shapes has no option {bad!r}{did_you_mean(bad, valid)}; its options are "
+                           f"{', '.join(valid)}.")
     opt = ShapesOptions(**options)
     root = generate_shapes(Path(data_dir).expanduser() / "shapes" / f"seed{opt.seed}", opt)
     images, annotations = split_paths(root, "train" if train else "val")

@@ -8,9 +8,10 @@ backbone carrying any attention spec.
 
 The spec is applied to the backbone's transformer (``model.backbone.trunk``) with :func:`attnlab.convert`, so every
 term ``attnlab variants --support`` lists for the plain backbone applies, with the same refusals; weight terms
-(``sigma``, ``speccond``) reparametrise the transformer's layers, not the pyramid or the heads. Pretrained weights
-(timm's, a file, or the DnA authors' layouts through :mod:`attnlab.models.pretrained`) initialise the transformer
-before the conversion, so ``dna(init=copy)`` warm-starts from them.
+(``sigma``, ``speccond``) reparametrise the transformer's layers, not the pyramid or the heads (``convert`` on the
+whole detector finds the same attention modules, but ``sigma(targets=all)`` would then reach the heads' layers
+too). Pretrained weights (timm's, a file, or the DnA authors' layouts through :mod:`attnlab.models.pretrained`)
+initialise the transformer before the conversion, so ``dna(init=copy)`` warm-starts from them.
 
 ``num_classes`` counts object categories; the detector's predictors have one more output, label 0 being torchvision's
 background, so a dataset's labels are 1..num_classes.
@@ -91,30 +92,24 @@ class DetectorConfig:
 
 #: named detectors (``attnlab.build_model(name)`` and ``build_detector(name)``): DetectorConfig fields
 DETECTOR_PRESETS: dict[str, dict[str, Any]] = {
+    # for 2 CPU cores and the synthetic shapes set: 128x128, patch 16 (8x8 tokens), dim 96, depth 4, 3 heads,
+    # windows of 4 with blocks 1 and 3 global, 64-channel pyramid, light heads, 300 proposals, 20 detections
     "vitdet_tiny": dict(
         backbone="vit_tiny_patch16_224", num_classes=3, img_size=128, window_size=4, global_blocks=(1, 3),
         fpn_channels=64, heads="light", anchor_sizes=(8, 16, 32, 64, 128), drop_path_rate=0.0,
         rpn_post_nms_top_n_train=300, rpn_post_nms_top_n_test=300, box_batch_size_per_image=128,
         detections_per_img=20, backbone_options=dict(embed_dim=96, depth=4, num_heads=3),
     ),
+    # the DnA paper's Table 9: DeiT-B (a supervised ViT-B) at 224x224, every block global, ViTDet's heads
     "vitdet_base_224": dict(backbone="deit_base_patch16_224"),
+    # ViTDet-B as its paper: ViT-B at 1024x1024, windows of 14, blocks 2, 5, 8, 11 global
     "vitdet_base": dict(backbone="vit_base_patch16_224", img_size=1024, window_size=14,
                         global_blocks=(2, 5, 8, 11)),
+    # Swin-S / Swin-B (window 7) + FPN, the classic Mask R-CNN heads, 1024x1024, mmdetection's drop-path
     "swin_small_maskrcnn": dict(backbone="swin_small_patch4_window7_224", img_size=1024, heads="classic",
                                 drop_path_rate=0.2),
     "swin_base_maskrcnn": dict(backbone="swin_base_patch4_window7_224", img_size=1024, heads="classic",
                                drop_path_rate=0.3),
-}
-
-PRESET_DOCS = {
-    "vitdet_tiny": "tiny ViTDet for 2 CPU cores and the synthetic shapes set: 128x128, patch 16 (8x8 tokens), dim 96, "
-                   "depth 4, 3 heads, windows of 4 with blocks 1 and 3 global, 64-channel pyramid, light heads, "
-                   "300 proposals and 20 detections per image",
-    "vitdet_base_224": "the DnA paper's Table 9 ViTDet: DeiT-B (supervised ViT-B) at 224x224, every block global, "
-                       "Mask R-CNN with ViTDet's heads",
-    "vitdet_base": "ViTDet-B as its paper: ViT-B at 1024x1024, windows of 14 with blocks 2, 5, 8, 11 global",
-    "swin_small_maskrcnn": "Swin-S (window 7) + FPN, Mask R-CNN with the classic FPN heads, 1024x1024, drop-path 0.2",
-    "swin_base_maskrcnn": "Swin-B (window 7) + FPN, Mask R-CNN with the classic FPN heads, 1024x1024, drop-path 0.3",
 }
 
 

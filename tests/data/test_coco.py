@@ -139,11 +139,21 @@ def test_missing_images(tmp_path):
     (dict(categories=[{"id": 5, "name": "bar"}]), "category_id 9"),
     (dict(annotations=[{"id": 1, "image_id": 7, "category_id": 5, "bbox": [0, 0, 1, 1]}]), "image_id 7"),
     (dict(annotations=[{"id": 1, "image_id": 1, "category_id": 5, "bbox": [0, 0, -1, 1]}]), "bbox"),
+    (dict(annotations=[{"id": 1, "image_id": 1, "category_id": 5, "bbox": [0, 0, 1, 1], "segmentation": []}]),
+     "no usable segmentation"),
 ])
 def test_malformed_annotations(tmp_path, change, words):
     with pytest.raises(DatasetError) as err:
         CocoInstances(*_coco(tmp_path, **change))
     assert words in _one_sentence(err)
+
+
+def test_boxes_only_needs_no_segmentation_nor_crowd_flags(tmp_path):
+    annotations = [{"id": 1, "image_id": 1, "category_id": 5, "bbox": [2, 3, 4, 5]}]
+    ds = CocoInstances(*_coco(tmp_path, annotations=annotations), masks=False)
+    _, target = ds[0]
+    assert target["boxes"].tolist() == [[2, 3, 6, 8]] and "masks" not in target
+    assert ds.coco.anns[1]["iscrowd"] == 0 and ds.coco.anns[1]["area"] == 20  # what COCOeval reads
 
 
 def test_unreadable_files(tmp_path):
