@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -37,6 +36,9 @@ from attnlab.bench import resolve_device
 from attnlab.models import build_detector
 from attnlab.ops.sdpa import short_sequence_products
 from attnlab.spec import split_specs
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from long_sequence import _rss_bytes, _status_kib  # noqa: E402  the peak-resident-set readers, shared
 
 BASE = "timm"
 
@@ -95,16 +97,6 @@ def infer(model, images, device, amp) -> None:
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
 
 
 def peak_memory(arm: str, args, device, amp) -> int:
