@@ -255,7 +255,8 @@ def build_coco(train: bool, *, data_dir, img_size: int = 224, augment: str = "re
 def build_shapes(train: bool, *, data_dir, img_size: int = 128, augment: str = "recipe", masks: bool = True,
                  jitter: Sequence[float] = (0.5, 1.5), mean=IMAGENET_MEAN, **options) -> CocoInstances:
     """The synthetic shapes set (:mod:`attnlab.data.shapes`), generated under ``<data_dir>/shapes`` on first use
-    (``options``: :class:`~attnlab.data.shapes.ShapesOptions` fields) and read as COCO."""
+    (``options``: :class:`~attnlab.data.shapes.ShapesOptions` fields) and read as COCO; its images are already the
+    canvas size, so the jitter is milder (0.5 to 1.5) than ViTDet's."""
     import dataclasses
 
     from attnlab.data.shapes import ShapesOptions, generate_shapes

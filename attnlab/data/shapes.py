@@ -63,7 +63,8 @@ def _shape_mask(kind: str, cx: int, cy: int, s: int, angle: float, size: int) ->
     return np.asarray(canvas, dtype=bool)
 
 
-def _image(rng: np.random.Generator, opt: ShapesOptions, empty: bool) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
+def _image(rng: np.random.Generator, opt: ShapesOptions,
+           empty: bool) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
     """One image (H, W, 3) uint8 and its instances [(category id, visible bool mask)], painter's order."""
     size = opt.image_size
     background = rng.integers(0, 90, 3)
