@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..train.files import CONFIG, METRICS
 
 METRICS = ("train_loss", "test_loss", "top1")
 
@@ -77,12 +78,12 @@ def training_curves(run_dirs: list[str | Path]) -> dict[str, dict]:
 
     found = []
     for run_dir in map(Path, run_dirs):
-        config = run_dir / "config.yaml"
+        config = run_dir / CONFIG
         if not config.is_file():
             raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give directories written by "
                               f"attnlab train or compare.")
         cfg = load_config(config)
-        found.append(((cfg.model, cfg.dataset), cfg.attn, read_metrics(run_dir / "metrics.jsonl")))
+        found.append(((cfg.model, cfg.dataset), cfg.attn, read_metrics(run_dir / METRICS)))
     if not found:
         raise ConfigError("training curves need at least one run directory.")
     mixed = len({group for group, _, _ in found}) > 1
@@ -93,27 +94,62 @@ def training_curves(run_dirs: list[str | Path]) -> dict[str, dict]:
     return aggregate(runs)
 
 
-def plot_training_curves(curves: dict[str, dict], path: str | Path | None = None):
-    """Train loss, test loss and top-1 per epoch, one line (mean) and one band (+- SD) per variant in each panel;
-    written to ``path`` when given. Returns the matplotlib Figure."""
+PANELS = (("train_loss", "train loss"), ("test_loss", "test loss"), ("top1", "test top-1 (%)"))
+
+
+def _split(key: str) -> tuple[str, str]:
+    """(group, variant) of a :func:`training_curves` key: "model/dataset/variant" when the runs span several."""
+    group, _, variant = key.rpartition("/")
+    return group, variant
+
+
+def _variant(key: str) -> str:
+    return _split(key)[1]
+
+
+def plot_training_curves(curves: dict[str, dict], path: str | Path | None = None, *, baseline: str | None = "standard",
+                         colors: dict[str, str] | None = None):
+    """Small multiples: one row per variant (train loss, test loss, top-1 per epoch: mean line, +- SD band), each
+    beside the baseline's curves in grey when ``curves`` hold the baseline, axes shared down each column, whole
+    epochs on the x axis; colours from ``colors`` (default :func:`attnlab.analysis.figures.variant_colors`). Written
+    to ``path`` when given. Returns the matplotlib Figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(13, 3.8))
+    from .figures import BASELINE_COLOR, color_of, integer_ticks, save_png, variant_colors
+
+    colors = colors if colors is not None else variant_colors(map(_variant, curves), baseline)
+    base_name = "".join(str(baseline).split()) if baseline is not None else None
+    bases = {key: entry for key, entry in curves.items() if _variant(key) == base_name}
+    rows = [key for key in curves if key not in bases] or list(bases)
+    fig = Figure(figsize=(11, 0.7 + 2.3 * len(rows)))
     FigureCanvasAgg(fig)
-    for j, (metric, label) in enumerate((("train_loss", "train loss"), ("test_loss", "test loss"),
-                                         ("top1", "test top-1 (%)"))):
-        ax = fig.add_subplot(1, 3, j + 1)
-        for c, (variant, entry) in enumerate(curves.items()):
-            series = entry[metric]
-            ax.plot(entry["epochs"], series["mean"], color=f"C{c}", label=f"{variant} ({entry['runs']} runs)")
-            ax.fill_between(entry["epochs"], series["low"], series["high"], color=f"C{c}", alpha=0.2, linewidth=0)
-        ax.set(xlabel="epoch", ylabel=label, title=label)
-        if j == 0:
-            ax.legend(fontsize="x-small")
+    axes = fig.subplots(len(rows), len(PANELS), sharex=True, sharey="col", squeeze=False)
+
+    def draw(ax, entry, metric, color, label, **style):
+        series = entry[metric]
+        ax.plot(entry["epochs"], series["mean"], color=color, label=f"{label} ({entry['runs']} runs)", **style)
+        ax.fill_between(entry["epochs"], series["low"], series["high"], color=color, alpha=0.2, linewidth=0)
+
+    for i, key in enumerate(rows):
+        # the baseline of the variant's own model and dataset, when the curves span several
+        base = next((e for k, e in bases.items() if k != key and _split(k)[0] == _split(key)[0]), None)
+        for j, (metric, title) in enumerate(PANELS):
+            ax = axes[i][j]
+            if base is not None:
+                draw(ax, base, metric, BASELINE_COLOR, f"{base_name} (baseline)", linestyle="--")
+            draw(ax, curves[key], metric, color_of(colors, _variant(key), i), key)
+            if i == 0:
+                ax.set_title(title, fontsize=10)
+            if i == len(rows) - 1:
+                ax.set_xlabel("epoch")
+            integer_ticks(ax.xaxis)
+            ax.grid(alpha=0.3)
+        axes[i][0].set_ylabel(key, fontsize=9)
+        axes[i][0].legend(fontsize="x-small", loc="best")
     fig.tight_layout()
     if path is not None:
-        fig.savefig(path, dpi=120)
+        save_png(fig, path, dpi=120)
     return fig
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from .figures import save_png
 
 DEFAULT_K = 10
 DEFAULT_EPS = math.cos(math.pi / 3)
@@ -187,7 +188,7 @@ def plot_branch_instruments(results: dict[str, BranchInstruments], out_dir: str 
     def save(fig, name):
         path = out_dir / name
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        save_png(fig, path, dpi=120)
         paths.append(path)
 
     fig = Figure(figsize=(6, 4))

@@ -162,8 +162,12 @@ def analyze_model(model: nn.Module, images: torch.Tensor, what: list[str], batch
 
 def plot_results(results: dict[str, dict], out_dir: str | Path) -> list[Path]:
     """PNG figures for what ``results`` (label -> analyze_model output + ``attn``) holds; returns their paths."""
+    from .figures import variant_colors
+
     out_dir = Path(out_dir)
     paths = []
+    by_variant = variant_colors({r["attn"] for r in results.values() if "attn" in r})
+    colors = {label: by_variant["".join(str(r["attn"]).split())] for label, r in results.items() if "attn" in r}
     curves: dict[tuple[str, int], list[list[float]]] = defaultdict(list)
     for result in results.values():
         spectrum = result.get("spectra", {}).get("mean_spectrum")
@@ -173,14 +177,16 @@ def plot_results(results: dict[str, dict], out_dir: str | Path) -> list[Path]:
         mixed = len({n for _, n in curves}) > 1
         mean = {(f"{attn} (D={n})" if mixed else attn): torch.tensor(c).mean(0).tolist()
                 for (attn, n), c in curves.items()}
-        paths.append(Path(plot_spectra(mean, out_dir / "spectra.png")))
+        spectrum_colors = {(f"{attn} (D={n})" if mixed else attn): by_variant["".join(attn.split())]
+                           for attn, n in curves}
+        paths.append(Path(plot_spectra(mean, out_dir / "spectra.png", colors=spectrum_colors)))
     redundancy = {label: r["redundancy"] for label, r in results.items() if r.get("redundancy")}
     if redundancy:  # DnA Figure 12: one line per run and branch
-        plot_redundancy(redundancy, out_dir / "redundancy.png")
+        plot_redundancy(redundancy, out_dir / "redundancy.png", colors=colors)
         paths.append(out_dir / "redundancy.png")
     robustness = {label: r["robustness"] for label, r in results.items() if r.get("robustness")}
     if robustness:  # DnA Figure 9: one panel per sigma
-        plot_robustness(robustness, out_dir / "robustness.png")
+        plot_robustness(robustness, out_dir / "robustness.png", colors=colors)
         paths.append(out_dir / "robustness.png")
     return paths
 
@@ -191,27 +197,59 @@ def annotate_runs(run_dirs: list[str | Path], what: list[str], images: int = 160
     already have them), measured on the first ``images`` test images of the run's dataset."""
     import json
 
-    from ..data import build_dataset
-    from ..train import load_run
     from ..train.checkpoint import atomic_write_json
+    from ..train.files import RESULT
+    from ..train.run import Run
 
     cache: dict = {}
     for run_dir in map(Path, run_dirs):
-        result_path = run_dir / "result.json"
+        result_path = run_dir / RESULT
         if not result_path.exists():
             continue
         result = json.loads(result_path.read_text())
         todo = [w for w in what if not result.get("analyzed", {}).get(w)]
         if not todo:
             continue
-        model, cfg = load_run(run_dir)
-        key = (cfg.dataset, cfg.data_dir)
+        run = Run.open(run_dir)
+        model, cfg = run.load_model(), run.cfg
+        key = (cfg.dataset, cfg.data_dir, repr(sorted(cfg.data_options.items())))
         if key not in cache:
-            test = build_dataset(cfg.dataset, False, data_dir=cfg.data_dir, **cfg.data_options)
-            cache[key] = torch.stack([test[i][0] for i in range(min(images, len(test)))])
-        summary = analyze_model(model, cache[key], todo, batch_size=batch_size)["summary"]
+            cache[key] = run.task.inputs(images)
+        out = analyze_model(model, cache[key], todo, batch_size=batch_size, skip_unsupported=True)
+        summary = out["summary"]
         result.setdefault("extra", {}).update(summary)
-        result.setdefault("analyzed", {}).update({w: True for w in todo})
+        result.setdefault("analyzed", {}).update({w: w not in out.get("skipped", {}) for w in todo})
+        result.setdefault("skipped", {}).update(out.get("skipped", {}))
         atomic_write_json(result_path, result)
         if progress:
             print(f"  {run_dir.name}: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()), flush=True)
+
+
+def check_instruments(what: list[str], configs: list) -> None:
+    """ConfigError, before a grid trains, for an instrument of ``what`` that applies to none of its runs (``branches``
+    on a grid without a two-branch variant, say): each distinct model of the grid is built untrained and the
+    instruments run on two of its test inputs (runs an instrument does not apply to are skipped after training)."""
+    from ..errors import ConfigError
+    from ..train.run import Run
+
+    reasons: dict[str, str] = {}
+    applies: set[str] = set()
+    seen = set()
+    for cfg in configs:
+        run = Run(cfg)
+        key = (run.cfg.model, run.cfg.attn, run.cfg.dataset, run.cfg.norm, repr(sorted(run.cfg.model_options.items())))
+        if key in seen or applies >= set(what):
+            continue
+        seen.add(key)
+        with torch.random.fork_rng(devices=[]):
+            model = run.build_model(pretrained=False).eval()
+        inputs = run.task.inputs(2)
+        skipped = analyze_model(model, inputs, [w for w in what if w not in applies], batch_size=2,
+                                skip_unsupported=True).get("skipped", {})
+        applies |= {w for w in what if w not in skipped}
+        for name, reason in skipped.items():
+            reasons.setdefault(name, reason)
+    missing = [w for w in what if w not in applies]
+    if missing and configs:
+        raise ConfigError(f"--analyze {missing[0]} applies to none of the grid's runs ({reasons[missing[0]]}); drop it "
+                          f"from --analyze or add a variant it measures.")

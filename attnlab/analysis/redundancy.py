@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .maps import capture_maps, eval_mode
+from .figures import save_png
 
 
 def head_distance(maps: torch.Tensor) -> torch.Tensor:
@@ -74,24 +75,30 @@ def redundancy_summary(layers: list[dict]) -> dict[str, float]:
     return out
 
 
-def plot_redundancy(results: dict[str, list[dict]], path) -> None:
-    """Figure 12: mean head distance per layer, one line per model (label) and branch; written to ``path``."""
+def plot_redundancy(results: dict[str, list[dict]], path, colors: dict[str, str] | None = None) -> None:
+    """Figure 12: mean head distance per layer, one line per model (label; ``colors`` {label: colour}) and branch
+    (one line style per branch); written to ``path``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6, 4))
+    from .figures import color_of, integer_ticks
+
+    fig = Figure(figsize=(9, 4))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for label, layers in results.items():
-        for branch in sorted({b for layer in layers for b in layer["branches"]}):
+    for n, (label, layers) in enumerate(results.items()):
+        branches = sorted({b for layer in layers for b in layer["branches"]}, key=lambda b: (b != "attn", b))
+        for k, branch in enumerate(branches):
             xs = [i for i, layer in enumerate(layers) if branch in layer["branches"]]
             ys = [layers[i]["branches"][branch]["distance"] for i in xs]
-            ax.plot(xs, ys, marker="o", label=label if branch == "attn" else f"{label} ({branch})")
+            ax.plot(xs, ys, marker="o", label=label if branch == "attn" else f"{label} ({branch})",
+                    color=color_of(colors or {}, label, n), linestyle=("-", "--", ":", "-.")[k % 4])
+    integer_ticks(ax.xaxis)
     ax.set(xlabel="attention layer", ylabel="mean 1 - cos between heads' maps",
            title="Head redundancy (higher: less redundant)")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the lines, not on them
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
 
 
 __all__ = ["head_distance", "head_redundancy", "pair_distances", "plot_redundancy", "redundancy_summary"]

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..errors import ConfigError, UnsupportedModelError
 from .maps import capture_maps, eval_mode, map_modules
+from .figures import save_png
 
 
 def layer_relevance(effective: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -155,7 +156,7 @@ def plot_relevance(images: torch.Tensor, relevance: Relevance, path, title: str 
     if title:
         fig.suptitle(title, fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_png(fig, path, dpi=100)
 
 
 __all__ = ["Relevance", "layer_relevance", "plot_relevance", "relevance_matrices", "relevance_maps", "rollout"]

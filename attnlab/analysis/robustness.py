@@ -25,6 +25,7 @@ from torch import nn
 from ..errors import ConfigError, UnsupportedModelError
 from ..models.convert import attention_modules
 from .maps import eval_mode
+from .figures import save_png
 
 DEFAULT_SIGMAS = (0.1, 0.2, 0.5)
 
@@ -130,11 +131,13 @@ def robustness_summary(result: dict) -> dict[str, float]:
     return out
 
 
-def plot_robustness(results: dict[str, dict], path) -> None:
+def plot_robustness(results: dict[str, dict], path, colors: dict[str, str] | None = None) -> None:
     """Figure 9: Delta per block, one panel per sigma (PSNR and top-1 drop in the title), clean solid and noisy
-    dashed, one colour per model (label); written to ``path``."""
+    dashed, one colour per model (label; ``colors`` {label: colour}); written to ``path``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+
+    from .figures import color_of, integer_ticks
 
     sigmas = sorted({r["sigma"] for res in results.values() for r in res["noisy"]})
     fig = Figure(figsize=(4 * max(len(sigmas), 1), 3.5))
@@ -143,19 +146,20 @@ def plot_robustness(results: dict[str, dict], path) -> None:
         ax = fig.add_subplot(1, max(len(sigmas), 1), j + 1)
         title = []
         for c, (label, res) in enumerate(results.items()):
-            color = f"C{c}"
+            color = color_of(colors or {}, label, c)
             ax.plot(range(len(res["clean"])), res["clean"], color=color, label=label)
             row = next((r for r in res["noisy"] if r["sigma"] == sigma), None)
             if row is not None:
                 drop = f", drop {row['top1_drop']:.1f}" if "top1_drop" in row else ""
                 ax.plot(range(len(row["distance"])), row["distance"], color=color, linestyle="--",
-                        label=f"{label}^sigma{drop}")
+                        label=f"{label}, noise σ={sigma:g}{drop}")
                 title.append(f"PSNR {row['psnr']:.1f} dB")
         ax.set(xlabel="block", ylabel="mean pairwise cosine distance",
-               title=f"sigma {sigma:g}, {title[0]}" if title else "clean")
+               title=f"noise σ={sigma:g}, {title[0]}" if title else "clean")
+        integer_ticks(ax.xaxis)
         ax.legend(fontsize="x-small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
 
 
 __all__ = ["DEFAULT_SIGMAS", "plot_robustness", "psnr", "representational_robustness", "robustness_summary",

@@ -18,6 +18,7 @@ from torch import nn
 from ..attention.base import AttnlabAttention
 from ..errors import UnsupportedModelError
 from ..ops.spectra import effective_rank, gram_spectrum, leading_fraction
+from .figures import save_png
 
 
 @dataclass
@@ -100,17 +101,24 @@ def first_images(dataset, n: int = 160) -> torch.Tensor:
     return torch.stack([dataset[i][0] for i in range(n)])
 
 
-def plot_spectra(curves: dict[str, HeadSpectra | list[float]], path, title: str = "Mean normalised head-output spectrum"):
-    """Figure 2 of the paper: the mean normalised eigenvalue spectrum per variant (log scale), written as PNG."""
+def plot_spectra(curves: dict[str, HeadSpectra | list[float]], path, title: str = "Mean normalised head-output spectrum",
+                 colors: dict[str, str] | None = None):
+    """Figure 2 of the paper: the mean normalised eigenvalue spectrum per variant (log scale), written as PNG;
+    ``colors`` {label: colour} (default: :func:`attnlab.analysis.figures.variant_colors` of the labels)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    from .figures import color_of, integer_ticks, variant_colors
+
+    colors = colors if colors is not None else variant_colors(curves)
     fig = Figure(figsize=(5.5, 3.6), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for label, curve in curves.items():
+    for i, (label, curve) in enumerate(curves.items()):
         values = curve.mean_spectrum().tolist() if isinstance(curve, HeadSpectra) else list(curve)
-        ax.plot(range(1, len(values) + 1), values, marker="o", markersize=3, label=label)
+        ax.plot(range(1, len(values) + 1), values, marker="o", markersize=3, label=label,
+                color=color_of(colors, label, i))
+    integer_ticks(ax.xaxis)
     ax.set_yscale("log")
     ax.set_xlabel("eigenvalue index i (sorted)")
     ax.set_ylabel("mean normalised eigenvalue p_i")
@@ -118,5 +126,5 @@ def plot_spectra(curves: dict[str, HeadSpectra | list[float]], path, title: str 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    save_png(fig, path)
     return path

@@ -9,6 +9,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..models import build_model
 from ..spec import parse_spec
+from ..train.run import resolve_device
 
 
 class Autocast(nn.Module):
@@ -23,14 +24,6 @@ class Autocast(nn.Module):
         device_type = x.device.type
         with torch.autocast(device_type, dtype=self.dtype):
             return self.model(x)
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r} was asked for but CUDA is not available here; use --device cpu.")
-    return torch.device(device)
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -174,7 +174,12 @@ def _main(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     try:
         _check_launch(args.command)
-        return int(args._run(args) or 0)
+        code = int(args._run(args) or 0)
+        sys.stdout.flush()  # a reader that left shows here, not in Python's flush at exit
+        return code
+    except BrokenPipeError:  # stdout's reader left (`attnlab variants --json | head -1`): stop as `yes | head` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
     except NonFiniteLossError as err:
         if not _quiet(err):
             print(f"attnlab {args.command}: {err}", file=sys.stderr)

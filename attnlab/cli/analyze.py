@@ -12,14 +12,17 @@ Examples:
   attnlab analyze runs/demo/vit_digits-digits-dna-s0 --what redundancy,robustness,relevance
   attnlab analyze runs/demo/* --what curves --out figures/   # train/test loss and top-1 per variant
 
-An instrument that does not apply to a model (relevance on Swin, entropy on DnA...) is reported in one line on
-stderr and the others go on. A progress bar over instruments and images shows on a terminal."""
+--what all runs every instrument. An instrument that does not apply to a model (relevance on Swin, entropy on
+DnA...) is reported in one line on stderr and the others go on; entries that are not run directories (the report
+files compare writes beside the runs) are passed over with one note. A progress bar over instruments and images
+shows on a terminal."""
 
 from __future__ import annotations
 
 import argparse
 
 from .checks import count
+from ..train.files import CONFIG
 
 # attnlab.analysis.instruments.INSTRUMENTS by name: that module imports torch, which --help must not wait for
 INSTRUMENTS = ("spectra", "entropy", "qk", "branches", "jacobian", "redundancy", "robustness", "relevance",
@@ -29,7 +32,7 @@ INSTRUMENTS = ("spectra", "entropy", "qk", "branches", "jacobian", "redundancy",
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (each with config.yaml and a checkpoint)")
     p.add_argument("--what", default="spectra",
-                   help=f"comma-separated instruments: {', '.join(INSTRUMENTS)} (default: spectra)")
+                   help=f"comma-separated instruments: {', '.join(INSTRUMENTS)}, or all (default: spectra)")
     p.add_argument("--model", default=None, help="analyse a freshly built model instead of runs (preset or timm name)")
     p.add_argument("--attn", default="standard", help="variant spec for --model")
     p.add_argument("--dataset", default="digits", help="dataset whose test images feed the model (with --model)")
@@ -42,7 +45,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    import json
     import sys
     from pathlib import Path
 
@@ -50,16 +52,25 @@ def run(args) -> int:
     from .checks import output_dir, run_dir
 
     what = [w.strip() for w in args.what.split(",") if w.strip()]
+    what = list(INSTRUMENTS) if what == ["all"] else what
     bad = next((w for w in what if w not in INSTRUMENTS), None) if what else args.what
     if bad is not None:
-        raise ConfigError(f"unknown instrument {bad!r} in --what{did_you_mean(bad, INSTRUMENTS)}; choose from: "
-                          f"{', '.join(INSTRUMENTS)}.")
+        raise ConfigError(f"unknown instrument {bad!r} in --what{did_you_mean(bad, [*INSTRUMENTS, 'all'])}; choose "
+                          f"from: {', '.join(INSTRUMENTS)}, or all.")
     if not args.runs and not args.model:
         raise ConfigError("give run directories to analyse, or --model (with --attn and --dataset) for a fresh model.")
-    for path in args.runs:
-        run_dir(path)
-    out = Path(args.out) if args.out else (Path(args.runs[0]) if len(args.runs) == 1 and not args.model
-                                           else Path("analysis"))
+    # `analyze runs/demo/*` also matches what compare writes beside the runs (report.md, its PNGs): passed over,
+    # with a note; when nothing is left, the first entry's error says why
+    runs = [path for path in args.runs if (Path(path) / CONFIG).is_file()]
+    not_runs = [path for path in args.runs if path not in runs]
+    if not_runs and not runs:
+        run_dir(not_runs[0])
+    if not_runs:
+        n = len(not_runs)
+        shown = ", ".join(Path(p).name for p in not_runs[:4]) + (f" and {n - 4} more" if n > 4 else "")
+        print(f"attnlab analyze: passed over {n} {'entry that is' if n == 1 else 'entries that are'} not a run "
+              f"directory (no config.yaml): {shown}", file=sys.stderr)
+    out = Path(args.out) if args.out else (Path(runs[0]) if len(runs) == 1 and not args.model else Path("analysis"))
     output_dir(out, "--out")
 
     import torch
@@ -68,7 +79,8 @@ def run(args) -> int:
     from ..data import build_dataset, dataset_info
     from ..errors import UnsupportedModelError
     from ..spec import parse_spec
-    from ..train.loop import resolve_device
+    from ..train.checkpoint import atomic_write_json
+    from ..train.run import resolve_device
 
     device = resolve_device(args.device)
 
@@ -88,9 +100,9 @@ def run(args) -> int:
                         args.data_dir or "data"))
     from ..train import load_run
 
-    for run_dir in args.runs if model_what else []:
-        model, cfg = load_run(run_dir, map_location=device)
-        targets.append((Path(run_dir).name, cfg.attn, model, cfg.dataset, args.data_dir or cfg.data_dir))
+    for path in runs if model_what else []:
+        model, cfg = load_run(path, map_location=device)
+        targets.append((Path(path).name, cfg.attn, model, cfg.dataset, args.data_dir or cfg.data_dir))
 
     results = {}
     image_cache = {}
@@ -110,19 +122,19 @@ def run(args) -> int:
             prefix="" if len(targets) == 1 else f"{label}-", skip_unsupported=True, progress=progress)}
         skipped += [(label, name, why) for name, why in results[label].get("skipped", {}).items()]
         print(f"{label}: " + ", ".join(f"{k} {v:.4g}" for k, v in results[label]["summary"].items()))
-    if skipped and len(skipped) == len(targets) * len(model_what) and not (args.runs and "curves" in what):
+    if skipped and len(skipped) == len(targets) * len(model_what) and not (runs and "curves" in what):
         raise UnsupportedModelError(skipped[0][2])  # nothing was measured: the reason is the error
     for label, name, why in skipped:
         print(f"{label}: {name} does not apply: {why}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
-    if "curves" in what and args.runs:
+    if "curves" in what and runs:
         from ..analysis.curves import plot_training_curves, training_curves
 
-        curves = training_curves(args.runs)
+        curves = training_curves(runs)
         plot_training_curves(curves, out / "curves.png")
         results["curves"] = curves
         print(f"wrote {out / 'curves.png'}")
-    (out / "analysis.json").write_text(json.dumps(results, indent=2))
+    atomic_write_json(out / "analysis.json", results)
     for path in plot_results({k: v for k, v in results.items() if k != "curves"}, out):
         print(f"wrote {path}")
     for path in (p for r in results.values() for p in r.get("figures", [])):

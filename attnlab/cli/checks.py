@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..train.files import CONFIG
 
 
 def count(minimum: int):
@@ -61,7 +62,7 @@ def output_file(path: str | Path, what: str) -> Path:
 def run_dir(path: str | Path) -> Path:
     """``path`` if it looks like a run directory (it has a config.yaml), else ConfigError; checked before torch loads."""
     path = Path(path)
-    if not (path / "config.yaml").is_file():
+    if not (path / CONFIG).is_file():
         raise ConfigError(f"{path} is not a run directory (it has no config.yaml); give a directory made by "
                           "attnlab train.")
     return path

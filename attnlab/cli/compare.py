@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from attnlab.analysis.instruments import INSTRUMENTS
     from attnlab.errors import ConfigError
     from attnlab.train import load_grid, run_grid
+    from attnlab.train.files import RESULT
     from attnlab.train.grid import format_plan, plan_grid
 
     base = {k: getattr(args, k) for k in _BASE_FLAGS if hasattr(args, k)}
@@ -91,23 +92,31 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ConfigError(f"unknown instrument {unknown[0]!r} in --analyze; choose from: {', '.join(INSTRUMENTS)} "
                           "(or none).")
+    plans = plan_grid(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
+                      grid["runs_dir"], variations=grid["variations"])
+    if what:
+        from attnlab.analysis.instruments import check_instruments
+
+        check_instruments(what, [p["cfg"] for p in plans])  # an instrument no run can take: one line, before training
     if args.plan:
-        print(format_plan(plan_grid(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
-                                    grid["runs_dir"], variations=grid["variations"])))
+        print(format_plan(plans))
         return 0
     results = run_grid(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
                        grid["runs_dir"], progress=progress, variations=grid["variations"], jobs=int(grid["jobs"]),
-                       probe=training_probe, launcher=grid["launcher"], launcher_options=grid["launcher_options"])
+                       probe=training_probe, launcher=grid["launcher"], launcher_options=grid["launcher_options"],
+                       plans=plans)
     if what:
         from attnlab.analysis.instruments import annotate_runs
 
         if progress:
             print(f"analysing finished runs: {', '.join(what)}", flush=True)
         annotate_runs([Path(grid["runs_dir"]) / r["name"] for r in results], what, progress=progress)
-        results = [json.loads((Path(grid["runs_dir"]) / r["name"] / "result.json").read_text()) for r in results]
+        results = [json.loads((Path(grid["runs_dir"]) / r["name"] / RESULT).read_text()) for r in results]
     if not args.report:
+        from attnlab.train.grid import result_line
+
         for r in results:
-            print(f"{r['name']}: top-1 {r['top1']:.2f}%")
+            print(result_line(r))
         return 0
     from attnlab.report import write_report
 

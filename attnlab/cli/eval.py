@@ -14,7 +14,10 @@ Examples:
 --folder DIR reads one subfolder of images per class (ImageNet-A/-R/-O as you bring them); with --classes FILE (the
 model's class names, one per line in output order, e.g. the 1000 ImageNet wnids) each subfolder name is looked up
 and the logits are restricted to those classes, as Hendrycks et al. evaluate ImageNet-A and -R; without it the sorted
-subfolders are the model's classes 0, 1, ... Images are resized and centre-cropped to the model's input size.
+subfolders are the model's classes 0, 1, ... Images are read in the model's channels, resized and centre-cropped to
+its input size; a file that is not an image, or has more than 64 megapixels, is refused before any is evaluated.
+--model needs weights (--checkpoint, --pretrained, --pretrained-file); --random-weights evaluates its seeded random
+initialisation on purpose.
 --ood DIR is an image folder (any subfolders) compared with --folder's images, or with the dataset split's, in
 which case it is read like the dataset (its channels, size and normalisation)."""
 
@@ -38,6 +41,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pretrained", action="store_true", help="timm's pretrained weights for --model (hub cache)")
     p.add_argument("--pretrained-file", default=None, metavar="FILE",
                    help="timm-format weights for --model, loaded before --attn converts it")
+    p.add_argument("--random-weights", action="store_true",
+                   help="evaluate --model's random initialisation (seeded by --seed), e.g. as a chance baseline; "
+                        "without it --model needs weights")
     p.add_argument("--dataset", default=None, help="dataset whose test split is evaluated (default: the run's, or "
                                                    "digits)")
     p.add_argument("--data-dir", default=None, help="dataset directory (default: the run's, or data/)")
@@ -48,8 +54,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="the model's class names, one per line in output order, to map --folder's subfolders")
     p.add_argument("--ood", default=None, metavar="DIR", help="image folder of out-of-distribution images: AUROC")
     p.add_argument("--num-classes", type=count(1), default=None, help="classes of --model (default: the dataset's)")
-    p.add_argument("--image-size", type=count(1), default=None, help="input size for folders (default: the "
-                                                                      "dataset's)")
+    p.add_argument("--image-size", type=count(1), default=None,
+                   help="input size of --model and of folder images (default: the dataset's, else the model's own)")
     p.add_argument("--noise", type=float, default=0.0, metavar="STD",
                    help="Gaussian noise N(0, STD^2) added to each normalised input (default 0)")
     p.add_argument("--images", type=count(1), default=None, help="evaluate only the first N images of each set")
@@ -71,21 +77,7 @@ def _folder(path: str, what: str):
     return root
 
 
-def _ood_like(root, info):
-    """The --ood folder read as the dataset's own images: its channels, size (resize and centre crop) and
-    normalisation, so that only the content differs from the in-distribution split."""
-    from torchvision import transforms
-    from torchvision.datasets import ImageFolder
-
-    from ..data.folder import folder_transform
-
-    transform = folder_transform(False, "none", image_size=info.image_size, mean=info.mean, std=info.std)
-    if info.in_chans == 1:
-        transform = transforms.Compose([transforms.Grayscale(1), transform])
-    return ImageFolder(str(root), transform=transform, allow_empty=True)
-
-
-def _class_indices(classes_file: str, folder_classes: list[str]) -> list[int]:
+def _class_indices(classes_file: str, folder_classes: list[str], outputs: int | None) -> list[int]:
     from pathlib import Path
 
     from ..errors import ConfigError
@@ -94,12 +86,60 @@ def _class_indices(classes_file: str, folder_classes: list[str]) -> list[int]:
     if not path.is_file():
         raise ConfigError(f"--classes {path} is not a file; give a text file of class names, one per line.")
     names = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    index = {name: i for i, name in enumerate(names)}
-    missing = next((c for c in folder_classes if c not in index), None)
+    if outputs is not None and len(names) > outputs:
+        raise ConfigError(f"--classes {path} has {len(names)} names, but the model has {outputs} outputs; give one "
+                          "name per output, in output order.")
+    seen: dict[str, int] = {}
+    for line, name in enumerate(names, start=1):
+        if name in seen:
+            raise ConfigError(f"--classes {path} names {name!r} twice (names {seen[name] + 1} and {line}); each "
+                              "output has one name.")
+        seen[name] = line - 1
+    missing = next((c for c in folder_classes if c not in seen), None)
     if missing is not None:
         raise ConfigError(f"--folder's subfolder {missing!r} is not among the {len(names)} names in --classes "
                           f"{path}; give the model's class names (e.g. ImageNet wnids), one per line.")
-    return [index[c] for c in folder_classes]
+    return [seen[c] for c in folder_classes]
+
+
+def _input_shape(model) -> tuple[int, int, int] | None:
+    """(channels, height, width) of an image model's input, None for a model without a patch embedding."""
+    from ..bench.matched import input_shape
+
+    return input_shape(model) if getattr(model, "patch_embed", None) is not None else None
+
+
+def _shape_words(chans: int, size) -> str:
+    h, w = (size, size) if isinstance(size, int) else size
+    return f"{chans}-channel {h} x {w}"
+
+
+def _check_dataset(model, info, trained_on: str | None) -> None:
+    """ConfigError unless ``info``'s images (channels, size) and classes fit ``model`` (trained on ``trained_on``)."""
+    from ..errors import ConfigError
+
+    shape, outputs = _input_shape(model), getattr(model, "num_classes", None)
+    wanted = None if shape is None else (shape[0], tuple(shape[1:]))
+    size = (info.image_size,) * 2 if isinstance(info.image_size, int) else tuple(info.image_size)
+    if (wanted is not None and wanted != (info.in_chans, size)) or (outputs is not None
+                                                                     and info.num_classes > outputs):
+        what = f"the run's model (trained on {trained_on})" if trained_on else "the model"
+        takes = f"takes {_shape_words(shape[0], tuple(shape[1:]))} images and " if shape else ""
+        raise ConfigError(f"--dataset {info.name} has {_shape_words(info.in_chans, size)} images in "
+                          f"{info.num_classes} classes, but {what} {takes}has {outputs} outputs; evaluate on a "
+                          "dataset of that shape, or on an image folder with --folder.")
+
+
+def _folder_norm(info, chans: int) -> dict:
+    """Normalisation of folder images: the dataset's when there is one, else timm's ImageNet statistics (averaged
+    over the colours for a 1-channel model)."""
+    from ..data.registry import IMAGENET_MEAN, IMAGENET_STD
+
+    if info is not None and len(info.mean) == chans:
+        return dict(mean=tuple(info.mean), std=tuple(info.std))
+    if chans == 1:
+        return dict(mean=(sum(IMAGENET_MEAN) / 3,), std=(sum(IMAGENET_STD) / 3,))
+    return dict(mean=IMAGENET_MEAN, std=IMAGENET_STD)
 
 
 def run(args) -> int:
@@ -111,18 +151,25 @@ def run(args) -> int:
     if bool(args.run_dir) == bool(args.model):
         raise ConfigError("give a run directory, or --model (with --checkpoint, --pretrained or --pretrained-file), "
                           "not both.")
+    weights = next((f for f, v in (("--checkpoint", args.checkpoint), ("--pretrained", args.pretrained),
+                                   ("--pretrained-file", args.pretrained_file)) if v), None)
     if args.run_dir:
         run_dir(args.run_dir)
-        extra = next((f for f, v in (("--checkpoint", args.checkpoint), ("--pretrained", args.pretrained),
-                                     ("--pretrained-file", args.pretrained_file)) if v), None)
-        if extra:
-            raise ConfigError(f"{extra} goes with --model; a run directory brings its own weights.")
+        if weights or args.random_weights:
+            raise ConfigError(f"{weights or '--random-weights'} goes with --model; a run directory brings its own "
+                              "weights.")
     elif args.checkpoint and (args.pretrained or args.pretrained_file):
         raise ConfigError("give --checkpoint (weights of the converted model) or --pretrained/--pretrained-file "
                           "(timm weights converted after loading), not both.")
     if args.dna_layout and not args.checkpoint:
         raise ConfigError("--dna-layout says how to read --checkpoint; give --checkpoint (the DnA authors' file) "
                           "as well.")
+    if args.model and not weights and not args.random_weights:
+        raise ConfigError(f"--model {args.model} has no weights to evaluate; give --checkpoint FILE, --pretrained or "
+                          "--pretrained-file FILE (or --random-weights to measure a random initialisation on "
+                          "purpose).")
+    if args.model and weights and args.random_weights:
+        raise ConfigError(f"--random-weights evaluates a fresh initialisation; drop it, or drop {weights}.")
     if args.classes and not args.folder:
         raise ConfigError("--classes maps --folder's subfolders to the model's outputs; give --folder as well.")
     folder = _folder(args.folder, "--folder") if args.folder else None
@@ -130,23 +177,25 @@ def run(args) -> int:
 
     import torch
 
-    from ..analysis.evaluation import evaluate
+    from ..analysis.evaluation import evaluate, image_folder
     from ..data import build_dataset, dataset_info
-    from ..data.registry import resolve_options
-    from ..train.loop import resolve_device
+    from ..train.run import resolve_device
 
     device = resolve_device(args.device)
     if args.run_dir:
         from ..train import load_run
 
         model, cfg = load_run(args.run_dir, map_location=device)
-        dataset, data_dir, data_opts = args.dataset or cfg.dataset, args.data_dir or cfg.data_dir, cfg.data_options
+        dataset, data_dir = args.dataset or cfg.dataset, args.data_dir or cfg.data_dir
+        # the run's data options are its dataset's: another dataset starts from its own defaults
+        data_opts = cfg.data_options if dataset == cfg.dataset else {}
+        trained_on = cfg.dataset
         label = {"run": str(args.run_dir), "attn": cfg.attn}
     else:
         from ..models import build_model
         from ..models.pretrained import load_dna_authors, load_strict, read_state_dict
 
-        dataset, data_dir, data_opts = args.dataset or "digits", args.data_dir or "data", {}
+        dataset, data_dir, data_opts, trained_on = args.dataset or "digits", args.data_dir or "data", {}, None
         info = dataset_info(dataset, data_dir=data_dir) if not folder or args.dataset else None
         kwargs = {}
         if info is not None:
@@ -164,27 +213,36 @@ def run(args) -> int:
             load_strict(model, read_state_dict(args.checkpoint), f"checkpoint {args.checkpoint}")
         model = model.to(device).eval()
         label = {"model": args.model, "attn": args.attn}
+        if args.random_weights:
+            label["weights"] = "random"
 
     class_indices = None
+    shape = _input_shape(model)
+    if args.run_dir and args.image_size and shape and (args.image_size, args.image_size) != tuple(shape[1:]):
+        raise ConfigError(f"--image-size {args.image_size} does not fit the run's model, which takes "
+                          f"{_shape_words(shape[0], tuple(shape[1:]))} images; drop --image-size.")
     if folder is not None:
-        from torchvision.datasets import ImageFolder
-
         from ..data.folder import folder_transform
 
-        opts = resolve_options(dataset, dict(data_opts)) if args.run_dir or args.dataset else {}
-        size = args.image_size or opts.get("image_size") or getattr(model, "default_cfg", {}).get(
-            "input_size", (3, 224, 224))[-1]
         info = dataset_info(dataset, data_dir=data_dir, **data_opts) if args.run_dir or args.dataset else None
-        norm = dict(mean=info.mean, std=info.std) if info is not None else {}
-        transform = folder_transform(False, "none", image_size=size, **norm)
-        data = ImageFolder(str(folder), transform=transform, allow_empty=True)
+        chans = shape[0] if shape else 3
+        size = args.image_size or (shape[1] if shape else 224)  # the model's own input size
+        transform = folder_transform(False, "none", image_size=size, **_folder_norm(info, chans))
+        data = image_folder(folder, transform, channels=chans, what="--folder")
         if args.classes:
-            class_indices = _class_indices(args.classes, data.classes)
-        ood_data = ImageFolder(str(ood), transform=transform, allow_empty=True) if ood else None
+            class_indices = _class_indices(args.classes, data.classes, getattr(model, "num_classes", None))
+        ood_data = image_folder(ood, transform, channels=chans, what="--ood") if ood else None
         label["folder"] = str(folder)
     else:
+        info = dataset_info(dataset, data_dir=data_dir, **data_opts)
+        _check_dataset(model, info, trained_on)
         data = build_dataset(dataset, args.split == "train", data_dir=data_dir, augment="none", **data_opts)
-        ood_data = _ood_like(ood, dataset_info(dataset, data_dir=data_dir, **data_opts)) if ood else None
+        ood_data = None
+        if ood:  # read like the dataset's own images (channels, size, normalisation): only the content differs
+            from ..data.folder import folder_transform
+
+            transform = folder_transform(False, "none", image_size=info.image_size, mean=info.mean, std=info.std)
+            ood_data = image_folder(ood, transform, channels=info.in_chans, what="--ood")
         label.update(dataset=dataset, split=args.split)
     result = evaluate(model, data, ood=ood_data, batch_size=args.batch_size, device=device, noise_std=args.noise,
                       seed=args.seed, limit=args.images, class_indices=class_indices)

@@ -2,31 +2,71 @@
 weights, as safetensors: the result loads into a model built with the spec minus its weight terms and costs exactly
 a standard model at inference. The file's metadata names that spec (attnlab_spec) and the original one.
 
+The file is written atomically (a temporary file beside it, then a rename), with the permissions your umask gives.
+An --out inside RUN_DIR may name a new file or an earlier export, never one of the run's own files.
+
 Example: attnlab export runs/sigma_vs_qk/vit_cifar-cifar100-paper-sigma-s0 --out vit_sigma_folded.safetensors"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import struct
+from pathlib import Path
+
+DEFAULT_NAME = "folded.safetensors"
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory (config.yaml + checkpoint)")
-    p.add_argument("--out", default=None, help="output file (default: RUN_DIR/folded.safetensors)")
+    p.add_argument("--out", default=None, help=f"output file (default: RUN_DIR/{DEFAULT_NAME})")
+
+
+def _is_export(path: Path) -> bool:
+    """Whether ``path`` is a safetensors file an export wrote (its header metadata names attnlab_folded_from); only
+    the header is read."""
+    try:
+        with open(path, "rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            if size > 1 << 24:
+                return False
+            header = json.loads(f.read(size))
+    except (OSError, struct.error, ValueError):
+        return False
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return isinstance(meta, dict) and "attnlab_folded_from" in meta
+
+
+def check_out(out: Path, run_dir: Path, own_names: frozenset[str]) -> None:
+    """ConfigError if ``out`` (symlinks and '..' resolved) lies in ``run_dir`` and would replace a file of the
+    run: an existing file that no export wrote, or one of the names the run writes (``own_names``)."""
+    from ..errors import ConfigError
+
+    target, root = out.resolve(), run_dir.resolve()
+    if not target.is_relative_to(root):
+        return
+    ours = target.parent == root and target.name in own_names
+    if ours or (target.exists() and not _is_export(target)):
+        raise ConfigError(f"--out {out} would replace the run's own {target.relative_to(root).as_posix()}; give a "
+                          f"path outside {run_dir}, or a new file in it such as {run_dir / DEFAULT_NAME}.")
 
 
 def run(args) -> int:
-    from pathlib import Path
-
     from .checks import output_file, run_dir
 
     run_dir(args.run_dir)
-    out = output_file(args.out or Path(args.run_dir) / "folded.safetensors", "--out")
+    out = output_file(args.out or Path(args.run_dir) / DEFAULT_NAME, "--out")
 
-    from ..reparam import export_folded
+    from ..reparam.fold import folded_safetensors
     from ..spec import Spec, parse_spec
     from ..train import load_run
+    from ..train.checkpoint import PREV_STATE, PREV_WEIGHTS, STATE, WEIGHTS, atomic_write_bytes
+    from ..train.files import CONFIG, METRICS, RESULT
+
+    check_out(out, Path(args.run_dir), frozenset({CONFIG, METRICS, RESULT, WEIGHTS, STATE, PREV_WEIGHTS, PREV_STATE}))
     model, cfg = load_run(args.run_dir)
-    path = export_folded(model, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out, folded_safetensors(model))
     plain = Spec(tuple(t for t in parse_spec(cfg.attn).terms if t.kind != "weight"))
-    print(f"wrote {path}; load it into attnlab.build_model({cfg.model!r}, attn={str(plain)!r}, ...)")
+    print(f"wrote {out}; load it into attnlab.build_model({cfg.model!r}, attn={str(plain)!r}, ...)")
     return 0

@@ -39,9 +39,16 @@ def run(args) -> int:
                               f"{did_you_mean(args.baseline, variants)}; the runs' variants are: "
                               f"{', '.join(variants)}.")
 
-    for path in args.bench:
+    from ..errors import AttnlabError
+    from ..report.tables import read_bench
+
+    for path in args.bench:  # a file named on the command line must be one; those found below RUNS_DIR are listed
         if not Path(path).is_file():
             raise ConfigError(f"--bench {path} is not a file; give the JSON that attnlab bench --json wrote.")
+        try:
+            read_bench(path)
+        except AttnlabError as err:
+            raise ConfigError(f"--bench {path}: {err}") from None
 
     out = write_report(args.runs_dir, args.out, baseline=args.baseline or "standard", plots=not args.no_plots,
                        bench=args.bench)

@@ -38,6 +38,7 @@ def _converter(key: str):
 def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, only: typing.Iterable[str] | None = None,
                      ) -> None:
     """One --flag per TrainConfig field (help from the field's metadata); unset flags leave the config alone."""
+    from attnlab.data.registry import DATASET_TABLE, describe
     from attnlab.train.config import RECIPES, TrainConfig
 
     hints = typing.get_type_hints(TrainConfig)
@@ -54,10 +55,13 @@ def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
         typ = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
         metavar = {dict: "YAML", str: "TEXT", int: "N", float: "X"}.get(typ, "X")
         if f.name == "recipe":
-            help_text += f" ({', '.join(RECIPES)})"
-        if typ is dict:
+            help_text += f" ({', '.join(RECIPES)}; default {default})"
+        elif f.name == "data_options":
+            help_text += (" as a YAML mapping, e.g. '{image_size: 64}'; each dataset's options, with defaults and "
+                          "bounds: " + "; ".join(describe(name) for name in DATASET_TABLE))
+        elif typ is dict:
             help_text += " as a YAML mapping, e.g. '{depth: 2}'"
-        if default not in (None, {}):
+        if default not in (None, {}) and f.name != "recipe":
             help_text += f" (ns_cifar: {default})"
         parser.add_argument(_flag(f.name), dest=f.name, metavar=metavar, default=argparse.SUPPRESS, help=help_text,
                             type=_converter(f.name))
@@ -81,10 +85,9 @@ def _missing_dirs(run_dir: Path) -> list[Path]:
 
 def _set_up_files() -> tuple[str, str, str]:
     """The names set-up writes into a run directory: config.yaml, metrics.jsonl and the TensorBoard folder."""
-    from attnlab.train.loop import CONFIG, METRICS  # loaded by now: called after a run has started
-    from attnlab.train.tb import LOG_DIR
+    from attnlab.train.files import CONFIG, METRICS, TB_DIR
 
-    return CONFIG, METRICS, LOG_DIR
+    return CONFIG, METRICS, TB_DIR
 
 
 def _unstarted(run_dir: Path) -> bool:
@@ -134,21 +137,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from attnlab.cli.checks import output_dir
     from attnlab.train.config import load_config
+    from attnlab.train.files import CONFIG
 
     overrides = config_overrides(args)
     config_path = args.config
     if isinstance(args.resume, str):
         run_dir = Path(args.resume)
-        if not (run_dir / "config.yaml").exists():
-            raise ConfigError(f"--resume {run_dir}: no config.yaml there; give a run directory made by attnlab train.")
+        if not (run_dir / CONFIG).exists():
+            raise ConfigError(f"--resume {run_dir}: no {CONFIG} there; give a run directory made by attnlab train.")
         if config_path is not None:
             raise ConfigError("--resume RUN_DIR reads the run's own config.yaml; drop --config or give --resume alone.")
-        config_path = run_dir / "config.yaml"
-        overrides.setdefault("runs_dir", str(run_dir.parent))
-        overrides.setdefault("name", run_dir.name)
+        for key, value in (("name", run_dir.name), ("runs_dir", str(run_dir.parent))):
+            if key in overrides and Path(overrides[key]) != Path(value):
+                raise ConfigError(f"--resume {run_dir} continues that run in place, so --{key.replace('_', '-')} "
+                                  f"{overrides[key]} would train another; drop --{key.replace('_', '-')}.")
+        config_path = run_dir / CONFIG
+        overrides.update(runs_dir=str(run_dir.parent), name=run_dir.name)
     cfg = load_config(config_path, **overrides)
     cfg = dataclasses.replace(cfg, resume=bool(args.resume))
     output_dir(cfg.runs_dir, "runs_dir")
+    _notes(cfg)
 
     from attnlab.train import run_dir_of, train  # torch loads only once the options are known to be good
 
@@ -164,7 +172,29 @@ def run(args: argparse.Namespace) -> int:
             _remove_unstarted(made)
         raise
     if not current_rank():  # under torchrun, rank 0 speaks for the run
-        print(f"{result['name']}: top-1 {result['top1']:.2f}%  top-5 {result['top5']:.2f}%  test loss "
-              f"{result['test_loss']:.4f}  ({result['params'] / 1e6:.2f}M params, {result['seconds']:.1f} s) -> "
-              f"{Path(cfg.runs_dir) / result['name']}")
+        from attnlab.train.grid import result_line
+
+        print(f"{result_line(result)}  ({result['params'] / 1e6:.2f}M params, {result['seconds']:.1f} s) -> "
+              f"{run_dir_of(cfg)}")
     return 0
+
+
+def _notes(cfg) -> None:
+    """One line on stderr for settings that are valid but probably not meant: more threads than cores, and a
+    dataset trained with a recipe made for another when one exists for it."""
+    import os
+    import sys
+
+    from attnlab.train.config import RECIPES
+
+    cores = os.cpu_count() or 1
+    if cfg.threads and cfg.threads > cores:
+        print(f"attnlab train: note: --threads {cfg.threads} on {cores} cores oversubscribes them (torch's threads "
+              f"then wait on each other, often several times slower); use --threads {cores} or fewer.",
+              file=sys.stderr)
+    recipe = RECIPES[cfg.recipe]
+    if cfg.dataset != recipe.dataset:
+        made_for = [name for name, r in RECIPES.items() if r.dataset == cfg.dataset]
+        if made_for:
+            print(f"attnlab train: note: the {cfg.recipe} recipe is tuned for {recipe.dataset}; --recipe "
+                  f"{made_for[0]} is the one made for {cfg.dataset}.", file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 import os
 import pickle
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ import torchvision
 from torchvision import transforms as T
 from torchvision.datasets.utils import check_integrity, download_and_extract_archive
 
+from attnlab.data.registry import DatasetInfo, DeviceData
 from attnlab.errors import DatasetError
 
 # Per-channel mean and (population) std of the 50,000 training images, pixels in [0, 1].
@@ -228,3 +230,36 @@ def load_cifar(cls: type, data_dir: str | os.PathLike, train: bool, transform, *
         raise DatasetError(f"{cls.title} files in {folder} are malformed ({problem}); "
                            f"delete the folder and pass --download")
     return ds
+
+
+# ---- the dataset table's entries (attnlab.data.registry): cifar10 and cifar100 share these, by class
+def _info(cls: type, data_dir, *, image_size: int, **_recipe) -> DatasetInfo:
+    return DatasetInfo(cls.__name__.lower(), cls.num_classes, image_size, 3, cls.mean, cls.std)
+
+
+def _transform(cls: type, train: bool, augment: str, *, auto_augment: bool, random_erasing: float, image_size: int,
+               verify_md5: bool):
+    return cifar_transform(train, augment, cls.mean, cls.std, auto_augment=auto_augment,
+                           random_erasing=random_erasing, image_size=image_size)
+
+
+def _build(cls: type, train: bool, *, data_dir, download: bool, augment: str, verify_md5: bool, **options):
+    transform = _transform(cls, train, augment, verify_md5=verify_md5, **options)
+    return load_cifar(cls, data_dir, train, transform, download=download, verify_md5=verify_md5)
+
+
+def _device(cls: type, *, data_dir, download: bool, augment: str, auto_augment: bool, random_erasing: float,
+            image_size: int, verify_md5: bool) -> DeviceData:
+    """uint8 pixels (n, 3, 32, 32); the recipe's crop, flip, AutoAugment and random erasing run on the device."""
+    import torch
+
+    ds = load_cifar(cls, data_dir, True, None, download=download, verify_md5=verify_md5)
+    images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
+    recipe = dict(auto_augment=auto_augment, random_erasing=random_erasing) if augment == "recipe" else None
+    return DeviceData(images, ds.targets, recipe, dict(mean=cls.mean, std=cls.std, out_size=image_size))
+
+
+info_cifar10, info_cifar100 = partial(_info, CIFAR10), partial(_info, CIFAR100)
+build_cifar10, build_cifar100 = partial(_build, CIFAR10), partial(_build, CIFAR100)
+transform_cifar10, transform_cifar100 = partial(_transform, CIFAR10), partial(_transform, CIFAR100)
+device_cifar10, device_cifar100 = partial(_device, CIFAR10), partial(_device, CIFAR100)

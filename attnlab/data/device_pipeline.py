@@ -459,48 +459,20 @@ def build_device_pipeline(name: str, *, device, batch_size: int, seed: int, data
                           augment: str = "recipe", repeated_aug: int = 1, num_replicas: int = 1, rank: int = 0,
                           mixup: float = 0.8, cutmix: float = 1.0, mix_prob: float = 0.5, switch_prob: float = 0.5,
                           label_smoothing: float = 0.1, chunk: int = 8192, **options) -> DevicePipeline:
-    """The train split of a tensor dataset on ``device``, with the augmentation ``build_dataset`` would apply.
-
-    cifar10 / cifar100: uint8 pixels and, with ``augment="recipe"``, crop, flip, AutoAugment (data option
-    ``auto_augment``) and random erasing (``random_erasing``); digits: the normalised float images shifted by up to
-    ``image_size // 8`` pixels, as ``build_digits``; synthetic: its float images, unaugmented. Mixup/CutMix take
-    ``TrainConfig``'s numbers (``mixup``, ``cutmix``, ``mixup_prob``, ``mixup_switch_prob``, ``label_smoothing``).
+    """The train split of a device-resident dataset (its table entry's ``device`` function) on ``device``, with
+    the augmentation ``build_dataset`` would apply: for cifar10 / cifar100, uint8 pixels and, with
+    ``augment="recipe"``, crop, flip, AutoAugment (data option ``auto_augment``) and random erasing
+    (``random_erasing``); digits: the normalised float images shifted by up to ``image_size // 8`` pixels, as
+    ``build_digits``; synthetic: its float images, unaugmented. Mixup/CutMix take ``TrainConfig``'s numbers
+    (``mixup``, ``cutmix``, ``mixup_prob``, ``mixup_switch_prob``, ``label_smoothing``).
     """
-    from attnlab.data.registry import _check_augment, _name, dataset_info, resolve_options
+    from attnlab.data.registry import dataset_info, device_data
 
-    key, opts, augment = _name(name), resolve_options(name, options), _check_augment(augment)
-    if key not in ("cifar10", "cifar100", "digits", "synthetic"):
-        raise DatasetError(f"the device pipeline holds tensor datasets (cifar10, cifar100, digits, synthetic), not "
-                           f"{key}; train {key} with the CPU loader (data_on_device off)")
-    info = dataset_info(key, data_dir=data_dir, **options)
+    split = device_data(name, data_dir=data_dir, download=download, augment=augment, **options)
+    info = dataset_info(name, data_dir=data_dir, **options)
     mixing = dict(mixup=float(mixup), cutmix=float(cutmix), mix_prob=float(mix_prob), switch_prob=float(switch_prob),
                   label_smoothing=float(label_smoothing))
-    recipe = AugmentRecipe.plain(**mixing)
-    extra: dict = {}
-    if key in ("cifar10", "cifar100"):
-        from attnlab.data import cifar
-
-        cls = cifar.CIFAR10 if key == "cifar10" else cifar.CIFAR100
-        ds = cifar.load_cifar(cls, data_dir, True, None, download=download, verify_md5=opts["verify_md5"])
-        images, labels = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), ds.targets
-        if augment == "recipe":
-            recipe = AugmentRecipe(auto_augment=opts["auto_augment"], random_erasing=opts["random_erasing"], **mixing)
-        extra = dict(mean=info.mean, std=info.std, out_size=opts["image_size"])
-    elif key == "digits":
-        from attnlab.data.tensor import build_digits, digits_stats
-
-        ds = build_digits(True, "none", image_size=opts["image_size"])
-        images, labels = ds.images, ds.labels
-        if augment == "recipe":  # build_digits' shift: a crop padded with the normalised black
-            shift, (mean, std) = max(1, opts["image_size"] // 8), digits_stats()
-            recipe = AugmentRecipe(crop_padding=shift, flip=0.0, auto_augment=False, random_erasing=0.0, **mixing)
-            extra = dict(pad_value=(0.0 - mean) / std)
-    else:
-        from attnlab.data.tensor import SyntheticDataset
-
-        ds = SyntheticDataset(train=True, **opts)
-        images = ds.images if ds.images is not None else torch.stack([ds[i][0] for i in range(len(ds))])
-        labels = ds.labels
-    return DevicePipeline(images, labels, num_classes=info.num_classes, batch_size=batch_size, device=device,
-                          recipe=recipe, seed=seed, repeated_aug=repeated_aug, num_replicas=num_replicas, rank=rank,
-                          chunk=chunk, **extra)
+    recipe = AugmentRecipe.plain(**mixing) if split.recipe is None else AugmentRecipe(**split.recipe, **mixing)
+    return DevicePipeline(split.images, split.labels, num_classes=info.num_classes, batch_size=batch_size,
+                          device=device, recipe=recipe, seed=seed, repeated_aug=repeated_aug,
+                          num_replicas=num_replicas, rank=rank, chunk=chunk, **split.extra)

@@ -8,6 +8,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transf
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
 
+from attnlab.data.registry import IMAGENET_MEAN, IMAGENET_STD, DatasetInfo
 from attnlab.errors import DatasetError
 
 # timm's DeiT-style training pipeline: RandomResizedCrop, flip, RandAugment, random erasing.
@@ -72,3 +73,18 @@ def build_folder(data_dir, train: bool, transform) -> ImageFolder:
         raise DatasetError(f"imagefolder found no images in {path}; put images ({' '.join(IMG_EXTENSIONS)}) "
                            f"in one subfolder per class")
     return ds
+
+
+# ---- the dataset table's entry (attnlab.data.registry)
+def info(data_dir, *, image_size: int, **_recipe) -> DatasetInfo:
+    """The class count of ``<data_dir>/train`` (or val/test), ImageNet's statistics."""
+    return DatasetInfo("imagefolder", len(folder_classes(data_dir)), image_size, 3, IMAGENET_MEAN, IMAGENET_STD)
+
+
+def transform(train: bool, augment: str, *, image_size: int, auto_augment: bool, random_erasing: float):
+    return folder_transform(train, augment, image_size=image_size, auto_augment=auto_augment,
+                            random_erasing=random_erasing, mean=IMAGENET_MEAN, std=IMAGENET_STD)
+
+
+def build(train: bool, *, data_dir, download: bool, augment: str, **options) -> ImageFolder:
+    return build_folder(data_dir, train, transform(train, augment, **options))

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from attnlab.data.registry import DatasetInfo
 from attnlab.errors import DatasetError
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
@@ -190,3 +191,15 @@ def load_listops(data_dir, split: str, *, max_length: int = 2000, **generator) -
 
 
 __all__ = ["OPERATORS", "VOCAB", "TokenDataset", "encode", "ensure_files", "generate", "load_listops"]
+
+
+# ---- the dataset table's entry (attnlab.data.registry)
+def info(data_dir, *, max_length: int, **_generator) -> DatasetInfo:
+    """10 classes; a sequence model is sized by the vocabulary and the padded length."""
+    return DatasetInfo("listops", 10, max_length, len(VOCAB), (), (), task="sequence",
+                       model_args=(("num_classes", 10), ("vocab_size", len(VOCAB)), ("max_length", max_length)))
+
+
+def build(train: bool, *, data_dir, download: bool, augment: str, **options) -> TokenDataset:
+    """The train split, or the test split; generated into ``<data_dir>/listops`` on first use."""
+    return load_listops(data_dir, "train" if train else "test", **options)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from attnlab.data.listops import TokenDataset
+from attnlab.data.registry import DatasetInfo
 from attnlab.errors import DatasetError
 
 VOCAB_SIZE = 257  # 256 bytes + padding
@@ -48,3 +49,14 @@ def load_lra_text(data_dir, split: str, *, max_length: int = 4000) -> TokenDatas
 
 
 __all__ = ["CLASSES", "VOCAB_SIZE", "encode", "load_lra_text"]
+
+
+# ---- the dataset table's entry (attnlab.data.registry)
+def info(data_dir, *, max_length: int) -> DatasetInfo:
+    return DatasetInfo("lra_text", len(CLASSES), max_length, VOCAB_SIZE, (), (), task="sequence",
+                       model_args=(("num_classes", len(CLASSES)), ("vocab_size", VOCAB_SIZE),
+                                   ("max_length", max_length)))
+
+
+def build(train: bool, *, data_dir, download: bool, augment: str, max_length: int) -> TokenDataset:
+    return load_lra_text(data_dir, "train" if train else "test", max_length=max_length)

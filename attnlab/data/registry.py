@@ -1,41 +1,111 @@
-"""Dataset names, their options, ``dataset_info`` and ``build_dataset``."""
+"""Datasets as one table: one :class:`Dataset` entry per dataset, read by the trainer, the device pipeline, the
+command line (``--help``, ``attnlab train``) and the instruments. Adding a dataset is one :func:`register` call
+below plus its builder file.
+
+An entry names its task family (the :mod:`attnlab.train.tasks` entry that trains it), its options with defaults
+and bounds, and "module:function" targets imported on first use, so that this table loads no torch:
+
+    info(data_dir, **options) -> DatasetInfo       classes, sizes and statistics, reading no data where it can
+    build(train, *, data_dir, download, augment, **options) -> torch Dataset    the split, normalised
+    transform(train, augment, **options)           (optional) the PIL -> tensor transform of an image dataset
+    device(*, data_dir, download, augment, **options) -> DeviceData             (optional) the train split as
+                                                   tensors plus its augmentation, for the device pipeline
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
-from attnlab.errors import ConfigError, DatasetError
+from attnlab.errors import ConfigError, DatasetError, did_you_mean
 
-DATASETS: tuple[str, ...] = ("cifar10", "cifar100", "digits", "synthetic", "imagefolder", "listops", "lra_text")
-SEQUENCE_DATASETS: tuple[str, ...] = ("listops", "lra_text")  # token ids (N,) per example, not images
 DEFAULT_DATASET = "digits"
 AUGMENTS: tuple[str, ...] = ("none", "recipe")
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # timm.data.IMAGENET_DEFAULT_MEAN / _STD, repeated to keep timm's import lazy
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-# Options each dataset accepts, with defaults. Recipe options only change the train split with augment="recipe".
-_CIFAR_OPTIONS = {"auto_augment": True, "random_erasing": 0.25, "image_size": 32, "verify_md5": True}
-OPTIONS: dict[str, dict[str, object]] = {
-    "cifar10": _CIFAR_OPTIONS,
-    "cifar100": _CIFAR_OPTIONS,
-    "digits": {"image_size": 8},
-    "synthetic": {"num_classes": 10, "image_size": 32, "in_chans": 3, "length": 1024, "seed": 0},
-    "imagefolder": {"image_size": 224, "auto_augment": True, "random_erasing": 0.25},
-    # Long Range Arena (sequence datasets): LRA's defaults
-    "listops": {"max_length": 2000, "min_length": 500, "max_depth": 10, "max_args": 10, "num_train": 96000,
-                "num_val": 2000, "num_test": 2000, "seed": 0},
-    "lra_text": {"max_length": 4000},
-}
-# Bounds of the integer options (seed >= 0: numpy's SeedSequence takes non-negative integers).
-_MIN = {"image_size": 1, "num_classes": 1, "in_chans": 1, "length": 0, "seed": 0,
-        "max_length": 1, "min_length": 1, "max_depth": 1, "max_args": 2, "num_train": 1, "num_val": 0, "num_test": 1}
-_MAX = {"seed": 2**62 - 1}  # synthetic images are keyed by 2 * seed + split, a uint64
+
+@dataclass(frozen=True)
+class Option:
+    """One dataset option: its default (whose type the option takes), bounds and choices, and a line of help.
+
+    Booleans take true/false (any case, 1/0, yes/no, on/off); integers and floats are checked against
+    ``minimum``/``maximum``; strings against ``choices`` when given (a ``None`` default accepts a string too).
+    """
+
+    default: Any
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] | None = None
+    help: str = ""
+
+    def parse(self, dataset: str, key: str, value: Any) -> Any:
+        where = f"dataset option {key}={value!r} for {dataset}"
+        default = self.default
+        if isinstance(default, bool):
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"{where} is not a boolean; use true or false")
+        if isinstance(default, int):
+            try:
+                number = int(value) if not isinstance(value, float) or value.is_integer() else None
+                if isinstance(value, bool) or number is None:
+                    raise ValueError
+            except (TypeError, ValueError):
+                raise ConfigError(f"{where} is not an integer") from None
+            return self._bounded(where, number)
+        if isinstance(default, float):
+            try:
+                number = float(value)
+                if isinstance(value, bool) or not math.isfinite(number):
+                    raise ValueError
+            except (TypeError, ValueError):
+                raise ConfigError(f"{where} is not a finite number") from None
+            return self._bounded(where, number)
+        if value is None or isinstance(value, str) and default is None and value.lower() in ("none", "null"):
+            return None
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where} is not a string")
+        text = str(value)
+        if self.choices is not None and text not in self.choices:
+            raise ConfigError(f"{where} is not valid{did_you_mean(text, self.choices)}; use one of "
+                              f"{', '.join(self.choices)}")
+        return text
+
+    def _bounded(self, where: str, number):
+        low, high = self.minimum, self.maximum
+        if (low is not None and number < low) or (high is not None and number > high):
+            if low is not None and high is not None:
+                raise ConfigError(f"{where} must lie between {low:g} and {high:g}")
+            raise ConfigError(f"{where} must be at least {low:g}" if low is not None else
+                              f"{where} must be at most {high:g}")
+        return number
+
+    def describe(self) -> str:
+        """``default`` with its bounds, for --help."""
+        bounds = ""
+        if self.choices:
+            bounds = f" ({'|'.join(self.choices)})"
+        elif self.minimum is not None or self.maximum is not None:
+            bounds = f" [{'' if self.minimum is None else f'{self.minimum:g}'}, " \
+                     f"{'' if self.maximum is None else f'{self.maximum:g}'}]"
+        return f"{self.default}{bounds}"
 
 
 @dataclass(frozen=True)
 class DatasetInfo:
-    """What a model needs to know about a dataset: classes, input size and channels, the normalisation used."""
+    """What a model needs to know about a dataset: classes, input size and channels, the normalisation used, its
+    task family, and ``model_args``: the keyword arguments that size a model for it (``num_classes``, ``in_chans``,
+    ``img_size`` for images; ``vocab_size`` and ``max_length`` for token sequences; ...), as (key, value) pairs so
+    that the info stays hashable."""
 
     name: str
     num_classes: int
@@ -43,153 +113,188 @@ class DatasetInfo:
     in_chans: int
     mean: tuple
     std: tuple
+    task: str = "image"
+    model_args: tuple[tuple[str, Any], ...] = ()
+
+    def model_kwargs(self) -> dict[str, Any]:
+        if self.model_args:
+            return dict(self.model_args)
+        return {"num_classes": self.num_classes, "in_chans": self.in_chans, "img_size": self.image_size}
+
+
+@dataclass(frozen=True)
+class DeviceData:
+    """A train split for :class:`attnlab.data.device_pipeline.DevicePipeline`: ``images`` (n, C, H, W), uint8 pixels
+    (then ``mean``/``std`` in ``extra`` normalise them on the device) or float images already normalised, integer
+    ``labels``, the augmentation as :class:`~attnlab.data.device_pipeline.AugmentRecipe` keyword arguments (None:
+    none, only Mixup/CutMix), and further ``DevicePipeline`` keyword arguments (``mean``, ``std``, ``out_size``,
+    ``pad_value``)."""
+
+    images: Any
+    labels: Any
+    recipe: Mapping[str, Any] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """One entry of the table (see the module docstring)."""
+
+    name: str
+    task: str
+    summary: str
+    info: str
+    build: str
+    options: Mapping[str, Option] = field(default_factory=dict)
+    augments: tuple[str, ...] = ("none",)
+    transform: str | None = None
+    device: str | None = None
+    download: bool = False  # --download fetches its files
+    mixing: bool = False  # Mixup/CutMix apply (image classification)
+
+    def call(self, what: str, *args, **kwargs):
+        target = getattr(self, what)
+        module, _, attr = target.partition(":")
+        return getattr(importlib.import_module(module), attr)(*args, **kwargs)
+
+
+DATASET_TABLE: dict[str, Dataset] = {}
+
+
+def register(entry: Dataset) -> Dataset:
+    DATASET_TABLE[entry.name] = entry
+    return entry
+
+
+def dataset(name: str) -> Dataset:
+    """The table entry of ``name`` (any case, spaces ignored), or DatasetError listing the valid names."""
+    key = str(name).strip().lower()
+    if key not in DATASET_TABLE:
+        raise DatasetError(f"unknown dataset {name!r}{did_you_mean(key, DATASET_TABLE)}; valid names are "
+                           f"{', '.join(DATASET_TABLE)}")
+    return DATASET_TABLE[key]
 
 
 def _name(name: str) -> str:
-    key = str(name).strip().lower()
-    if key not in DATASETS:
-        raise DatasetError(f"unknown dataset {name!r}; valid names are {', '.join(DATASETS)}")
-    return key
+    return dataset(name).name
 
 
-def _coerce(name: str, key: str, value, default):
-    """Convert ``value`` to the type of ``default`` (strings from the command line included), checking its range."""
-    where = f"dataset option {key}={value!r} for {name}"
-    if isinstance(default, bool):
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{where} is not a boolean; use true or false")
-    if isinstance(default, int):
-        try:
-            number = int(value) if not isinstance(value, float) or value.is_integer() else None
-            if isinstance(value, bool) or number is None:
-                raise ValueError
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where} is not an integer") from None
-        low, high = _MIN.get(key, 0), _MAX.get(key)
-        if number < low or (high is not None and number > high):
-            raise ConfigError(f"{where} must be at least {low}" + (f" and at most {high}" if high else ""))
-        return number
-    try:
-        number = float(value)
-        if isinstance(value, bool):
-            raise ValueError
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where} is not a number") from None
-    if not 0.0 <= number <= 1.0:  # random_erasing is a probability
-        raise ConfigError(f"{where} must be a probability between 0 and 1")
-    return number
-
-
-def resolve_options(name: str, options: dict) -> dict:
+def resolve_options(name: str, options: Mapping) -> dict:
     """The dataset's defaults updated by ``options``; unknown keys or bad values raise ConfigError."""
-    key = _name(name)
-    defaults = OPTIONS[key]
-    unknown = sorted(set(options) - set(defaults))
+    entry = dataset(name)
+    unknown = sorted(set(options) - set(entry.options))
     if unknown:
-        valid = ", ".join(defaults) or "none"
-        raise ConfigError(f"unknown option {', '.join(unknown)} for dataset {key}; valid options are {valid}")
-    return {k: _coerce(key, k, options[k], v) if k in options else v for k, v in defaults.items()}
+        valid = ", ".join(entry.options) or "none"
+        raise ConfigError(f"unknown option {', '.join(map(str, unknown))} for dataset {entry.name}"
+                          f"{did_you_mean(str(unknown[0]), entry.options)}; valid options are {valid}")
+    return {k: opt.parse(entry.name, k, options[k]) if k in options else opt.default
+            for k, opt in entry.options.items()}
 
 
-def dataset_info(name: str, *, data_dir="data", **options) -> DatasetInfo:
-    """Classes, image size, channels and normalisation of a dataset, without loading its images.
-
-    ``imagefolder`` counts the class subfolders of ``<data_dir>/train`` (or val/test); the others need no files.
-    """
-    key, opts = _name(name), resolve_options(name, options)
-    if key in ("cifar10", "cifar100"):
-        from attnlab.data import cifar
-
-        cls = cifar.CIFAR10 if key == "cifar10" else cifar.CIFAR100
-        return DatasetInfo(key, cls.num_classes, opts["image_size"], 3, cls.mean, cls.std)
-    if key == "digits":
-        from attnlab.data.tensor import digits_stats
-
-        mean, std = digits_stats()
-        return DatasetInfo(key, 10, opts["image_size"], 1, (mean,), (std,))
-    if key in SEQUENCE_DATASETS:  # a sequence model reads image_size as the length, in_chans as the vocabulary
-        from attnlab.data import listops, lra_text
-
-        vocab = len(listops.VOCAB) if key == "listops" else lra_text.VOCAB_SIZE
-        return DatasetInfo(key, 10 if key == "listops" else 2, opts["max_length"], vocab, (), ())
-    if key == "synthetic":
-        c = opts["in_chans"]
-        return DatasetInfo(key, opts["num_classes"], opts["image_size"], c, (0.0,) * c, (1.0,) * c)
-    from attnlab.data.folder import folder_classes
-
-    return DatasetInfo(key, len(folder_classes(data_dir)), opts["image_size"], 3, IMAGENET_MEAN, IMAGENET_STD)
-
-
-def _check_augment(augment: str) -> str:
+def check_augment(name: str, augment: str) -> str:
+    entry = dataset(name)
     if augment not in AUGMENTS:
         raise ConfigError(f"unknown augment {augment!r}; valid values are {', '.join(AUGMENTS)}")
+    if augment not in entry.augments:
+        raise DatasetError(f"dataset {entry.name} takes no augmentation ({entry.summary}); use augment='none'.")
     return augment
 
 
+def dataset_info(name: str, *, data_dir="data", **options) -> DatasetInfo:
+    """Classes, sizes, channels and normalisation of a dataset, without loading its examples where it can."""
+    entry = dataset(name)
+    return entry.call("info", data_dir, **resolve_options(name, options))
+
+
 def build_transform(name: str, train: bool, *, augment: str = "none", **options):
-    """The PIL -> normalised tensor transform of ``cifar10``, ``cifar100`` or ``imagefolder``.
-
-    Raises DatasetError for ``digits`` and ``synthetic``, which hold tensors and have no PIL transform.
-    """
-    key, opts, augment = _name(name), resolve_options(name, options), _check_augment(augment)
-    if key in ("cifar10", "cifar100"):
-        from attnlab.data import cifar
-
-        cls = cifar.CIFAR10 if key == "cifar10" else cifar.CIFAR100
-        return cifar.cifar_transform(train, augment, cls.mean, cls.std, auto_augment=opts["auto_augment"],
-                                     random_erasing=opts["random_erasing"], image_size=opts["image_size"])
-    if key == "imagefolder":
-        from attnlab.data.folder import folder_transform
-
-        return folder_transform(train, augment, image_size=opts["image_size"], auto_augment=opts["auto_augment"],
-                                random_erasing=opts["random_erasing"], mean=IMAGENET_MEAN, std=IMAGENET_STD)
-    raise DatasetError(f"dataset {key} holds tensors and has no PIL transform; build_transform takes "
-                       f"cifar10, cifar100 or imagefolder")
+    """The PIL -> normalised tensor transform of an image dataset read from files (cifar10, cifar100,
+    imagefolder); DatasetError for the others."""
+    entry = dataset(name)
+    opts = resolve_options(name, options)
+    if entry.transform is None:
+        with_transform = [e.name for e in DATASET_TABLE.values() if e.transform]
+        raise DatasetError(f"dataset {entry.name} has no PIL transform; build_transform takes "
+                           f"{', '.join(with_transform)}")
+    return entry.call("transform", train, check_augment(name, augment) if augment != "none" else augment, **opts)
 
 
 def build_dataset(name: str, train: bool, *, data_dir="data", download=False, augment: str = "none", **options):
-    """A map-style dataset of (image, label): image a float tensor (C, H, W) normalised by ``dataset_info``'s
-    mean/std, label an int.
+    """One split of a dataset as a map-style torch Dataset (the train split for ``train=True``, else the test
+    split), normalised by :func:`dataset_info`'s statistics. ``augment``: ``"none"`` or ``"recipe"`` (the NS-Attn
+    paper's training transforms for images; applied to the train split only). What an item is depends on the task
+    family: (image (C, H, W) float, label int) for images, (token ids (N,) int64, label) for sequences."""
+    entry = dataset(name)
+    opts = resolve_options(name, options)
+    if augment != "none":
+        check_augment(name, augment)
+    return entry.call("build", train, data_dir=data_dir, download=download, augment=augment, **opts)
 
-    augment: ``"none"`` (ToTensor + Normalize) or ``"recipe"`` (the NS-Attn paper's training transforms; applied
-    to the train split only, the test split always gets ``"none"``). Files are looked for in ``data_dir``:
-    ``<data_dir>/cifar-10-batches-py``, ``<data_dir>/cifar-100-python``, ``<data_dir>/train`` and ``val``/``test``.
-    ``download=True`` fetches CIFAR through torchvision; the other datasets need no download.
-    ``listops`` and ``lra_text`` yield (token ids int64 (max_length,), label): ListOps is generated into
-    ``<data_dir>/listops`` on first use (train split for ``train=True``, else test); ``lra_text`` reads
-    ``<data_dir>/aclImdb`` (see :mod:`attnlab.data.lra_text`).
-    """
-    key, opts, augment = _name(name), resolve_options(name, options), _check_augment(augment)
-    if key in ("cifar10", "cifar100"):
-        from attnlab.data import cifar
 
-        cls = cifar.CIFAR10 if key == "cifar10" else cifar.CIFAR100
-        transform = build_transform(key, train, augment=augment, **options)
-        return cifar.load_cifar(cls, data_dir, train, transform, download=download, verify_md5=opts["verify_md5"])
-    if key == "digits":
-        from attnlab.data.tensor import build_digits
+def device_data(name: str, *, data_dir="data", download=False, augment: str = "recipe", **options) -> DeviceData:
+    """The train split of a device-resident dataset (``Dataset.device``) as tensors, or DatasetError."""
+    entry = dataset(name)
+    opts = resolve_options(name, options)
+    if entry.device is None:
+        raise DatasetError(f"the device pipeline holds {', '.join(on_device_datasets())}, not {entry.name}; train "
+                           f"{entry.name} with the CPU loader (data_on_device off)")
+    if augment != "none":
+        check_augment(name, augment)
+    return entry.call("device", data_dir=data_dir, download=download, augment=augment, **opts)
 
-        return build_digits(train, augment, image_size=opts["image_size"])
-    if key in SEQUENCE_DATASETS:
-        if augment != "none":
-            raise DatasetError(f"dataset {key} holds token sequences and takes no augmentation; use augment='none'.")
-        if key == "listops":
-            from attnlab.data.listops import load_listops
 
-            return load_listops(data_dir, "train" if train else "test", **opts)
-        from attnlab.data.lra_text import load_lra_text
+def on_device_datasets() -> tuple[str, ...]:
+    """Names of the datasets the device pipeline can hold."""
+    return tuple(n for n, e in DATASET_TABLE.items() if e.device)
 
-        return load_lra_text(data_dir, "train" if train else "test", **opts)
-    if key == "synthetic":
-        from attnlab.data.tensor import SyntheticDataset
 
-        return SyntheticDataset(train=train, **opts)
-    from attnlab.data.folder import build_folder
+def datasets_of(task: str) -> tuple[str, ...]:
+    return tuple(n for n, e in DATASET_TABLE.items() if e.task == task)
 
-    return build_folder(data_dir, train, build_transform(key, train, augment=augment, **options))
+
+def describe(name: str) -> str:
+    """One line for ``--help``: the dataset, its task and its options with defaults."""
+    entry = dataset(name)
+    opts = ", ".join(f"{k}={o.describe()}" for k, o in entry.options.items()) or "no options"
+    return f"{entry.name} ({entry.task}): {entry.summary}; options: {opts}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The table. One entry per dataset.
+# ---------------------------------------------------------------------------------------------------------------
+_CIFAR_OPTIONS = {
+    "auto_augment": Option(True, help="CIFAR AutoAugment in the recipe"),
+    "random_erasing": Option(0.25, 0.0, 1.0, help="probability of random erasing in the recipe"),
+    "image_size": Option(32, 1, help="resize to this size (backbones that expect larger inputs)"),
+    "verify_md5": Option(True, help="check the files against the official md5 sums (false: a repacked copy)"),
+}
+register(Dataset("cifar10", "image", "CIFAR-10 (torchvision; --download)", "attnlab.data.cifar:info_cifar10",
+                 "attnlab.data.cifar:build_cifar10", _CIFAR_OPTIONS, AUGMENTS, "attnlab.data.cifar:transform_cifar10",
+                 "attnlab.data.cifar:device_cifar10", download=True, mixing=True))
+register(Dataset("cifar100", "image", "CIFAR-100 (torchvision; --download)", "attnlab.data.cifar:info_cifar100",
+                 "attnlab.data.cifar:build_cifar100", _CIFAR_OPTIONS, AUGMENTS,
+                 "attnlab.data.cifar:transform_cifar100", "attnlab.data.cifar:device_cifar100", download=True,
+                 mixing=True))
+register(Dataset("digits", "image", "scikit-learn's 8x8 digits, the embedded default", "attnlab.data.tensor:info_digits",
+                 "attnlab.data.tensor:load_digits", {"image_size": Option(8, 1, help="upsample to this size")},
+                 AUGMENTS, device="attnlab.data.tensor:device_digits", mixing=True))
+register(Dataset("synthetic", "image", "random normal images and labels (benchmarks)",
+                 "attnlab.data.tensor:info_synthetic", "attnlab.data.tensor:load_synthetic",
+                 {"num_classes": Option(10, 1), "image_size": Option(32, 1), "in_chans": Option(3, 1),
+                  "length": Option(1024, 0, help="images per split"),
+                  "seed": Option(0, 0, 2**62 - 1, help="images keyed by 2 * seed + split, a uint64")},
+                 AUGMENTS, device="attnlab.data.tensor:device_synthetic", mixing=True))
+register(Dataset("imagefolder", "image", "an ImageNet-style folder tree <data_dir>/train|val/<class>/",
+                 "attnlab.data.folder:info", "attnlab.data.folder:build",
+                 {"image_size": Option(224, 1), "auto_augment": Option(True, help="RandAugment in the recipe"),
+                  "random_erasing": Option(0.25, 0.0, 1.0)}, AUGMENTS, "attnlab.data.folder:transform", mixing=True))
+# Long Range Arena: token sequences, LRA's defaults
+register(Dataset("listops", "sequence", "LRA ListOps, generated locally once", "attnlab.data.listops:info",
+                 "attnlab.data.listops:build",
+                 {"max_length": Option(2000, 1), "min_length": Option(500, 1), "max_depth": Option(10, 1),
+                  "max_args": Option(10, 2), "num_train": Option(96000, 1), "num_val": Option(2000, 0),
+                  "num_test": Option(2000, 1), "seed": Option(0, 0, 2**62 - 1)}))
+register(Dataset("lra_text", "sequence", "LRA byte-level IMDb reviews from <data_dir>/aclImdb",
+                 "attnlab.data.lra_text:info", "attnlab.data.lra_text:build", {"max_length": Option(4000, 1)}))
+
+DATASETS: tuple[str, ...] = tuple(DATASET_TABLE)
+OPTIONS: dict[str, dict[str, Any]] = {n: {k: o.default for k, o in e.options.items()} for n, e in DATASET_TABLE.items()}

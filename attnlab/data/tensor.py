@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from attnlab.data.registry import DatasetInfo, DeviceData
+
 # Fixed split of the 1,797 digits: 20% test, stratified by class, same every run.
 DIGITS_TEST_SIZE, DIGITS_SPLIT_SEED = 0.2, 0
 # Synthetic datasets up to this size are generated once and kept in memory; larger ones draw each image on demand.
@@ -77,6 +79,27 @@ def build_digits(train: bool, augment: str, *, image_size: int = 8) -> TensorIma
     return TensorImageDataset(images.contiguous(), y, shift=shift, pad_value=(0.0 - mean) / std)
 
 
+def info_digits(data_dir, *, image_size: int) -> DatasetInfo:
+    mean, std = digits_stats()
+    return DatasetInfo("digits", 10, image_size, 1, (mean,), (std,))
+
+
+def load_digits(train: bool, *, data_dir, download: bool, augment: str, image_size: int) -> TensorImageDataset:
+    """The table's builder: :func:`build_digits` (digits need no files)."""
+    return build_digits(train, augment, image_size=image_size)
+
+
+def device_digits(*, data_dir, download: bool, augment: str, image_size: int) -> DeviceData:
+    """The train split for the device pipeline; the recipe is build_digits' shift: a crop padded with the
+    normalised black."""
+    ds = build_digits(True, "none", image_size=image_size)
+    if augment != "recipe":
+        return DeviceData(ds.images, ds.labels, None)
+    mean, std = digits_stats()
+    return DeviceData(ds.images, ds.labels, dict(crop_padding=max(1, image_size // 8), flip=0.0, auto_augment=False,
+                                                 random_erasing=0.0), dict(pad_value=(0.0 - mean) / std))
+
+
 class SyntheticDataset(Dataset):
     """Standard-normal images (in_chans, image_size, image_size) and uniform labels in 0..num_classes-1.
 
@@ -112,3 +135,19 @@ class SyntheticDataset(Dataset):
             raise IndexError(f"index {index} out of range for a synthetic dataset of length {len(self.labels)}")
         image = self.images[index] if self.images is not None else self._draw(index)
         return image, self.labels[index]
+
+
+def info_synthetic(data_dir, *, num_classes: int, image_size: int, in_chans: int, length: int, seed: int
+                   ) -> DatasetInfo:
+    return DatasetInfo("synthetic", num_classes, image_size, in_chans, (0.0,) * in_chans, (1.0,) * in_chans)
+
+
+def load_synthetic(train: bool, *, data_dir, download: bool, augment: str, **options) -> SyntheticDataset:
+    """The table's builder (synthetic images are already normalised and take no augmentation)."""
+    return SyntheticDataset(train=train, **options)
+
+
+def device_synthetic(*, data_dir, download: bool, augment: str, **options) -> DeviceData:
+    ds = SyntheticDataset(train=True, **options)
+    images = ds.images if ds.images is not None else torch.stack([ds[i][0] for i in range(len(ds))])
+    return DeviceData(images, ds.labels, None)

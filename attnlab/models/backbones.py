@@ -125,6 +125,10 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
             raise ConfigError(f"model option {bad[1]!r} is not an argument of {name}{did_you_mean(bad[1], valid)}; "
                               f"give keyword arguments of timm's {cls.__name__ if cls else name}.") from None
         raise
+    except AttributeError as err:  # timm's Swin reads its norms' weights while it builds
+        if norm == "none" and "'Identity' object" in str(err):
+            raise ConfigError(f"norm='none' is available for ViT-family and sequence models, not {name!r}.") from None
+        raise
     for module in model.modules():
         if type(module) in SUPPORTED_TYPES:
             module.fused_attn = True

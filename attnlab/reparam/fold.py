@@ -60,23 +60,32 @@ def _own_class(module: nn.Module) -> None:
     module.__class__ = type(cls.__name__, cls.__bases__, contents)
 
 
-def export_folded(model: nn.Module, path: str | Path) -> Path:
-    """Write a folded copy of ``model``'s weights to ``path`` (safetensors); ``model`` itself is left as it is.
+def folded_safetensors(model: nn.Module) -> bytes:
+    """A folded copy of ``model``'s weights as safetensors bytes; ``model`` itself is left as it is.
 
-    The file's metadata holds ``attnlab_spec`` (the spec a model must be built with to load it: the original spec
-    without its weight terms) and ``attnlab_folded_from`` (the original spec).
+    The metadata holds ``attnlab_spec`` (the spec a model must be built with to load it: the original spec without
+    its weight terms) and ``attnlab_folded_from`` (the original spec).
     """
-    from safetensors.torch import save_model
+    from safetensors.torch import save
 
     folded = fold(copy.deepcopy(model))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt"}
     for key in ("attnlab_spec", "attnlab_folded_from"):
         if getattr(folded, key, None) is not None:
             metadata[key] = str(getattr(folded, key))
-    save_model(folded, str(path), metadata=metadata)
+    # standalone contiguous CPU copies: safetensors refuses tensors that share storage
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in folded.state_dict().items()}
+    return save(tensors, metadata=metadata)
+
+
+def export_folded(model: nn.Module, path: str | Path) -> Path:
+    """Write :func:`folded_safetensors` of ``model`` to ``path``, created with the umask's permissions (safetensors'
+    own writer makes every file 0600)."""
+    data = folded_safetensors(model)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
     return path
 
 
-__all__ = ["export_folded", "fold"]
+__all__ = ["export_folded", "fold", "folded_safetensors"]

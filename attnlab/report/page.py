@@ -85,6 +85,7 @@ table { border-collapse: collapse; margin: 0.6em 0 1.2em; font-size: 0.92em; }
 th, td { border-bottom: 1px solid #ddd; padding: 0.25em 0.7em; }
 th { border-bottom: 2px solid #888; }
 td.r, th.r { text-align: right; font-variant-numeric: tabular-nums; }
+td.r { white-space: nowrap; }
 td.l, th.l { text-align: left; }
 figure { margin: 0.8em 0 1.6em; }
 figure img { max-width: 100%; border: 1px solid #eee; }

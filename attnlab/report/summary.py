@@ -10,6 +10,12 @@ For each (model, dataset) group and each attention variant with top-1 values x_1
 
 Further numeric entries of a run's ``extra`` dict (e.g. ``p1``, ``eff_rank``) are averaged per variant over the
 runs that report them.
+
+Runs are compared only when they were trained alike: every key of their ``config.yaml`` (the recipe's defaults
+filling those a file leaves out) but the variant, the seed and the runtime keys (device, amp, compile, paths...;
+``attnlab.train.config.RUNTIME_KEYS``) must agree. Runs of one (model, dataset, tag) that differ in any other key
+(epochs, recipe, lr, model or data options, augmentation...) form separate groups, each titled by the keys that
+differ, with its own baseline: a mean, gain or win never mixes them.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 
 from attnlab.errors import AttnlabError
 from attnlab.report.page import Table, table_markdown
+from attnlab.train.files import CONFIG, METRICS, RESULT
 
 REQUIRED_KEYS = ("name", "model", "dataset", "attn", "seed", "top1")
 NO_VALUE = "—"
@@ -52,10 +59,98 @@ def _problem(path: Path) -> tuple[dict | None, str]:
     return run, ""
 
 
+# What a run's settings leave out: what the comparison is about, and what may differ without changing the result
+_NOT_SETTINGS = frozenset({"attn", "seed"})
+_FIRST_KEYS = ("recipe", "epochs")  # named first in a group's title
+
+
+def run_settings(run_dir: str | Path) -> dict[str, Any]:
+    """What a run was trained with besides its variant and seed: its ``config.yaml``'s keys over its recipe's
+    defaults (a file that names only a few keys means the recipe's values for the others), values in the config's
+    types, runtime keys left out. A run without a readable config.yaml gets ``{"config.yaml": "missing"}`` or
+    ``{"config.yaml": "unreadable"}``, which matches only runs in the same state."""
+    import dataclasses
+
+    from attnlab.errors import ConfigError
+    from attnlab.train.config import RECIPES, RUNTIME_KEYS, TrainConfig, coerce, read_yaml
+
+    path = Path(run_dir) / CONFIG
+    if not path.is_file():
+        return {CONFIG: "missing"}
+    try:
+        data = read_yaml(path, CONFIG)
+    except ConfigError:
+        data = None
+    if not isinstance(data, dict):
+        return {CONFIG: "unreadable"}
+    base = RECIPES.get(str(data.get("recipe")), TrainConfig())  # TrainConfig(): the default recipe's values
+    settings = dataclasses.asdict(base)
+    for key, value in data.items():
+        try:
+            settings[str(key)] = coerce(key, value) if key in settings else value
+        except ConfigError:  # a value this version would refuse still names what was trained
+            settings[str(key)] = value
+    return {k: v for k, v in settings.items() if k not in RUNTIME_KEYS and k not in _NOT_SETTINGS}
+
+
+def _setting_text(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True, separators=(", ", ": "))
+    return str(value)
+
+
+def group_key(run_or_row: dict) -> tuple[str, str, str, str]:
+    """(model, dataset, tag, setting): the runs of one comparison share it (``setting`` from :func:`label_settings`)."""
+    return (str(run_or_row["model"]), str(run_or_row["dataset"]), str(run_or_row.get("tag") or ""),
+            str(run_or_row.get("setting") or ""))
+
+
+def group_title(key: tuple[str, str, str, str]) -> str:
+    """``"model / dataset[ / tag][ (epochs=2, recipe=demo)]"``."""
+    model, dataset, tag, setting = key
+    return " / ".join(x for x in (model, dataset, tag) if x) + (f" ({setting})" if setting else "")
+
+
+def groups(rows: list[dict]) -> dict[tuple[str, str, str, str], list[dict]]:
+    """Rows (or runs) by :func:`group_key`, in order of first appearance."""
+    out: dict[tuple[str, str, str, str], list[dict]] = {}
+    for row in rows:
+        out.setdefault(group_key(row), []).append(row)
+    return out
+
+
+def label_settings(runs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Copies of ``runs`` with ``setting``: "" where the runs of a (model, dataset, tag) share their ``settings``
+    (see :func:`run_settings`; runs without ``settings`` count as alike), else the keys on which they differ, as
+    ``"epochs=2, lr=0.005"``. Also returns one ``{"group", "keys", "settings"}`` per (model, dataset, tag) whose runs
+    differ (``keys`` the differing keys, ``settings`` each setting's label)."""
+    by_group: dict[tuple[str, str, str], list[dict]] = {}
+    for run in runs:
+        by_group.setdefault(group_key(run)[:3], []).append(run)
+    labels: dict[int, str] = {}
+    mismatches = []
+    for key, members in by_group.items():
+        settings = [run.get("settings") or {} for run in members]
+        names = sorted({k for s in settings for k in s})
+        differ = [k for k in names if len({json.dumps(s.get(k), sort_keys=True, default=str) for s in settings}) > 1]
+        differ.sort(key=lambda k: (_FIRST_KEYS.index(k) if k in _FIRST_KEYS else len(_FIRST_KEYS), k))
+        for run, setting in zip(members, settings):
+            labels[id(run)] = ", ".join(f"{k}={_setting_text(setting.get(k))}" for k in differ)
+        if differ:
+            mismatches.append({"group": group_title((*key, "")), "keys": differ,
+                               "settings": sorted({labels[id(run)] for run in members})})
+    return [{**run, "setting": labels[id(run)]} for run in runs], mismatches
+
+
 def scan_runs(runs_dir: str | Path) -> tuple[list[dict], list[dict]]:
     """Every ``result.json`` below ``runs_dir`` (recursively, sorted by path), split into readable and unreadable.
 
-    Returns ``(runs, unreadable)``: runs as from :func:`load_runs`; ``unreadable`` one ``{"run_dir", "problem"}``
+    Returns ``(runs, unreadable)``: runs as from :func:`load_runs` (with ``settings``, :func:`run_settings` of the
+    run's directory); ``unreadable`` one ``{"run_dir", "problem"}``
     (problem: "result.json is not valid JSON (...)...") per result.json that cannot be read or lacks what a
     report needs, so that one damaged run does not hide the others.
 
@@ -65,7 +160,7 @@ def scan_runs(runs_dir: str | Path) -> tuple[list[dict], list[dict]]:
     root = Path(runs_dir)
     if not root.is_dir():
         raise AttnlabError(f"runs directory '{root}' does not exist; pass the folder that holds the runs/<name>/ directories.")
-    paths = sorted(root.rglob("result.json"))
+    paths = sorted(root.rglob(RESULT))
     if not paths:
         raise AttnlabError(
             f"no finished runs found under '{root}' (no result.json); train some runs first or pass the folder that holds them."
@@ -77,7 +172,7 @@ def scan_runs(runs_dir: str | Path) -> tuple[list[dict], list[dict]]:
         if run is None:
             unreadable.append({"run_dir": run_dir, "problem": f"result.json {problem}"})
         else:
-            runs.append({**run, "run_dir": run_dir})
+            runs.append({**run, "run_dir": run_dir, "settings": run_settings(path.parent)})
     return runs, unreadable
 
 
@@ -104,8 +199,8 @@ def find_unfinished(runs_dir: str | Path) -> list[str]:
     root = Path(runs_dir)
     if not root.is_dir():
         return []
-    dirs = {p.parent for name in ("metrics.jsonl", "config.yaml") for p in root.rglob(name)}
-    return sorted(d.relative_to(root).as_posix() for d in dirs if not (d / "result.json").exists())
+    dirs = {p.parent for name in (METRICS, CONFIG) for p in root.rglob(name)}
+    return sorted(d.relative_to(root).as_posix() for d in dirs if not (d / RESULT).exists())
 
 
 def _mean(xs: list[float]) -> float:
@@ -125,8 +220,9 @@ def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
         baseline: the variant spec that gains and wins are measured against.
 
     Returns:
-        One row per (model, dataset, variant); groups sorted by (model, dataset); within a group the baseline row
-        first, then the other variants sorted by name. Each row holds ``model, dataset, variant, baseline`` (bool),
+        One row per (model, dataset, tag, setting, variant) (``setting``: see :func:`label_settings`; runs trained
+        differently are never one group); groups sorted by that key; within a group the baseline row first, then
+        the other variants sorted by name. Each row holds ``model, dataset, tag, setting, variant, baseline`` (bool),
         ``n, seeds`` (sorted), ``top1_by_seed``, ``mean, sd`` (top-1, percent), ``top5_mean`` (None if absent),
         ``gain_pp`` and ``wins`` (``"k/m"``; with ``wins_k, wins_n``), None for the baseline row and in groups
         without the baseline, and ``extras`` {name: mean}.
@@ -135,23 +231,25 @@ def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
         AttnlabError: two runs share model, dataset, variant and seed (matched-seed pairing would be ambiguous).
     """
     baseline = _variant_label(baseline)
-    groups: dict[tuple[str, str, str], dict[str, dict[Any, dict]]] = {}
+    if not all("setting" in run for run in runs):
+        runs = label_settings(runs)[0]
+    by_group: dict[tuple[str, str, str, str], dict[str, dict[Any, dict]]] = {}
     for run in runs:
-        key = (str(run["model"]), str(run["dataset"]), str(run.get("tag") or ""))
+        key = group_key(run)
         variant = _variant_label(run["attn"])
-        by_seed = groups.setdefault(key, {}).setdefault(variant, {})
+        by_seed = by_group.setdefault(key, {}).setdefault(variant, {})
         seed = run["seed"]
         if seed in by_seed:
             where = [r.get("run_dir", r.get("name")) for r in (by_seed[seed], run)]
             raise AttnlabError(
-                f"two runs of {' / '.join(filter(None, key))} / {variant} have seed {seed} ({where[0]} and {where[1]}); "
+                f"two runs of {group_title(key)} / {variant} have seed {seed} ({where[0]} and {where[1]}); "
                 "keep one per seed so matched-seed comparisons are unambiguous."
             )
         by_seed[seed] = run
 
     rows = []
-    for (model, dataset, tag) in sorted(groups):
-        variants = groups[(model, dataset, tag)]
+    for (model, dataset, tag, setting) in sorted(by_group):
+        variants = by_group[(model, dataset, tag, setting)]
         base_runs = variants.get(baseline)
         base_mean = _mean([r["top1"] for r in base_runs.values()]) if base_runs else None
         order = ([baseline] if base_runs else []) + sorted(v for v in variants if v != baseline)
@@ -170,6 +268,7 @@ def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
                 "model": model,
                 "dataset": dataset,
                 "tag": tag,
+                "setting": setting,
                 "variant": variant,
                 "baseline": variant == baseline,
                 "n": len(seeds),
@@ -216,13 +315,10 @@ def format_gain(gain: float | None) -> str:
 
 
 def accuracy_tables(rows: list[dict]) -> list[Table]:
-    """One :class:`~attnlab.report.page.Table` per (model, dataset[, tag]): Variant | Top-1 (mean ± SD) | Gain (pp)
-    | Wins | n | extras..., the baseline first (as :func:`summarize` orders the rows)."""
+    """One :class:`~attnlab.report.page.Table` per comparison (:func:`group_key`): Variant | Top-1 (mean ± SD) |
+    Gain (pp) | Wins | n | extras..., the baseline first (as :func:`summarize` orders the rows)."""
     tables: list[Table] = []
-    groups: dict[tuple[str, str, str], list[dict]] = {}
-    for row in rows:
-        groups.setdefault((row["model"], row["dataset"], row.get("tag", "")), []).append(row)
-    for (model, dataset, tag), group in groups.items():
+    for key, group in groups(rows).items():
         extra_names = sorted({name for row in group for name in row.get("extras", {})})
         header = ["Variant", "Top-1 (mean ± SD)", "Gain (pp)", "Wins", "n", *extra_names]
         cells = []
@@ -236,7 +332,7 @@ def accuracy_tables(rows: list[dict]) -> list[Table]:
                 str(row["n"]),
                 *(_fmt_extra(row.get("extras", {}).get(name)) for name in extra_names),
             ])
-        tables.append(Table(header, cells, title=f"{model} / {dataset}" + (f" / {tag}" if tag else "")))
+        tables.append(Table(header, cells, title=group_title(key)))
     return tables
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from attnlab.errors import AttnlabError
 from attnlab.report.page import Table
-from attnlab.report.summary import NO_VALUE, format_top1
+from attnlab.report.summary import NO_VALUE, format_top1, group_key, group_title, groups
 
 BENCH_PATTERNS = ("*bench*.json", "*latency*.json")  # where `attnlab bench --json` output is looked for
 # analyze's figure names (file stem, after any "<run>-" prefix) -> the instrument they belong to
@@ -41,30 +41,24 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _groups(rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
-    out: dict[tuple[str, str, str], list[dict]] = {}
-    for row in rows:
-        out.setdefault((row["model"], row["dataset"], row.get("tag", "")), []).append(row)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------------- ablation
 
 def ablation_tables(rows: list[dict], min_variants: int = 3) -> list[Table]:
-    """Table 2 form per (model, tag) with at least ``min_variants`` variants: Dataset | variant ... (baseline
-    first, then as in ``rows``); cells mean ± SD, the best mean of each row in bold, an em dash where not run."""
-    by_model: dict[tuple[str, str], dict[str, dict[str, dict]]] = {}
-    order: dict[tuple[str, str], list[str]] = {}
+    """Table 2 form per (model, tag, setting) with at least ``min_variants`` variants: Dataset | variant ...
+    (baseline first, then as in ``rows``); cells mean ± SD, the best mean of each row in bold, an em dash where not
+    run."""
+    by_model: dict[tuple[str, str, str], dict[str, dict[str, dict]]] = {}
+    order: dict[tuple[str, str, str], list[str]] = {}
     for row in rows:
-        key = (row["model"], row.get("tag", ""))
+        key = (row["model"], row.get("tag", ""), row.get("setting", ""))
         by_model.setdefault(key, {}).setdefault(row["dataset"], {})[row["variant"]] = row
         names = order.setdefault(key, [])
         if row["variant"] not in names:
             names.insert(0 if row.get("baseline") else len(names), row["variant"])
     baselines = {row["variant"] for row in rows if row.get("baseline")}
     tables = []
-    for (model, tag), datasets in by_model.items():
-        variants = order[(model, tag)]
+    for (model, tag, setting), datasets in by_model.items():
+        variants = order[(model, tag, setting)]
         if len(variants) < min_variants:
             continue
         cells = []
@@ -77,7 +71,8 @@ def ablation_tables(rows: list[dict], min_variants: int = 3) -> list[Table]:
                 line.append(f"**{text}**" if r is not None and r["mean"] == best and len(found) > 1 else text)
             cells.append(line)
         header = ["Dataset", *(f"{v} (baseline)" if v in baselines else v for v in variants)]
-        tables.append(Table(header, cells, title=model + (f" / {tag}" if tag else "")))
+        tables.append(Table(header, cells, title=model + (f" / {tag}" if tag else "") + (f" ({setting})" if setting
+                                                                                     else "")))
     return tables
 
 
@@ -189,19 +184,17 @@ def _run_spectra(run: dict, analysis: dict | None) -> dict | None:
 
 
 def spectral_tables(rows: list[dict], runs: list[dict], analyses: dict[str, dict]) -> list[Table]:
-    """Per (model, dataset[, tag]) with spectra: Variant | p1 | r_eff | runs; for Swin models also Block | variant
+    """Per comparison (:func:`~attnlab.report.summary.group_key`) with spectra: Variant | p1 | r_eff | runs; for Swin models also Block | variant
     p1 | variant r_eff ... (means over the runs that have each block)."""
-    measured: dict[tuple[str, str, str, str], list[dict]] = {}
+    measured: dict[tuple, list[dict]] = {}
     for run in runs:
         found = _run_spectra(run, analyses.get(run["run_dir"]))
         if found is not None:
-            key = (str(run["model"]), str(run["dataset"]), str(run.get("tag") or ""), "".join(str(run["attn"]).split()))
-            measured.setdefault(key, []).append(found)
+            measured.setdefault((group_key(run), "".join(str(run["attn"]).split())), []).append(found)
     tables = []
-    for (model, dataset, tag), group in _groups(rows).items():
-        title = " / ".join(x for x in (model, dataset, tag) if x)
-        have = [(r["variant"], measured[(model, dataset, tag, r["variant"])]) for r in group
-                if (model, dataset, tag, r["variant"]) in measured]
+    for key, group in groups(rows).items():
+        model, title = key[0], group_title(key)
+        have = [(r["variant"], measured[(key, r["variant"])]) for r in group if (key, r["variant"]) in measured]
         if not have:
             continue
         cells = [[v, f"{statistics.fmean(m['p1'] for m in ms):.2f}",
@@ -251,37 +244,37 @@ def run_costs(run_dir: Path) -> dict:
     import torch
 
     from attnlab.analysis.cost import count_macs
-    from attnlab.data import dataset_info
-    from attnlab.train.config import load_config
-    from attnlab.train.loop import build_run_model
+    from attnlab.train.run import Run
 
-    cfg = load_config(run_dir / "config.yaml")
-    info = dataset_info(cfg.dataset, data_dir=cfg.data_dir, **cfg.data_options)
-    size = info.image_size if isinstance(info.image_size, (tuple, list)) else (info.image_size, info.image_size)
-    shape = (1, info.in_chans, *size)
+    run = Run.open(run_dir)
     try:  # on the meta device nothing is allocated or initialised
         with torch.device("meta"):
-            model = build_run_model(cfg, info).eval()
-        macs = count_macs(model, shape)
+            model = run.build_model().eval()
+            macs = count_macs(model, run.task.example_input(1, "meta"))
     except (RuntimeError, NotImplementedError):  # sigma's set-up reads a value (.item()), which meta cannot give
         with torch.random.fork_rng(devices=[]):
-            model = build_run_model(cfg, info).eval()
-        macs = count_macs(model, shape)
+            model = run.build_model().eval()
+        macs = count_macs(model, run.task.example_input(1))
     return {"params": sum(p.numel() for p in model.parameters()), "macs": macs}
 
 
+def _macs_unit(macs: list[float]) -> tuple[str, float]:
+    """("GMACs", 1e9) when the smallest count is at least a giga, else ("MMACs", 1e6): a small model reads 0.6425
+    MMACs rather than 0.0006425 GMACs."""
+    return ("GMACs", 1e9) if min(macs) >= 1e9 else ("MMACs", 1e6)
+
+
 def cost_tables(rows: list[dict], runs: list[dict], runs_dir: Path) -> tuple[list[Table], list[dict]]:
-    """Per (model, dataset[, tag]): Variant | Params (M) | GMACs | GFLOPs | x params | x GMACs (against the first
-    row, the baseline when present), from one run per variant; ``problems`` for runs whose config cannot be built."""
-    first: dict[tuple[str, str, str, str], dict] = {}
+    """Per comparison: Variant | Params (M) | GMACs | GFLOPs | x params | x GMACs (against the first row, the
+    baseline when present; MMACs and MFLOPs when the smallest count is below a giga), from one run per variant; ``problems`` for runs whose config cannot be built."""
+    first: dict[tuple, dict] = {}
     for run in runs:
-        key = (str(run["model"]), str(run["dataset"]), str(run.get("tag") or ""), "".join(str(run["attn"]).split()))
-        first.setdefault(key, run)
+        first.setdefault((group_key(run), "".join(str(run["attn"]).split())), run)
     tables, problems = [], []
-    for (model, dataset, tag), group in _groups(rows).items():
+    for key, group in groups(rows).items():
         costs = []
         for row in group:
-            run = first[(model, dataset, tag, row["variant"])]
+            run = first[(key, row["variant"])]
             try:
                 costs.append((row["variant"], run_costs(runs_dir / run["run_dir"])))
             except (AttnlabError, OSError) as err:
@@ -290,10 +283,11 @@ def cost_tables(rows: list[dict], runs: list[dict], runs_dir: Path) -> tuple[lis
         if not costs:
             continue
         base = costs[0][1]
-        cells = [[v, f"{c['params'] / 1e6:.3f}", f"{c['macs'] / 1e9:.4g}", f"{2 * c['macs'] / 1e9:.4g}",
+        unit, scale = _macs_unit([c["macs"] for _, c in costs])
+        cells = [[v, f"{c['params'] / 1e6:.3f}", f"{c['macs'] / scale:.4g}", f"{2 * c['macs'] / scale:.4g}",
                   f"{c['params'] / base['params']:.3f}", f"{c['macs'] / base['macs']:.3f}"] for v, c in costs]
-        tables.append(Table(["Variant", "Params (M)", "GMACs", "GFLOPs", "x params", "x GMACs"], cells,
-                            title=" / ".join(x for x in (model, dataset, tag) if x)))
+        tables.append(Table(["Variant", "Params (M)", unit, unit.replace("MACs", "FLOPs"), "x params", "x MACs"],
+                            cells, title=group_title(key)))
     return tables, problems
 
 

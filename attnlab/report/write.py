@@ -3,48 +3,79 @@ directories (and the analysis and benchmark files beside them) alone."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import time
+from collections import Counter
 from pathlib import Path
 
 from attnlab.errors import AttnlabError
+from attnlab.train.files import METRICS, RESULT
 
-from attnlab.report.summary import find_unfinished, format_markdown, scan_runs, summarize
+from attnlab.report.summary import (NO_VALUE, find_unfinished, format_markdown, group_key, group_title, groups,
+                                    label_settings, scan_runs, summarize)
 
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
 
 
-def plot_group(rows: list[dict], path: str | Path, title: str) -> Path:
-    """Bar plot of mean top-1 per variant with sample-SD error bars (none when n = 1), saved as PNG.
+def plot_group(rows: list[dict], path: str | Path, title: str, colors: dict[str, str] | None = None) -> Path:
+    """:func:`group_figure` saved as PNG at ``path`` (written atomically); returns ``path``."""
+    from attnlab.analysis.figures import save_png
 
-    Uses matplotlib's object API with the Agg canvas, so no pyplot state or display is touched.
+    return save_png(group_figure(rows, title, colors), path)
+
+
+def group_figure(rows: list[dict], title: str, colors: dict[str, str] | None = None):
+    """Top-1 of one comparison (rows of :func:`~attnlab.report.summary.summarize`) as a matplotlib Figure: bars of
+    the mean per variant on an axis from 0 (whiskers: sample SD, none when n = 1), and, when the group has its
+    baseline, the gain of each other variant in percentage points on an axis of its own around 0, where
+    differences of a tenth of a point show without a cut axis.
+
+    ``colors``: {variant: colour} (default :func:`attnlab.analysis.figures.variant_colors` of these rows). Uses
+    matplotlib's object API with the Agg canvas, so no pyplot state or display is touched.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    labels = [r["variant"] for r in rows]
-    means = [r["mean"] for r in rows]
-    sds = [r["sd"] or 0.0 for r in rows]
-    fig = Figure(figsize=(max(3.0, 1.0 + 0.9 * len(rows)), 3.2), dpi=120)
+    from attnlab.analysis.figures import color_of, variant_colors
+
+    base = next((r["variant"] for r in rows if r.get("baseline")), None)
+    colors = colors if colors is not None else variant_colors([r["variant"] for r in rows], base)
+    gains = [r for r in rows if r.get("gain_pp") is not None]
+    width = max(3.0, 1.0 + 0.55 * len(rows))
+    fig = Figure(figsize=(width + (1.0 + 0.55 * len(gains) if gains else 0.0), 3.4), dpi=120)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    colors = ["0.6" if r.get("baseline") else "C0" for r in rows]
-    ax.bar(range(len(rows)), means, yerr=sds, capsize=4, color=colors)
-    ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
-    # Variants differ by tenths of a point: zoom the axis onto the bars instead of starting at 0.
-    lo = min(m - s for m, s in zip(means, sds))
-    hi = max(m + s for m, s in zip(means, sds))
-    pad = max(0.25 * (hi - lo), 0.2)
-    ax.set_ylim(max(0.0, lo - pad), hi + pad)
+    panels = fig.subplots(1, 2, width_ratios=[len(rows), max(len(gains), 1)]) if gains else [fig.add_subplot()]
+    ax = panels[0]
+    x = range(len(rows))
+    means, sds = [r["mean"] for r in rows], [r["sd"] or 0.0 for r in rows]
+    bar_colors = [color_of(colors, r["variant"], i) for i, r in enumerate(rows)]
+    ax.bar(x, means, yerr=sds, capsize=3, color=bar_colors)
+    for i, (m, sd) in enumerate(zip(means, sds)):  # the mean above its whisker
+        ax.annotate(f"{m:.1f}", (i, m + sd), xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
+                    fontsize=7)
+    ax.set_xticks(list(x), [r["variant"] for r in rows], rotation=35, ha="right", fontsize=8)
+    ax.set_ylim(0, min(110.0, max(m + s for m, s in zip(means, sds)) * 1.12) or 1.0)  # from 0: bars read as ratios
     ax.set_ylabel("Top-1 (%)")
     ax.set_title(title, fontsize=9)
+    if gains:
+        gx = panels[1]
+        gx.axhline(0.0, color=colors.get(base, "0.5"), linewidth=1.2)
+        gx.errorbar(range(len(gains)), [r["gain_pp"] for r in gains], yerr=[r["sd"] or 0.0 for r in gains],
+                    fmt="none", ecolor="0.3", capsize=3, linewidth=0.8)
+        gx.scatter(range(len(gains)), [r["gain_pp"] for r in gains], zorder=3,
+                   c=[color_of(colors, r["variant"], i) for i, r in enumerate(gains)])
+        gx.set_xticks(range(len(gains)), [r["variant"] for r in gains], rotation=35, ha="right", fontsize=8)
+        gx.set_xlim(-0.6, len(gains) - 0.4)
+        gx.set_ylabel(f"gain vs {base} (pp)")
+        gx.set_title("gain (whiskers: variant's SD)", fontsize=9)
+        gx.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, format="png")
-    return path
+    return fig
 
 
 def _problem_items(problems: list[dict]) -> list[str]:
@@ -62,8 +93,13 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     runs' ``extra``), parameters and GFLOPs per variant (``costs``), figures (with ``plots``: a top-1 bar plot
     ``report_<model>_<dataset>.png`` and training curves ``report_curves_<model>_<dataset>.png`` per group, then
     every PNG in a folder holding an analysis.json, grouped by instrument), and last what was not included:
-    unfinished runs, runs whose result.json cannot be read, files that cannot be read. The output depends only on
-    the run files (no dates, no absolute paths), so running it twice gives identical files.
+    unfinished runs, runs whose result.json cannot be read, files that cannot be read. It opens with what was
+    trained (:func:`provenance`). Runs are compared only when trained alike (:func:`~attnlab.report.summary.
+    label_settings`): runs that differ in more than variant and seed form separate groups, named by the differing
+    keys. The output depends only on the run files (their content and the times their result.json were written;
+    no absolute paths), so running it twice gives identical files. Every file is written to a temporary file
+    beside it and renamed over the old one, so a reader never sees a half-written report and a symlink in the
+    way is replaced, not followed.
 
     Args:
         runs_dir: folder holding ``<name>/result.json`` (searched recursively).
@@ -81,12 +117,16 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     from attnlab.report.tables import (ablation_tables, analysis_figures, cost_tables, find_bench_files,
                                        latency_stats, latency_tables, read_analyses, read_bench, spectral_tables)
 
+    from attnlab.analysis.figures import variant_colors
+    from attnlab.train.checkpoint import atomic_write_text
+
     runs_dir = Path(runs_dir)
     out = Path(out_dir) if out_dir is not None else runs_dir
     runs, unreadable = scan_runs(runs_dir)
     if not runs:
         bad = unreadable[0]
         raise AttnlabError(f"no run under '{runs_dir}' has a readable result.json ({bad['run_dir']}: {bad['problem']})")
+    runs, mismatches = label_settings(runs)
     rows = summarize(runs, baseline=baseline)
     unfinished = find_unfinished(runs_dir)
     problems: list[dict] = []
@@ -95,8 +135,14 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     title = "attnlab report"
     intro = (f"Final-epoch top-1 (%) as mean ± sample SD over seeds; gains in percentage points against "
              f"`{''.join(baseline.split())}`, computed from unrounded means; wins count matched seeds where the "
-             f"variant is strictly higher.")
-    sections = [Section("Accuracy", tables=accuracy_tables(rows))]
+             f"variant is strictly higher. Runs are compared only when trained alike: the same config but for "
+             f"variant, seed and runtime keys (device, paths, ...).")
+    about = provenance(runs_dir, runs, rows, unfinished=unfinished, unreadable=unreadable)
+    sections = [Section("What was trained", items=[f"**{k}**: {v}" for k, v in about.items()]),
+                Section("Accuracy", paragraphs=[
+                    f"{m['group']}: these runs differ in more than variant and seed ({', '.join(m['keys'])}), so "
+                    f"they form {len(m['settings'])} separate comparisons, each with its own baseline; no gain or "
+                    f"win is computed between them." for m in mismatches], tables=accuracy_tables(rows))]
 
     ablation = ablation_tables(rows)
     if ablation:
@@ -139,26 +185,28 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
         problems += cost_problems
         if cost:
             sections.append(Section("Parameters and operations", paragraphs=[
-                "Per variant, batch-1 forward: GMACs are the DnA paper's \"GFLOPs\" (multiply-adds); GFLOPs = 2 x "
-                "GMACs; ratios against the first row."], tables=cost))
+                "Per variant, batch-1 forward: MACs are multiply-adds (the DnA paper's \"GFLOPs\" are GMACs); FLOPs "
+                "= 2 x MACs; giga (G) or mega (M) as reads best; ratios against the first row."], tables=cost))
 
     plot_paths: list[Path] = []
     figures: list[Section] = []
     if plots:
         from attnlab.analysis.curves import plot_training_curves, read_metrics, training_curves
 
+        colors = variant_colors([r["variant"] for r in rows], baseline)  # one colour per variant in every figure
         bars, curves = [], []
-        for (model, dataset, tag), group in _groups(rows).items():
-            label = " / ".join(x for x in (model, dataset, tag) if x)
-            slug = "_".join(_slug(x) for x in (model, dataset, tag) if x)
-            path = plot_group(group, out / f"report_{slug}.png", label)
-            bars.append(Figure(path, f"Top-1 per variant, {label} (bars: mean, whiskers: sample SD)"))
+        for key, group in groups(rows).items():
+            label = group_title(key)
+            slug = "_".join(_slug(x) for x in key[:3] if x)
+            if key[3]:  # a setting's label can be long: a short digest names its files
+                slug += "_" + hashlib.sha1(key[3].encode()).hexdigest()[:8]
+            path = plot_group(group, out / f"report_{slug}.png", label, colors)
+            bars.append(Figure(path, f"Top-1 per variant, {label} (bars: mean from 0, whiskers: sample SD; "
+                                     f"points: gain against the baseline)"))
             dirs = []
-            for run in runs:
-                if (str(run["model"]), str(run["dataset"]), str(run.get("tag") or "")) != (model, dataset, tag):
-                    continue
+            for run in (r for r in runs if group_key(r) == key):
                 try:
-                    read_metrics(runs_dir / run["run_dir"] / "metrics.jsonl")
+                    read_metrics(runs_dir / run["run_dir"] / METRICS)
                     dirs.append(runs_dir / run["run_dir"])
                 except AttnlabError as err:
                     problems.append({"path": f"{run['run_dir']}/metrics.jsonl",
@@ -170,8 +218,9 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
                 found = {}
             if found:
                 path = out / f"report_curves_{slug}.png"
-                plot_training_curves(found, path)
-                curves.append(Figure(path, f"Training curves, {label}: mean over seeds ± sample SD per variant"))
+                plot_training_curves(found, path, baseline=baseline, colors=colors)
+                curves.append(Figure(path, f"Training curves, {label}: mean over seeds ± sample SD, one row per "
+                                           f"variant beside the baseline (grey, dashed)"))
         plot_paths = [f.path for f in bars + curves]
         figures.append(Section("Top-1 per variant", figures=bars))
         if curves:
@@ -198,20 +247,72 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
 
     markdown = render_markdown(title, intro, sections, out)
     page = render_html(title, intro, sections)
-    md_path = out / "report.md"
-    md_path.write_text(markdown)
-    html_path = out / "report.html"
-    html_path.write_text(page)
-    json_path = out / "report.json"
+    md_path, html_path, json_path = out / "report.md", out / "report.html", out / "report.json"
     tables = {s.title: [{"title": t.title, "header": t.header, "rows": t.rows} for t in s.tables]
               for s in sections if s.tables}
-    json_path.write_text(json.dumps({
-        "baseline": baseline, "rows": rows, "unfinished": unfinished, "unreadable": unreadable, "problems": problems,
-        "latency": bench_json, "tables": tables,
-        "figures": [Path(os.path.relpath(f.path, out)).as_posix() for s in figures for f in s.figures]},
-        indent=2) + "\n")
+    data = {"baseline": baseline, "provenance": about, "mismatched": mismatches, "rows": rows,
+            "unfinished": unfinished, "unreadable": unreadable, "problems": problems, "latency": bench_json,
+            "tables": tables,
+            "figures": [Path(os.path.relpath(f.path, out)).as_posix() for s in figures for f in s.figures]}
+    atomic_write_text(md_path, markdown)
+    atomic_write_text(html_path, page)
+    atomic_write_text(json_path, json.dumps(data, indent=2) + "\n")
     return {"markdown": markdown, "html": page, "rows": rows, "markdown_path": md_path, "html_path": html_path,
             "json": json_path, "plots": plot_paths}
+
+
+def _utc_day(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(seconds))
+
+
+def _counted(values: list[str], of: int | None = None) -> str:
+    """"a" when all alike, else "a (3 runs), b (1 run)"; with ``of`` (the number of runs) also how many did not
+    record a value."""
+    counts = Counter(values)
+    text = (next(iter(counts)) if len(counts) == 1 else
+            ", ".join(f"{v} ({n} run{'s' if n != 1 else ''})" for v, n in sorted(counts.items())))
+    missing = (of or 0) - len(values)
+    return text + (f" ({missing} run{'s' if missing != 1 else ''} recorded none)" if missing > 0 else "")
+
+
+def provenance(runs_dir: Path, runs: list[dict], rows: list[dict], *, unfinished: list[str] = (),
+               unreadable: list[dict] = ()) -> dict[str, str]:
+    """What the report is about, from the runs' files: how many runs, variants and seeds; models and datasets;
+    recipe and epochs; when the runs finished (result.json's ``finished``, else the time the file was written,
+    UTC); the machine and attnlab version they recorded (``machine``, ``attnlab_version``); and this report's
+    attnlab version."""
+    from attnlab import __version__
+
+    def setting(run: dict, key: str):
+        value = (run.get("settings") or {}).get(key)
+        return run.get(key) if value is None else value
+
+    days = []
+    for run in runs:
+        finished = run.get("finished")
+        if isinstance(finished, str) and re.match(r"\d{4}-\d{2}-\d{2}", finished):
+            days.append(finished[:10])
+        else:
+            try:
+                days.append(_utc_day((runs_dir / run["run_dir"] / RESULT).stat().st_mtime))
+            except OSError:
+                pass
+    seeds = sorted({r["seed"] for r in runs}, key=lambda s: (str(type(s)), s))
+    left = [f"{len(unfinished)} unfinished"] * bool(unfinished) + [f"{len(unreadable)} unreadable"] * bool(unreadable)
+    recorded = [str(r["machine"]) for r in runs if r.get("machine")]
+    versions = [str(r["attnlab_version"]) for r in runs if r.get("attnlab_version")]
+    return {
+        "Runs": (f"{len(runs)} finished" + (f" ({', '.join(left)}, not included)" if left else "") +
+                 f"; {len({r['variant'] for r in rows})} variants; seeds {', '.join(map(str, seeds))}; "
+                 f"{len(groups(rows))} comparison{'s' if len(groups(rows)) != 1 else ''}"),
+        "Models and datasets": _counted([f"{r['model']} on {r['dataset']}" for r in runs]),
+        "Recipe": _counted([f"{setting(r, 'recipe') or NO_VALUE}, {setting(r, 'epochs') or NO_VALUE} epochs"
+                            for r in runs]),
+        "Finished": (f"{min(days)} to {max(days)}" if len(set(days)) > 1 else days[0] if days else NO_VALUE) + " (UTC)",
+        "Machine": _counted(recorded, len(runs)) if recorded else "not recorded in the runs' result.json",
+        "attnlab": (f"runs trained with {_counted(versions, len(runs))}; " if versions else "") +
+                   f"report by {__version__}",
+    }
 
 
 FIGURE_TITLES = {
@@ -223,10 +324,3 @@ FIGURE_TITLES = {
     "branches": "DnA branch instruments (intruder dimensions, C(V+, V-), branch cosine, alpha)",
     "other": "other figures",
 }
-
-
-def _groups(rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
-    groups: dict[tuple[str, str, str], list[dict]] = {}
-    for row in rows:
-        groups.setdefault((row["model"], row["dataset"], row.get("tag", "")), []).append(row)
-    return groups

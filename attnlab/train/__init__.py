@@ -13,7 +13,8 @@ import importlib
 from .config import GRID_PRESETS, RECIPES, TrainConfig, load_config, make_config, run_name
 
 _LAZY = {
-    "train": "loop", "evaluate": "loop", "run_dir_of": "loop", "build_run_model": "loop", "load_run": "loop",
+    "train": "loop", "Run": "run", "Plan": "run", "run_dir_of": "run", "load_run": "run", "resolve_device": "run",
+    "evaluate": "tasks.classify",
     "run_grid": "grid", "load_grid": "grid", "split_specs": "grid", "demo_variants": "grid",
     "param_groups": "optim", "no_weight_decay": "optim", "build_optimizer": "optim", "build_scheduler": "optim",
     "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "atomic_write": "checkpoint",

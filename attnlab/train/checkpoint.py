@@ -34,10 +34,7 @@ from torch import nn
 
 from attnlab.errors import AttnlabError
 
-WEIGHTS = "checkpoint.safetensors"
-STATE = "trainer_state.pt"
-PREV_WEIGHTS = "checkpoint.prev.safetensors"
-PREV_STATE = "trainer_state.prev.pt"
+from .files import PREV_STATE, PREV_WEIGHTS, STATE, WEIGHTS
 
 
 class CheckpointError(AttnlabError):

@@ -54,6 +54,17 @@ class TrainConfig:
     mixup_prob: float = field(default=0.5, metadata={"help": "probability that a batch is mixed (Mixup or CutMix)"})
     mixup_switch_prob: float = field(default=0.5, metadata={"help": "probability of CutMix rather than Mixup when a batch is mixed"})
     repeated_aug: int = field(default=3, metadata={"help": "repeated augmentation count (1 disables it)"})
+    max_steps: int | None = field(default=None, metadata={
+        "help": "train this many optimizer steps instead of `epochs` epochs (step-based recipes such as a language "
+                "model's); evaluation and a checkpoint every `eval_every` steps"})
+    eval_every: int | None = field(default=None, metadata={
+        "help": "optimizer steps between evaluations and checkpoints (default: an epoch, one pass over the training "
+                "set; required for token streams, which have no passes)"})
+    warmup_steps: int | None = field(default=None, metadata={
+        "help": "linear warm-up in optimizer steps (replaces warmup_epochs)"})
+    grad_accum: int = field(default=1, metadata={
+        "help": "micro-batches per optimizer step; batch_size stays the global batch, each micro-batch is "
+                "batch_size / (grad_accum x ranks)"})
     data_on_device: bool | None = field(default=None, metadata={
         "help": "keep the train set on the device and augment it there per sample (cifar10, cifar100, digits, "
                 "synthetic; default: on for those on CUDA, off on the CPU, where torchvision/timm is the reference)"})
@@ -137,9 +148,6 @@ GRID_PRESETS: dict[str, dict[str, Any]] = {
                   "datasets": ["cifar10", "cifar100"], "models": ["vit_cifar", "swin_cifar"],
                   "runs_dir": "runs/ns_attn_table1"},
 }
-
-# attnlab.data.registry.SEQUENCE_DATASETS, repeated: importing attnlab.data here would load torch for --help
-SEQUENCE_DATASETS = ("listops", "lra_text")
 
 _CHOICES = {"amp": ("auto", "bf16", "none"), "augment": ("recipe", "none"), "norm": ("pre", "post", "none"),
             "optimizer": ("adamw", "lars"), "log": ("none", "tensorboard"),
@@ -243,6 +251,9 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     raise ConfigError(f"config key '{key}' got {value!r}, but it must be {type_words(key)}.")
 
 
+MAX_SEED = 2**63 - 1  # the largest seed every generator takes (torch's is 64-bit, int64 in tensors)
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check value ranges; return cfg unchanged or raise ConfigError with one sentence."""
     for key, allowed in _CHOICES.items():
@@ -260,19 +271,58 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in ("label_smoothing", "mixup_prob", "mixup_switch_prob", "drop_path"):
         if getattr(cfg, key) is not None and not 0.0 <= getattr(cfg, key) <= 1.0:
             raise ConfigError(f"config key '{key}' is {getattr(cfg, key)}, but it must lie in [0, 1].")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise ConfigError(f"config key 'seed' is {cfg.seed}, but it must be an integer from 0 to 2**63 - 1 (torch and "
+                          "NumPy seed their generators with non-negative integers).")
+    if not cfg.momentum < 1.0:
+        raise ConfigError(f"config key 'momentum' is {cfg.momentum}, but it must lie in [0, 1) (LARS keeps that share "
+                          "of the previous step; 0.9 is usual).")
+    if cfg.min_lr > cfg.lr:
+        raise ConfigError(f"config key 'min_lr' is {cfg.min_lr}, above lr {cfg.lr}; the cosine decay ends at min_lr, "
+                          f"so give --min-lr at most {cfg.lr} (or a larger --lr).")
+    if cfg.warmup_steps is None and cfg.max_steps is None and cfg.warmup_epochs > cfg.epochs:
+        raise ConfigError(f"config key 'warmup_epochs' is {cfg.warmup_epochs:g}, longer than the {cfg.epochs} epochs "
+                          f"of training; give --warmup-epochs at most {cfg.epochs} (or more --epochs).")
+    if cfg.warmup_steps is not None and cfg.max_steps is not None and cfg.warmup_steps > cfg.max_steps:
+        raise ConfigError(f"config key 'warmup_steps' is {cfg.warmup_steps}, longer than the {cfg.max_steps} steps of "
+                          f"training (max_steps); give --warmup-steps at most {cfg.max_steps}.")
     if not 0.0 <= cfg.ema_decay < 1.0:
         raise ConfigError(f"config key 'ema_decay' is {cfg.ema_decay}, but it must lie in [0, 1) (0.9998 averages "
                           "about the last 5,000 steps).")
     if cfg.clip_grad is not None and not cfg.clip_grad > 0:
         raise ConfigError(f"config key 'clip_grad' is {cfg.clip_grad}, but it must be positive (or null for no "
                           "clipping).")
-    if cfg.dataset in SEQUENCE_DATASETS and (uses_mixing(cfg) or cfg.augment != "none"):
-        raise ConfigError(f"dataset {cfg.dataset} holds token sequences, which image augmentation and Mixup/CutMix "
-                          f"cannot take; use --recipe lra_listops, or --augment none --mixup-prob 0.")
+    for key in ("max_steps", "eval_every", "warmup_steps"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 1 - (key == "warmup_steps"):
+            raise ConfigError(f"config key '{key}' is {getattr(cfg, key)}, but it must be at least "
+                              f"{1 - (key == 'warmup_steps')} (or null).")
+    if cfg.grad_accum < 1:
+        raise ConfigError(f"config key 'grad_accum' is {cfg.grad_accum}, but it must be at least 1.")
+    if cfg.batch_size % cfg.grad_accum:
+        raise ConfigError(f"batch_size {cfg.batch_size} must split evenly into grad_accum={cfg.grad_accum} "
+                          f"micro-batches; use a multiple of {cfg.grad_accum}.")
+    _check_data(cfg)
+    from attnlab.spec import parse_spec  # torch-free: a spec typo is one line before any model code loads
+
+    parse_spec(cfg.attn)
     if uses_mixing(cfg) and cfg.batch_size % 2:
         raise ConfigError(f"batch_size is {cfg.batch_size}, but Mixup/CutMix pair each image with the batch "
                           "reversed and need an even batch size.")
     return cfg
+
+
+def _check_data(cfg: TrainConfig) -> None:
+    """The dataset is in the table and takes the recipe's augmentation and mixing (the table is torch-free)."""
+    from attnlab.data.registry import dataset
+
+    entry = dataset(cfg.dataset)
+    if (uses_mixing(cfg) and not entry.mixing) or cfg.augment not in entry.augments:
+        what = "image augmentation and Mixup/CutMix" if entry.task != "image" else "Mixup/CutMix"
+        recipes = [name for name, r in RECIPES.items() if dataset(r.dataset).task == entry.task
+                   and (not uses_mixing(r) or entry.mixing) and r.augment in entry.augments]
+        use = f"--recipe {' or '.join(recipes)}, or " if recipes else ""
+        raise ConfigError(f"dataset {entry.name} ({entry.summary}) cannot take {what}; use {use}--augment none "
+                          f"--mixup-prob 0.")
 
 
 def uses_mixing(cfg: TrainConfig) -> bool:
@@ -350,18 +400,28 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+MAX_NAME = 200  # a run directory's name, leaving room for the temporary ".<name>.<12 hex>.tmp" (255 bytes)
+
+
 def run_name(cfg: TrainConfig, spec: str | None = None) -> str:
     """``cfg.name`` or ``<model>-<dataset>-<spec>-s<seed>``, made safe as one path component.
 
     The spec should be the canonical ``str(parse_spec(cfg.attn))``; characters outside ``[A-Za-z0-9._=,+-]``
     become ``_`` (so ``dna(variant=q)+sigma`` -> ``dna_variant=q+sigma``).
     """
-    if cfg.name:
-        name = cfg.name
+    if cfg.name:  # a name the user gives is used as it is, or refused: never silently rewritten
+        bad = sorted(set(re.sub(r"[A-Za-z0-9._=,+-]", "", cfg.name)))
+        if bad or cfg.name.strip(".") == "":
+            suggestion = re.sub(r"[^A-Za-z0-9._=,+-]+", "_", cfg.name).strip("_.") or "my_run"
+            raise ConfigError(f"run name {cfg.name!r} has characters a run directory name cannot carry portably "
+                              f"({''.join(bad) or 'dots only'}); use letters, digits and . _ = , + -, such as "
+                              f"{suggestion!r}.")
+        safe = cfg.name
     else:
         spec = cfg.attn if spec is None else spec
         name = "-".join(x for x in (cfg.model, cfg.dataset, cfg.tag, spec) if x) + f"-s{cfg.seed}"
-    safe = re.sub(r"[^A-Za-z0-9._=,+-]+", "_", name.replace(" ", "").replace(")", "")).strip("_.")
-    if not safe:
-        raise ConfigError(f"run name {name!r} has no file-system safe characters; give a name such as 'my_run'.")
+        safe = re.sub(r"[^A-Za-z0-9._=,+-]+", "_", name.replace(" ", "").replace(")", "")).strip("_.")
+    if len(safe) > MAX_NAME:
+        raise ConfigError(f"run name {safe[:40]}... is {len(safe)} characters long; file systems take names of "
+                          f"at most {MAX_NAME} here, so give a shorter --name.")
     return safe

@@ -12,8 +12,9 @@ from attnlab.errors import ConfigError
 from attnlab.spec import split_specs
 
 from .config import GRID_PRESETS, TrainConfig, check_grid, make_config, read_yaml
-from .loop import RESULT, check_run, run_dir_of, train
-
+from .files import RESULT
+from .loop import check_run, train
+from .run import run_dir_of
 
 
 def demo_variants() -> list[str]:
@@ -66,12 +67,21 @@ def plan_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Sequ
     return plans
 
 
+def result_line(result: dict[str, Any]) -> str:
+    """``name: metric value`` of a finished run (its task's headline, top-1 for classification)."""
+    metric = result.get("metric", "top1")
+    value = result.get(metric)
+    shown = f"{value:.2f}%" if metric in ("top1", "top5") and isinstance(value, float) else \
+        f"{value:.4g}" if isinstance(value, float) else str(value)
+    return f"{result['name']}: {metric} {shown}"
+
+
 def format_plan(plans: Sequence[dict[str, Any]]) -> str:
     """One line per run (train / resume / skip, the run's name, why), then the counts."""
     lines = []
     for p in plans:
         if p["action"] == "skip":
-            detail = f"finished, top-1 {p['result']['top1']:.2f}%"
+            detail = "finished, " + result_line(p["result"]).partition(": ")[2]
         elif p["action"] == "resume":
             detail = f"after epoch {p['epoch']} of {p['cfg'].epochs}" + (f": {p['note']}" if p["note"] else "")
         else:
@@ -87,7 +97,8 @@ def run_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Seque
              datasets: Sequence[str] | None, models: Sequence[str] | None, runs_dir: str | Path,
              progress: bool = True, variations: dict[str, dict[str, Any]] | None = None,
              jobs: int = 1, probe=None, launcher: str = "local",
-             launcher_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+             launcher_options: dict[str, Any] | None = None,
+             plans: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Train every (model, dataset, seed, variant) of the grid; return their result dicts in grid order.
 
     Every run is checked first (:func:`plan_grid`, and the launcher), so a grid with a bad run trains or submits
@@ -99,14 +110,16 @@ def run_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Seque
     ``threads`` so that N x threads fits the cores, e.g. the demo's 2 x 1 on 2 cores). ``launcher="submitit"``
     (or ``"submitit-local"``) submits one job per run instead, ``launcher_options`` being
     :data:`~attnlab.train.launch.SLURM_OPTIONS` keys. ``probe`` goes to :func:`~attnlab.train.loop.train` (runs
-    with ``probe_every`` need one; a module-level function, for workers).
+    with ``probe_every`` need one; a module-level function, for workers). ``plans``: :func:`plan_grid`'s result
+    for these arguments, when the caller has checked the grid already.
     """
     from .launch import check_launcher, run_local, run_submitit
 
     if jobs < 1:
         raise ConfigError(f"jobs must be at least 1, not {jobs}.")
     check_launcher(launcher, launcher_options)
-    plans = plan_grid(base_cfg, variants, seeds, datasets, models, runs_dir, variations)
+    if plans is None:
+        plans = plan_grid(base_cfg, variants, seeds, datasets, models, runs_dir, variations)
     parallel = jobs > 1 or launcher != "local"
     configs = [dataclasses.replace(p["cfg"], progress=progress and not parallel) for p in plans]
     todo = [c for c, p in zip(configs, plans) if p["action"] != "skip"]
@@ -121,10 +134,30 @@ def run_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Seque
         for i, cfg in enumerate(todo, start=1):
             if progress:
                 print(f"[{i}/{len(todo)}] {run_dir_of(cfg).name}", flush=True)
-            train(cfg, probe)
+            result = train(cfg, probe)
+            if not progress:  # without bars, one line per finished run, so a long grid is not silent
+                print(f"[{i}/{len(todo)}] {result_line(result)}", flush=True)
     else:
         run_local(todo, jobs, probe, progress)
     return [json.loads((run_dir_of(c) / RESULT).read_text()) for c in configs]
+
+
+def _seeds(value: Any) -> list[int]:
+    """A grid's seeds: a list (or comma-separated text) of non-negative integers, at least one; ``0.5`` or
+    ``'1.5'`` is refused rather than truncated."""
+    items = [s for s in str(value).split(",") if s.strip()] if isinstance(value, (int, float, str)) else value
+    seeds = []
+    for item in items if isinstance(items, list) else [items]:
+        try:
+            number = float(item) if not isinstance(item, bool) else None
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not number.is_integer() or number < 0:
+            raise ConfigError(f"seeds must be non-negative integers such as 0,1,3, not {value!r}.")
+        seeds.append(int(number))
+    if not seeds:
+        raise ConfigError("seeds is empty; give at least one seed, such as --seeds 0,1,2.")
+    return seeds
 
 
 def load_grid(path: str | Path | None = None, preset: str | None = None, **overrides: Any) -> dict[str, Any]:
@@ -187,12 +220,7 @@ def load_grid(path: str | Path | None = None, preset: str | None = None, **overr
     for key in ("variants", "datasets", "models"):
         if isinstance(grid[key], str):
             grid[key] = split_specs(grid[key])
-    if isinstance(grid["seeds"], (int, str)):
-        grid["seeds"] = [s for s in str(grid["seeds"]).split(",") if s.strip()]
-    try:
-        grid["seeds"] = [int(s) for s in grid["seeds"]]
-    except (TypeError, ValueError):
-        raise ConfigError(f"seeds must be a list of integers such as 0,1,3, not {grid['seeds']!r}.") from None
+    grid["seeds"] = _seeds(grid["seeds"])
     check_grid(grid, (), "the grid")
     grid["launcher"] = launcher.pop("name", "local")
     grid["launcher_options"] = launcher

@@ -29,7 +29,8 @@ import torch
 from attnlab.errors import AttnlabError, ConfigError
 
 from .config import TrainConfig
-from .loop import run_dir_of, train
+from .loop import train
+from .run import run_dir_of
 
 LAUNCHERS = ("local", "submitit", "submitit-local")
 # launcher options (YAML ``launcher:`` keys, ``--slurm-*`` flags) and the submitit parameter each one sets

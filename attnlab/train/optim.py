@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from fnmatch import fnmatch
 
 import torch
@@ -66,26 +67,43 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, name: str 
     return torch.optim.AdamW(groups, lr=lr, fused=fused or None)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, *, epochs: int, steps_per_epoch: int, warmup_epochs: float,
-                    warmup_lr: float, min_lr: float) -> CosineLRScheduler:
-    """timm's CosineLRScheduler counted in iterations (call ``step_update(num_updates)`` after each step).
+def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_steps: int, warmup_lr: float,
+                    min_lr: float) -> CosineLRScheduler:
+    """timm's CosineLRScheduler counted in optimizer steps (call ``step_update(num_updates)`` after each step).
 
-    For update t (0-based), W = warm-up steps, T = total steps:
+    For update t (0-based), W = ``warmup_steps`` (at most T - 1), T = ``total_steps``:
       t < W:  lr = warmup_lr + t * (lr_peak - warmup_lr) / W
       t >= W: lr = min_lr + (lr_peak - min_lr) * (1 + cos(pi * (t - W) / (T - W))) / 2
     Stepping per iteration rather than per epoch keeps a 10-epoch warm-up smooth and makes the schedule
     independent of how many epochs have run, which resume relies on (the state is just ``num_updates``).
     """
-    warmup_t = int(round(warmup_epochs * steps_per_epoch))
-    total = epochs * steps_per_epoch
-    warmup_t = min(warmup_t, max(total - 1, 0))
-    return CosineLRScheduler(
-        optimizer,
-        t_initial=max(total - warmup_t, 1),
-        lr_min=min_lr,
-        warmup_t=warmup_t,
-        warmup_lr_init=warmup_lr,
-        warmup_prefix=True,  # cosine starts at the peak once warm-up ends ("warm-up followed by cosine decay")
-        t_in_epochs=False,
-    )
+    warmup_t = min(int(warmup_steps), max(total_steps - 1, 0))
+    t_initial = max(total_steps - warmup_t, 1)
+    # One step left after warm-up (a 1-epoch run whose warm-up fills it, or a 1-step run) is a cosine of one step:
+    # timm warns that it "will have no effect", which is what the schedule above means, so that warning alone is
+    # dropped, and only while this scheduler is built.
+    quiet = _DropNoEffect() if t_initial == 1 else None
+    logger = logging.getLogger(CosineLRScheduler.__module__)
+    if quiet:
+        logger.addFilter(quiet)
+    try:
+        return CosineLRScheduler(
+            optimizer,
+            t_initial=t_initial,
+            lr_min=min_lr,
+            warmup_t=warmup_t,
+            warmup_lr_init=warmup_lr,
+            warmup_prefix=True,  # cosine starts at the peak once warm-up ends ("warm-up followed by cosine decay")
+            t_in_epochs=False,
+        )
+    finally:
+        if quiet:
+            logger.removeFilter(quiet)
+
+
+class _DropNoEffect(logging.Filter):
+    """Drops timm's "Cosine annealing scheduler will have no effect" warning (see :func:`build_scheduler`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "will have no effect" not in record.getMessage()
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from attnlab.errors import ConfigError
 
-LOG_DIR = "tensorboard"
+from .files import TB_DIR as LOG_DIR
+
 # metrics.jsonl key -> TensorBoard tag
 EPOCH_SCALARS = {"train_loss": "train/loss", "train_acc": "train/top1", "test_loss": "test/loss", "top1": "test/top1",
                  "top5": "test/top5", "lr": "train/lr", "img_per_s": "train/img_per_s"}

@@ -41,13 +41,27 @@ def test_mean_and_band_over_seeds(tmp_path):
     assert curves["ns"]["top1"]["low"][2] == curves["ns"]["top1"]["high"][2]
 
 
-def test_figure_has_one_line_per_variant(tmp_path):
+def test_figure_is_small_multiples_beside_the_baseline(tmp_path):
+    """One row per variant (train loss, test loss, top-1), each panel the variant's mean line beside the
+    baseline's in grey; one colour per variant, none of them grey; whole epochs on the x axis."""
+    from matplotlib.colors import to_hex
+
     runs = [_run(tmp_path, a, s, _rows(0.1 * s)) for a in ("standard", "ns", "dna") for s in range(2)]
     fig = plot_training_curves(training_curves(runs), tmp_path / "curves.png")
-    assert len(fig.axes) == 3
-    for ax in fig.axes:
-        assert len(ax.get_lines()) == 3  # one mean line per variant (bands are filled areas)
-    assert (tmp_path / "curves.png").stat().st_size > 1000
+    assert len(fig.axes) == 6  # rows ns and dna (sorted as found), 3 panels each
+    rows = [fig.axes[:3], fig.axes[3:]]
+    assert [r[0].get_ylabel() for r in rows] == ["ns", "dna"]
+    seen = {}
+    for row, variant in zip(rows, ("ns", "dna")):
+        for ax in row:
+            baseline, line = ax.get_lines()  # one mean line each (bands are filled areas)
+            assert to_hex(baseline.get_color()) == "#808080" and baseline.get_linestyle() == "--"
+            seen.setdefault(variant, set()).add(to_hex(line.get_color()))
+            ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+            assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    assert all(len(c) == 1 for c in seen.values()) and seen["ns"] != seen["dna"]
+    assert "#808080" not in seen["ns"] | seen["dna"]
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("text", ["not json\n", "[1, 2]\n", '{"epoch": 1, "train_loss": "x", "test_loss": 1, '

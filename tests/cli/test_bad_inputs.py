@@ -26,6 +26,8 @@ DAMAGE = {
     "empty": lambda p: p.write_bytes(b""),
     "garbage": lambda p: p.write_bytes(b"\x00\xff\x13garbage\x80" * 64),
     "directory": lambda p: (p.unlink(), p.mkdir()),
+    # config.yaml describing another model than the checkpoint holds (an edited or swapped config)
+    "other_model": lambda p: p.write_text(p.read_text().replace("model_options: {}", "model_options:\n  depth: 1")),
 }
 RUN = "{run}"  # placeholder for the copy of a finished 1-epoch vit_digits run (config, checkpoint, result)
 
@@ -146,8 +148,7 @@ CASES = [
          slow=True),
     case("train-device", "train --recipe demo --device cuda:99", "cuda:99", slow=True),
     case("compare-analyze-typo", "compare --preset demo --analyze spectr", "unknown instrument 'spectr'"),
-    case("compare-bad-spec", "compare --preset demo --attn standard,bogus", "unknown attention variant 'bogus'",
-         slow=True),
+    case("compare-bad-spec", "compare --preset demo --attn standard,bogus", "unknown attention variant 'bogus'"),
     case("bench-model-typo", "bench --model vit_digit", "unknown model 'vit_digit'", slow=True),
     case("variants-cost-model", "variants --cost nomodel", "unknown model 'nomodel'", slow=True),
     # ---- variants --support (issue 14 item 1)
@@ -177,7 +178,8 @@ CASES = [
          slow=True),
     # ---- low-rank kernels, ListOps and the LRA text task (issue 14 items 2 and 3)
     case("train-listops-image-recipe", "train --dataset listops --model seq_listops",
-         "dataset listops holds token sequences, which image augmentation and Mixup/CutMix cannot take"),
+         "dataset listops (LRA ListOps, generated locally once) cannot take image augmentation and Mixup/CutMix; use "
+         "--recipe lra_listops"),
     case("train-norm-choice", "train --recipe lra_listops --norm nope", "must be one of pre, post, none"),
     case("train-nystrom-even-conv", ["train", "--recipe", "demo", "--attn", "nystrom(conv=4)"],
          "nystrom(conv=4) is not valid; conv is an odd kernel length", slow=True),
@@ -189,6 +191,35 @@ CASES = [
          "line 2 cannot be read: unknown ListOps token '[FIRST'",
          files={"listops": None} | {f"listops/basic_{s}.tsv": b"Source\tTarget\n( [FIRST 2 ] )\t2\n" for s in ("train", "val", "test")},
          slow=True),
+    # ---- the run plan (issue 26): checked before any work, one line each
+    case("train-spec-typo-fast", "train --recipe demo --attn nss", "unknown attention variant 'nss'"),
+    case("train-resume-other-name", "train --resume {run} --name other",
+         "continues that run in place, so --name other would train another; drop --name"),
+    case("compare-seed-fraction", "compare --recipe demo --attn standard --seeds 0.5",
+         "seeds must be non-negative integers such as 0,1,3, not '0.5'"),
+    case("compare-seeds-empty", ["compare", "--recipe", "demo", "--attn", "standard", "--seeds", ","],
+         "seeds is empty; give at least one seed"),
+    case("train-name-too-long", ["train", "--recipe", "demo", "--name", "n" * 240], "is 240 characters long"),
+    case("train-name-not-portable", ["train", "--recipe", "demo", "--name", "ré sumé"],
+         "cannot carry portably ( é); use letters, digits and . _ = , + -, such as 'r_sum'"),
+    case("train-model-options-geometry", ["train", "--recipe", "demo", "--model-options", "{embed_dim: 50}"],
+         "model vit_digits with model options {'embed_dim': 50} cannot be built for dataset digits", slow=True),
+    case("train-model-options-type", ["train", "--recipe", "demo", "--model-options", "{depth: two}"],
+         "cannot be built for dataset digits", slow=True),
+    case("train-model-options-size", ["train", "--recipe", "demo", "--model-options", "{img_size: 7}"],
+         "cannot be built for dataset digits", slow=True),
+    case("compare-plan-model-options", "compare --config {tmp}/g.yaml --plan", "cannot be built for dataset digits",
+         files={"g.yaml": b"variants: [standard]\nbase: {recipe: demo, model_options: {embed_dim: 50}}\n"},
+         slow=True),
+    case("train-device-mps", "train --recipe demo --device mps", "'mps' is not one attnlab runs on", slow=True),
+    case("compare-analyze-no-variant", "compare --recipe demo --attn standard --seeds 0 --analyze branches",
+         "--analyze branches applies to none of the grid's runs", slow=True),
+    case("eval-config-checkpoint-disagree", "eval {run}", "does not fit the model its config.yaml describes",
+         damage={"config.yaml": "other_model"}, slow=True),
+    case("export-config-checkpoint-disagree", "export {run} --out x.safetensors",
+         "does not fit the model its config.yaml describes", damage={"config.yaml": "other_model"}, slow=True),
+    case("analyze-config-checkpoint-disagree", "analyze {run} --what spectra",
+         "does not fit the model its config.yaml describes", damage={"config.yaml": "other_model"}, slow=True),
     case("train-lra-text-missing", "train --recipe lra_listops --dataset lra_text --model seq_text --data-dir {tmp}",
          "no reviews in neg, pos/; extract aclImdb_v1.tar.gz", slow=True),
 ]

@@ -142,3 +142,33 @@ def test_run_directory(tmp_path, capsys):
     assert out["run"] == str(run) and out["attn"] == "standard" and out["split"] == "test"
     for key in ("n", "top1", "top5", "loss", "rms_calibration_error", "aurra"):
         assert out[key] == pytest.approx(expected[key], rel=1e-5), key
+
+
+def test_folder_is_read_in_the_models_channels_and_input_size(tmp_path, capsys):
+    """A 1-channel 8 x 8 digits model reads a folder of RGB images as greyscale 8 x 8 with the dataset's
+    normalisation; a 32-pixel model without --image-size reads it at 32 (its own input size), not timm's 224."""
+    from torchvision import transforms
+    from torchvision.datasets import ImageFolder
+
+    from attnlab.data import dataset_info
+    from attnlab.data.folder import folder_transform
+
+    _write_folder(tmp_path / "val", ["a", "b"], 3, seed=6)
+    torch.manual_seed(5)
+    digits = attnlab.build_model("vit_digits", num_classes=10).eval()
+    save_file(digits.state_dict(), tmp_path / "digits.safetensors")
+    out = run_eval(capsys, "--model", "vit_digits", "--checkpoint", tmp_path / "digits.safetensors", "--dataset",
+                   "digits", "--folder", tmp_path / "val")
+    info = dataset_info("digits")
+    grey = transforms.Compose([transforms.Grayscale(1),
+                               folder_transform(False, "none", image_size=8, mean=info.mean, std=info.std)])
+    expected = evaluate(digits, ImageFolder(str(tmp_path / "val"), transform=grey))
+    assert out["n"] == 6 and out["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+
+    full = attnlab.build_model("vit_cifar", num_classes=10).eval()
+    save_file(full.state_dict(), tmp_path / "cifar.safetensors")
+    out = run_eval(capsys, "--model", "vit_cifar", "--num-classes", 10, "--checkpoint", tmp_path / "cifar.safetensors",
+                   "--folder", tmp_path / "val")
+    expected = evaluate(full, ImageFolder(str(tmp_path / "val"), transform=folder_transform(False, "none",
+                                                                                            image_size=32)))
+    assert out["n"] == 6 and out["loss"] == pytest.approx(expected["loss"], rel=1e-5)

@@ -112,15 +112,8 @@ def test_seq_listops_trains_with_nystrom_speccond_and_no_layernorm(tmp_path):
     result = train(cfg)
     assert result["model"] == "seq_listops" and 0.0 <= result["top1"] <= 100.0
     assert (Path(cfg.runs_dir) / result["name"] / "config.yaml").read_text().count("norm: none") == 1
-    with pytest.raises(ConfigError, match="token sequences"):
+    with pytest.raises(ConfigError, match="cannot take image augmentation and Mixup/CutMix; use --recipe lra_listops"):
         validate(dataclasses.replace(cfg, mixup=0.8, mixup_prob=0.5))
-
-
-def test_config_knows_the_sequence_datasets():
-    from attnlab.data.registry import SEQUENCE_DATASETS
-    from attnlab.train.config import SEQUENCE_DATASETS as in_config
-
-    assert in_config == SEQUENCE_DATASETS
 
 
 def test_seq_listops_preset():

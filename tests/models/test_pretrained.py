@@ -104,18 +104,17 @@ def test_bad_files_and_models_are_one_sentence(tmp_path):
 def test_a_run_starts_from_its_pretrained_file_and_a_loaded_run_does_not_read_it(tmp_path):
     import dataclasses
 
-    from attnlab.data import dataset_info
     from attnlab.train import RECIPES
-    from attnlab.train.loop import build_run_model
+    from attnlab.train.run import Run
 
     torch.manual_seed(0)
     src = attnlab.build_model("vit_digits", attn="standard")
     save_file(src.state_dict(), tmp_path / "d.safetensors")
-    cfg = dataclasses.replace(RECIPES["demo"], attn="dna(init=copy)", pretrained_file=str(tmp_path / "d.safetensors"))
-    info = dataset_info("digits")
-    model = build_run_model(cfg, info)
+    run = Run(dataclasses.replace(RECIPES["demo"], attn="dna(init=copy)",
+                                  pretrained_file=str(tmp_path / "d.safetensors")))
+    model = run.build_model()
     torch.testing.assert_close(model.blocks[0].attn.projection("k")[0], src.blocks[0].attn.qkv.weight[48:96])
     (tmp_path / "d.safetensors").unlink()  # a checkpoint replaces the weights: the file is not needed then
-    build_run_model(cfg, info, pretrained=False)
+    run.build_model(pretrained=False)
     with pytest.raises(ConfigError, match="does not exist"):
-        build_run_model(cfg, info)
+        run.build_model()

@@ -82,7 +82,9 @@ def test_a_corrupt_run_is_listed_and_the_others_reported(tmp_path, damage):
     result = write_report(runs, tmp_path / "out", plots=False)
     assert result["rows"] == clean["rows"]  # the six good runs, as without the bad one
     md = result["markdown"]
-    assert md.startswith(clean["markdown"])
+    after = "## Accuracy"  # the header above counts the unreadable run; the sections of the good runs are as before
+    assert md[md.index(after):].startswith(clean["markdown"][clean["markdown"].index(after):])
+    assert "1 unreadable, not included" in md[:md.index(after)]
     assert "Unreadable runs, not included:" in md and "- swin_cifar-cifar100-ns-s9: result.json " in md
     assert str(tmp_path) not in md  # relative names only, as everywhere in the report
     data = json.loads(result["json"].read_text())

@@ -65,7 +65,12 @@ def test_run_name_is_file_system_safe():
     assert run_name(cfg, "ns") == "vit_cifar-cifar100-ns-s3"
     assert run_name(cfg, "dna(variant=q)+sigma") == "vit_cifar-cifar100-dna_variant=q+sigma-s3"
     assert run_name(dataclasses.replace(cfg, model="hf-hub:org/model"), "ns") == "hf-hub_org_model-cifar100-ns-s3"
-    assert run_name(dataclasses.replace(cfg, name="my run/1"), "ns") == "myrun_1"
+    assert run_name(dataclasses.replace(cfg, name="my_run.1"), "ns") == "my_run.1"
+    # a name the user gives is never rewritten: unsafe characters and over-long names are refused with a suggestion
+    for name, why in (("my run/1", "such as 'my_run_1'"), ("ré sumé", "such as 'r_sum'"), ("..", "dots only"),
+                      ("x" * 201, "at most 200")):
+        with pytest.raises(ConfigError, match=why):
+            run_name(dataclasses.replace(cfg, name=name), "ns")
 
 
 def test_split_specs_keeps_commas_inside_parentheses():

@@ -84,10 +84,12 @@ def test_mixing_needs_an_even_batch_on_each_rank(tmp_path):
     from train_helpers import tiny
 
     from attnlab.train.loop import _train
+    from attnlab.train.run import Run
 
-    cfg = tiny(tmp_path, batch_size=66, mixup=0.8, mixup_prob=1.0)  # even, but 33 per rank on 2 ranks
+    run = Run(tiny(tmp_path, batch_size=66, mixup=0.8, mixup_prob=1.0))  # even, but 33 per rank on 2 ranks
+    run.join(Ranks(2, 0, 0))
     with pytest.raises(ConfigError, match="multiple of 4"):
-        _train(cfg, None, Ranks(2, 0, 0))  # stops before anything that would need the process group
+        _train(run)  # stops before anything that would need the process group
     assert list(tmp_path.iterdir()) == []
 
 

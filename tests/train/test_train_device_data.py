@@ -13,11 +13,17 @@ from train_helpers import tiny, weights
 from attnlab.data import build_device_pipeline
 from attnlab.errors import ConfigError
 from attnlab.train import train
-from attnlab.train.loop import data_on_device
+from attnlab.train.run import Run
 
 # the full recipe's randomness on digits: shift (its crop), Mixup/CutMix, repeated augmentation
 RECIPE = dict(augment="recipe", mixup=0.8, cutmix=1.0, mixup_prob=0.5, label_smoothing=0.1, repeated_aug=3,
               data_on_device=True)
+
+
+def data_on_device(cfg, device):
+    run = Run(cfg)
+    run.device = device  # as torchrun's rank device would be: no CUDA needed to ask the task
+    return run.task.on_device()
 
 
 def test_default_on_cuda_for_tensor_datasets_only():
@@ -29,7 +35,7 @@ def test_default_on_cuda_for_tensor_datasets_only():
     assert not data_on_device(dataclasses.replace(cfg, dataset="imagefolder"), cuda)
     assert data_on_device(dataclasses.replace(cfg, data_on_device=True), cpu)
     assert not data_on_device(dataclasses.replace(cfg, data_on_device=False), cuda)
-    with pytest.raises(ConfigError, match="tensor datasets"):
+    with pytest.raises(ConfigError, match="device pipeline holds cifar10, cifar100, digits, synthetic, not imagefolder"):
         data_on_device(dataclasses.replace(cfg, dataset="imagefolder", data_on_device=True), cpu)
 
 

@@ -70,7 +70,7 @@ def test_submodules_no_weight_decay_lists_are_honoured():
 def test_schedule_is_linear_warmup_then_cosine(warmup_epochs):
     lr, warmup_lr, min_lr, epochs, steps = 1e-3, 1e-6, 1e-5, 5, 4
     opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=lr)
-    sched = build_scheduler(opt, epochs=epochs, steps_per_epoch=steps, warmup_epochs=warmup_epochs,
+    sched = build_scheduler(opt, total_steps=epochs * steps, warmup_steps=warmup_epochs * steps,
                             warmup_lr=warmup_lr, min_lr=min_lr)
     w, total = warmup_epochs * steps, epochs * steps
     seen = [opt.param_groups[0]["lr"]]

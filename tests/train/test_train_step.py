@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from attnlab.errors import NonFiniteLossError
-from attnlab.train.loop import evaluate, train_one_epoch
+from attnlab.train.loop import train_one_epoch
+from attnlab.train.tasks.classify import classification_stats, classification_step, evaluate
 from attnlab.train.optim import build_optimizer, build_scheduler
 
 
@@ -40,11 +41,12 @@ def _batches(n: int, batch: int = 8):
 
 def _epoch(model, steps, log_every, on_step=None, clip_grad=1.0):
     optimizer = build_optimizer(model, 1e-2, 0.05)
-    scheduler = build_scheduler(optimizer, epochs=1, steps_per_epoch=steps, warmup_epochs=0, warmup_lr=1e-3,
-                                min_lr=1e-4)
-    return train_one_epoch(model, _batches(steps), optimizer, scheduler, nn.CrossEntropyLoss(label_smoothing=0.1),
-                           steps=steps, device=torch.device("cpu"), amp_dtype=None, epoch=1, epochs=1,
-                           num_updates=0, clip_grad=clip_grad, log_every=log_every, progress=False, on_step=on_step)
+    scheduler = build_scheduler(optimizer, total_steps=steps, warmup_steps=0, warmup_lr=1e-3, min_lr=1e-4)
+    sums, updates = train_one_epoch(
+        model, _batches(steps), optimizer, scheduler, classification_step(nn.CrossEntropyLoss(label_smoothing=0.1)),
+        steps=steps, device=torch.device("cpu"), amp_dtype=None, epoch=1, epochs=1, num_updates=0,
+        clip_grad=clip_grad, log_every=log_every, progress=False, on_step=on_step)
+    return classification_stats(sums, sums["seconds"]), updates
 
 
 @pytest.fixture
@@ -72,8 +74,7 @@ def test_host_reads_only_at_log_points(host_reads):
     # what the step accumulated on the device is what the batches give (a float64 sum over the same batches)
     model = Tiny()
     optimizer = build_optimizer(model, 1e-2, 0.05)
-    scheduler = build_scheduler(optimizer, epochs=1, steps_per_epoch=12, warmup_epochs=0, warmup_lr=1e-3,
-                                min_lr=1e-4)
+    scheduler = build_scheduler(optimizer, total_steps=12, warmup_steps=0, warmup_lr=1e-3, min_lr=1e-4)
     loss_sum, correct, seen = 0.0, 0, 0
     for num, (x, _, y) in enumerate(_batches(12), 1):
         logits = model(x)
@@ -130,15 +131,14 @@ def test_evaluate_pads_the_last_batch_to_one_shape():
 
 def test_cuda_graph_steps_are_marked(monkeypatch):
     # CUDA graphs (mode reduce-overhead) overwrite a replay's outputs at the next one unless each step is marked
-    from attnlab.train.loop import compile_mode
+    from attnlab.train.run import compile_mode
 
     marks = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
     model = Tiny()
     optimizer = build_optimizer(model, 1e-2, 0.05)
-    scheduler = build_scheduler(optimizer, epochs=1, steps_per_epoch=4, warmup_epochs=0, warmup_lr=1e-3,
-                                min_lr=1e-4)
-    train_one_epoch(model, _batches(4), optimizer, scheduler, nn.CrossEntropyLoss(), steps=4,
+    scheduler = build_scheduler(optimizer, total_steps=4, warmup_steps=0, warmup_lr=1e-3, min_lr=1e-4)
+    train_one_epoch(model, _batches(4), optimizer, scheduler, classification_step(nn.CrossEntropyLoss()), steps=4,
                     device=torch.device("cpu"), amp_dtype=None, epoch=1, epochs=1, num_updates=0, clip_grad=None,
                     log_every=2, progress=False, cudagraphs=True)
     assert len(marks) == 4

@@ -1,0 +1,47 @@
+"""The names of a run directory's files, named once for every reader and writer (no torch: the command line's
+argument checks read them too). :mod:`attnlab.train.run` describes what each holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from attnlab.errors import ConfigError
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+RESULT = "result.json"
+WEIGHTS = "checkpoint.safetensors"
+STATE = "trainer_state.pt"
+PREV_WEIGHTS = "checkpoint.prev.safetensors"
+PREV_STATE = "trainer_state.prev.pt"
+EMA_WEIGHTS = "ema.safetensors"
+TB_DIR = "tensorboard"
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The JSON objects of a metrics.jsonl, one per line (blank lines skipped); ConfigError naming the first line
+    that is not one."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist; the run has logged no epoch yet.") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path} cannot be read as UTF-8 text ({type(err).__name__}); rerun the training.") from None
+    out = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):
+            obj = None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{path} line {number} is not a JSON object; rerun the training or remove the run.")
+        out.append(obj)
+    return out
+
+
+__all__ = ["CONFIG", "EMA_WEIGHTS", "METRICS", "PREV_STATE", "PREV_WEIGHTS", "RESULT", "STATE", "TB_DIR",
+           "WEIGHTS", "read_jsonl"]

@@ -1,0 +1,305 @@
+"""A run: one training configuration, resolved once, and its directory ``<runs_dir>/<name>/``.
+
+:class:`Run` validates the config once, parses the spec once (the canonical form is what every later step sees),
+resolves device, precision and ranks once, names the run directory's files, and says what training would do with
+it (:meth:`Run.plan`: train, resume or skip), which both a grid's check and training itself use. Readers of a
+finished or partial run (report, analysis, eval, export) go through :meth:`Run.open`.
+
+The files of a run directory (every reader and writer uses these names):
+
+    config.yaml                  everything needed to rerun, written with the directory
+    metrics.jsonl                one line per epoch
+    checkpoint.safetensors + trainer_state.pt          the latest checkpoint pair (attnlab.train.checkpoint)
+    checkpoint.prev.safetensors + trainer_state.prev.pt  the one before
+    ema.safetensors              the EMA weights (``ema``), beside each checkpoint
+    tensorboard/                 ``--log tensorboard``
+    result.json                  when finished
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from attnlab.errors import ConfigError
+
+from . import distributed
+from .config import RUNTIME_KEYS, TrainConfig, config_to_dict, load_config, run_name, validate
+from .files import CONFIG, EMA_WEIGHTS, METRICS, RESULT, TB_DIR, read_jsonl  # noqa: F401 - re-exported
+
+COMPILE_MODES = {"cuda": "reduce-overhead", "cpu": "default"}  # 'auto' per device type; measured in docs/perf.md
+
+
+def resolve_device(device: str) -> torch.device:
+    """``device`` ("auto", "cpu", "cuda", "cuda:N") as a torch device of this machine, or ConfigError."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"device {device!r} is not a torch device; use auto, cpu, cuda or cuda:N.") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r} is not one attnlab runs on (its fused paths and tests cover CPU and "
+                          f"CUDA); use auto, cpu, cuda or cuda:N.")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} was asked for but CUDA is not available; use --device cpu or auto.")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise ConfigError(f"device {device!r} was asked for but this machine has {n} CUDA device(s); "
+                          f"use cuda:0 to cuda:{n - 1}.")
+    return dev
+
+
+def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on CUDA by default (no loss scaling needed, unlike fp16); fp32 on CPU, where bf16 is slow."""
+    if amp == "none" or (amp == "auto" and device.type != "cuda"):
+        return None
+    return torch.bfloat16
+
+
+def compile_mode(mode: str, device: torch.device) -> str:
+    """torch.compile's mode for ``mode`` ('auto': CUDA graphs on CUDA, where the step's shapes are static)."""
+    return COMPILE_MODES.get(device.type, "default") if mode == "auto" else mode
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What training would do with a run: ``action`` "skip" (finished; ``result`` holds its result.json),
+    "resume" (after completed epoch ``epoch``; ``note`` says why if not from the latest checkpoint) or "train"."""
+
+    action: str = "train"
+    epoch: int = 0
+    note: str | None = None
+    result: dict[str, Any] | None = None
+    checkpoint: Any = field(default=None, repr=False, compare=False)  # the Checkpoint read, when asked to keep it
+
+
+class Run:
+    """One run: its config validated, its spec parsed, its task, dataset entry and directory (module docstring).
+
+    ``Run(cfg)`` for a run to train (or to check); ``Run.open(path)`` for one on disk.
+    """
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        from attnlab.data.registry import dataset
+        from attnlab.spec import parse_spec
+
+        from .tasks import task_class
+
+        cfg = validate(cfg)
+        self.spec = parse_spec(cfg.attn)
+        self.cfg = dataclasses.replace(cfg, attn=str(self.spec))  # the canonical form, in config.yaml and names
+        self.name = run_name(self.cfg)
+        self.dir = Path(self.cfg.runs_dir) / self.name
+        self.dataset = dataset(self.cfg.dataset)
+        self.task = task_class(self.dataset.task)(self)
+        self.ranks = distributed.SINGLE
+
+    def __repr__(self) -> str:
+        return f"Run({self.name!r}, task={self.task.name!r})"
+
+    # ---- resolved once --------------------------------------------------------------------------------------
+    @cached_property
+    def info(self):
+        """The dataset's :class:`~attnlab.data.registry.DatasetInfo` (classes, sizes, statistics)."""
+        from attnlab.data import dataset_info
+
+        return dataset_info(self.cfg.dataset, data_dir=self.cfg.data_dir, **self.cfg.data_options)
+
+    @cached_property
+    def device(self) -> torch.device:
+        """Where this process trains: the configured device, under torchrun each rank's own GPU (:meth:`join`)."""
+        return resolve_device(self.cfg.device)
+
+    @property
+    def amp_dtype(self) -> torch.dtype | None:
+        return resolve_amp(self.cfg.amp, self.device)
+
+    def join(self, ranks: distributed.Ranks) -> None:
+        """Take this process's place among torchrun's ranks (its device, the world size config.yaml records)."""
+        self.device = distributed.rank_device(self.device, ranks)
+        self.ranks = ranks
+
+    def config_dict(self) -> dict[str, Any]:
+        """What config.yaml holds: every field, with the canonical spec, the run's name and world size, ``resume``
+        off."""
+        return config_to_dict(dataclasses.replace(self.cfg, name=self.name, resume=False,
+                                                  world_size=self.ranks.world_size))
+
+    # ---- what training would do ------------------------------------------------------------------------------
+    def plan(self, cache: dict | None = None, *, check: bool = True, keep_checkpoint: bool = False) -> Plan:
+        """Say what :func:`~attnlab.train.loop.train` would do with this run, raising the AttnlabError it would
+        raise before its first step: with ``check``, the device, the data (both splits, at least one step) and
+        the model (built once, its options and geometry); always, a run directory it could not continue
+        (another config, no intact checkpoint, a checkpoint without ``resume``). ``cache``, a dict kept across
+        calls, makes a grid load each dataset and build each model once. ``keep_checkpoint``: the checkpoint a
+        resume reads is kept in the plan (training uses it; a grid's plan does not hold every run's weights)."""
+        from .checkpoint import find_checkpoint, has_checkpoint
+
+        cache = {} if cache is None else cache
+        cfg = self.cfg
+        if check:
+            self.device  # noqa: B018 - resolved (and checked) here
+            self.task.check(cache)
+            self.check_model(cache)
+        finished, resumable = (self.dir / RESULT).exists(), has_checkpoint(self.dir)
+        if resumable and not cfg.resume:
+            raise ConfigError(f"run directory {self.dir} already holds a checkpoint; pass --resume to continue it "
+                              f"or --name to start another run.")
+        if cfg.resume and (self.dir / CONFIG).exists() and (resumable or finished):
+            self.check_same_config()
+        if cfg.resume and finished:
+            return Plan("skip", result=self.result())
+        if resumable:
+            found = find_checkpoint(self.dir, map_location="cpu")
+            return Plan("resume", found.epoch, found.note, checkpoint=found if keep_checkpoint else None)
+        return Plan("train")
+
+    def check_model(self, cache: dict) -> None:
+        """Build the model once (on the meta device where its construction allows) so that a model option the
+        model cannot take, or a geometry it cannot have, is one line now rather than a traceback later."""
+        cfg = self.cfg
+        key = ("model", cfg.model, cfg.attn, cfg.norm, cfg.drop_path, repr(sorted(cfg.model_options.items())),
+               self.info, cfg.pretrained, cfg.pretrained_file)
+        if key in cache:
+            return
+        with torch.random.fork_rng(devices=[]):  # leave the caller's random streams as they were
+            model, device = None, "cpu"
+            if not (cfg.pretrained or cfg.pretrained_file):  # else the weights are read and fitted too, on the CPU
+                try:  # nothing is allocated or initialised on the meta device
+                    with torch.device("meta"):
+                        model, device = self.build_model(checking=True), "meta"
+                except (NotImplementedError, RuntimeError):  # a set-up that reads a value (sigma's .item())
+                    pass
+            if model is None:
+                model = self.build_model(pretrained=True, checking=True)
+            self.check_forward(model.eval(), device)
+        cache[key] = True
+
+    def check_forward(self, model: nn.Module, device: torch.device | str) -> None:
+        """One forward of the task's example input, so that a geometry the data cannot pass (an ``img_size`` other
+        than the images') is found now; on the meta device it costs nothing."""
+        try:
+            with torch.no_grad():
+                model(self.task.example_input(2, device))
+        except NotImplementedError:
+            if str(device) == "meta":  # an op without a meta kernel: the check is left to training
+                return
+            raise
+        except Exception as err:  # noqa: BLE001 - timm and torch raise what they raise for a shape
+            given = f" with model options {self.cfg.model_options}" if self.cfg.model_options else ""
+            reason = " ".join(str(err).split()) or type(err).__name__
+            raise ConfigError(f"model {self.cfg.model}{given} cannot be built for dataset {self.cfg.dataset}: it "
+                              f"does not take the dataset's inputs ({type(err).__name__}: {reason[:200]}); check "
+                              f"the options against the data (image size, channels, length).") from None
+
+    def check_same_config(self) -> None:
+        saved = yaml.safe_load((self.dir / CONFIG).read_text()) or {}
+        ours = self.config_dict()
+        differ = sorted(k for k in ours if k not in RUNTIME_KEYS and saved.get(k) != ours[k])
+        if differ:
+            raise ConfigError(f"cannot resume {self.dir}: its config.yaml differs in {', '.join(differ)}; resume "
+                              f"with the same settings, or train a new run under another name (--name in attnlab "
+                              f"train, --runs-dir in attnlab compare).")
+
+    # ---- the model -------------------------------------------------------------------------------------------
+    def build_model(self, pretrained: bool = True, checking: bool = False) -> nn.Module:
+        """The run's model (:meth:`Task.build_model <attnlab.train.tasks.base.Task.build_model>`); an error in
+        its construction that its model options caused is one line naming them."""
+        from attnlab.errors import AttnlabError
+
+        try:
+            return self.task.build_model(pretrained=pretrained)
+        except AttnlabError:
+            raise
+        except Exception as err:  # noqa: BLE001 - timm and torch raise what they raise for a geometry
+            if not self.cfg.model_options and not checking:
+                raise
+            reason = " ".join(str(err).split()) or type(err).__name__
+            given = f" with model options {self.cfg.model_options}" if self.cfg.model_options else ""
+            raise ConfigError(f"model {self.cfg.model}{given} cannot be built for dataset {self.cfg.dataset} "
+                              f"({type(err).__name__}: {reason[:200]}); check the options against the model's "
+                              f"constructor.") from None
+
+    # ---- reading a run on disk ---------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | Path) -> "Run":
+        """The run in directory ``path``, from its own config.yaml (ConfigError if it is not a run directory)."""
+        path = Path(path)
+        if not (path / CONFIG).is_file():
+            raise ConfigError(f"{path} is not a run directory (it has no {CONFIG}); give a directory made by "
+                              f"attnlab train.")
+        cfg = load_config(path / CONFIG)
+        run = cls(dataclasses.replace(cfg, runs_dir=str(path.parent), name=path.name))
+        run.dir = path
+        return run
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """The epochs logged so far (metrics.jsonl, one object per line)."""
+        return read_jsonl(self.dir / METRICS)
+
+    def result(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.dir / RESULT).read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"{self.dir / RESULT} cannot be read ({err}); delete it to train the run again.") from None
+
+    def load_model(self, map_location: str | torch.device = "cpu") -> nn.Module:
+        """The model of the run's newest intact checkpoint, in eval mode on ``map_location`` (``"cpu"``,
+        ``"cuda:1"``); the checkpoint's weights must fit the model its config.yaml describes (one line if not)."""
+        import sys
+
+        from .checkpoint import find_checkpoint
+
+        found = find_checkpoint(self.dir, map_location="cpu")
+        if found is None:
+            raise ConfigError(f"{self.dir} holds no checkpoint ({CONFIG} but no checkpoint.safetensors); train "
+                              f"the run first.")
+        note = found.fallback("using")  # analysis and eval read a run too: say which epoch they measure
+        if note:
+            print(f"{self.name}: {note}", file=sys.stderr, flush=True)
+        model = self.build_model(pretrained=False)
+        missing, unexpected = _key_mismatch(model, found.weights)
+        if missing or unexpected:
+            what = (f"missing {', '.join(missing[:3])}" if missing else "") + \
+                   ("; " if missing and unexpected else "") + \
+                   (f"unexpected {', '.join(unexpected[:3])}" if unexpected else "")
+            raise ConfigError(f"the checkpoint of {self.dir} does not fit the model its {CONFIG} describes "
+                              f"({what}); was config.yaml edited or replaced?")
+        try:
+            model.load_state_dict(found.weights)
+        except RuntimeError as err:  # same keys, other shapes
+            first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
+            raise ConfigError(f"the checkpoint of {self.dir} does not fit the model its {CONFIG} describes "
+                              f"({first[:200]}); was config.yaml edited or replaced?") from None
+        # built on the CPU and then moved, as training does: sigma's set-up calls .item(), which meta cannot
+        return model.to(map_location).eval()
+
+
+def _key_mismatch(model: nn.Module, weights: dict) -> tuple[list[str], list[str]]:
+    own = set(model.state_dict())
+    return sorted(own - set(weights)), sorted(set(weights) - own)
+
+
+def run_dir_of(cfg: TrainConfig) -> Path:
+    """``<runs_dir>/<run_name>``, with the attention spec in its canonical form."""
+    from attnlab.spec import parse_spec
+
+    return Path(cfg.runs_dir) / run_name(dataclasses.replace(cfg, attn=str(parse_spec(cfg.attn))))
+
+
+def load_run(run_dir: str | Path, map_location: str | torch.device = "cpu") -> tuple[nn.Module, TrainConfig]:
+    """A run's model in eval mode with its last checkpoint's weights, on ``map_location``, and its config."""
+    run = Run.open(run_dir)
+    return run.load_model(map_location), run.cfg
+
+
+__all__ = ["COMPILE_MODES", "Plan", "Run", "compile_mode", "load_run", "resolve_amp", "resolve_device", "run_dir_of"]

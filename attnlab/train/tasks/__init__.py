@@ -1,0 +1,30 @@
+"""Task families: what differs between image classification, sequence classification, language modelling,
+detection and video, one :class:`~attnlab.train.tasks.base.Task` subclass per family. The training loop
+(:mod:`attnlab.train.loop`) is written once for all of them and asks the run's task for batches, losses and
+metrics; a dataset's table entry (:mod:`attnlab.data.registry`) names the family that trains it.
+
+Adding a family is one file (its Task subclass) plus one line below; targets are "module:Class" strings imported
+on first use, so that this table loads no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from attnlab.errors import ConfigError
+
+TASKS: dict[str, str] = {
+    "image": "attnlab.train.tasks.classify:ImageClassification",
+    "sequence": "attnlab.train.tasks.classify:SequenceClassification",
+}
+
+
+def task_class(name: str) -> type:
+    """The Task subclass of family ``name``."""
+    if name not in TASKS:
+        raise ConfigError(f"no task family {name!r} is registered; known families are {', '.join(TASKS)}.")
+    module, _, attr = TASKS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+__all__ = ["TASKS", "task_class"]

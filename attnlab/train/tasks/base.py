@@ -1,0 +1,117 @@
+"""The Task seam: everything about a run that depends on its task family, in one object per run.
+
+The training loop (:mod:`attnlab.train.loop`) owns the epoch and step loop, optimizer and schedule, AMP, compile,
+DDP, EMA, checkpoints and resume, logging and the error contract, and asks the run's Task for the rest:
+
+    check(cache)              before any training: the data loads (both splits) and gives at least one step
+    build_model(pretrained)   the model sized for the data (``DatasetInfo.model_kwargs``), any spec applied
+    train_data(...)           the train split as batches on the device, one epoch at a time (:class:`TrainData`)
+    loss(model, batch)        forward and loss of one (micro-)batch, with device-side sums for the log
+    train_stats(sums, s)      an epoch's training numbers (train_loss, ...) from those sums
+    evaluate(model, ...)      the evaluation metrics of an epoch (``metrics`` names them)
+    inputs(n)                 the first n test inputs (probes, instruments); example_input(b): zeros of that form
+    result(record)            what result.json reports, ``headline`` first
+
+A subclass sets ``name``, ``metrics``, ``headline`` and ``higher_is_better``; ``line(record)`` is an epoch's
+progress line.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from attnlab.train.run import Run
+
+
+class TrainData(Protocol):
+    """A task's train split: ``steps`` optimizer steps per full pass (None for a stream without passes, which
+    needs ``eval_every``), and ``batches(epoch)``: that epoch's batches on the device, a function of (seed, epoch,
+    rank) alone so that a resumed run sees the same data."""
+
+    steps: int | None
+
+    def batches(self, epoch: int) -> Iterator[Any]: ...
+
+
+class Task:
+    """One run's task family; see the module docstring."""
+
+    name: ClassVar[str] = ""
+    metrics: ClassVar[tuple[str, ...]] = ()
+    headline: ClassVar[str] = ""
+    higher_is_better: ClassVar[bool] = True
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.cfg = run.cfg
+
+    # ---- before training -------------------------------------------------------------------------------------
+    def check(self, cache: dict) -> None:
+        """Raise the AttnlabError training would raise for the data (files, options, at least one step)."""
+
+    def build_model(self, pretrained: bool = True) -> nn.Module:
+        """The model the run trains: the preset or timm model sized for the dataset, the run's spec, drop-path,
+        norm and model options applied, from the configured pretrained weights (``pretrained=False``: none read,
+        as when a checkpoint replaces them)."""
+        from attnlab import models  # looked up at call time, so that a test can wrap build_model
+
+        cfg = self.cfg
+        kwargs = dict(self.run.info.model_kwargs())
+        if pretrained and (cfg.pretrained or cfg.pretrained_file):
+            kwargs.update(pretrained=True, pretrained_file=cfg.pretrained_file)
+        if cfg.drop_path is not None:
+            kwargs["drop_path_rate"] = cfg.drop_path
+        kwargs.update(cfg.model_options)
+        return models.build_model(cfg.model, attn=self.run.spec, norm=cfg.norm, **kwargs)
+
+    # ---- training ----------------------------------------------------------------------------------------------
+    def train_data(self, batch_size: int, device: torch.device) -> TrainData:  # pragma: no cover - abstract
+        """This rank's train split in batches of ``batch_size`` on ``device``."""
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(mean loss, sums) of one batch, called under the run's autocast; ``sums["seen"]`` counts what the loss
+        is a mean over, and the loop adds ``loss`` x seen to ``sums["loss"]``. Nothing here may read a value on
+        the host (the step does not wait for the device)."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def train_stats(self, sums: dict[str, float], seconds: float) -> dict[str, float]:
+        """An epoch's training numbers from the summed ``sums`` (over ranks and steps) and its duration."""
+        seen = max(sums.get("seen", 0.0), 1.0)
+        return {"train_loss": sums.get("loss", 0.0) / seen, "train_seconds": seconds}
+
+    # ---- evaluation ---------------------------------------------------------------------------------------------
+    def prepare_eval(self) -> None:
+        """Load what evaluation needs, before the run directory is made (so bad input leaves none behind)."""
+
+    def evaluate(self, model: nn.Module, *, device: torch.device, amp_dtype: torch.dtype | None,
+                 static_shapes: bool = False) -> dict[str, float]:  # pragma: no cover - abstract
+        """The ``metrics`` of ``model`` on the evaluation split (``static_shapes``: a compiled model, which should
+        see one batch shape)."""
+        raise NotImplementedError
+
+    def example_input(self, batch: int = 1, device: torch.device | str = "cpu") -> Any:  # pragma: no cover
+        """An input of ``batch`` examples as the model takes them (zeros; FLOP counts, compile warm-up)."""
+        raise NotImplementedError
+
+    def inputs(self, n: int) -> Any:  # pragma: no cover - abstract
+        """The first ``n`` test inputs, as the model takes them (probes, instruments)."""
+        raise NotImplementedError
+
+    def line(self, record: dict[str, Any]) -> str:
+        """One progress line for an epoch's metrics record."""
+        shown = [f"train_loss {record['train_loss']:.4f}"] + [f"{k} {record[k]:.4f}" for k in self.metrics
+                                                              if isinstance(record.get(k), float)]
+        return "  ".join(shown)
+
+    def result(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The numbers result.json reports from the last epoch's record: the ``metrics``, headline first."""
+        keys = [self.headline, *[k for k in self.metrics if k != self.headline]]
+        return {k: record[k] for k in keys if k in record}
+
+
+__all__ = ["Task", "TrainData"]
