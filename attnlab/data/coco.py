@@ -25,12 +25,16 @@ import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import Dataset
 from torchvision.datasets import CocoDetection, VisionDataset
 
 from attnlab.errors import DatasetError, did_you_mean
+
+if TYPE_CHECKING:  # pragma: no cover
+    from attnlab.data.registry import DatasetInfo
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 
@@ -242,36 +246,62 @@ def detection_loss(model, images, targets) -> tuple[torch.Tensor, dict[str, floa
     return sum(parts.values()), {k: float(v.detach()) for k, v in parts.items()}
 
 
-def build_coco(train: bool, *, data_dir, img_size: int = 224, augment: str = "recipe", masks: bool = True,
-               split: str | None = None, jitter: Sequence[float] = (0.1, 2.0), mean=IMAGENET_MEAN) -> CocoInstances:
-    """COCO 2017 (``train2017`` / ``val2017`` under ``data_dir`` unless ``split`` names another folder):
-    ViTDet's jitter on train unless ``augment`` is ``none``."""
-    split = split or ("train2017" if train else "val2017")
-    images, annotations = split_paths(data_dir, split)
-    transforms = detection_transforms(train and augment != "none", img_size, jitter=jitter, mean=mean)
+def info_coco(data_dir, *, image_size: int, val_split: str, **_options) -> "DatasetInfo":
+    """Categories (read from the evaluation split's json) and the canvas size, for ``attnlab.data.registry``."""
+    from attnlab.data.registry import IMAGENET_STD, DatasetInfo
+
+    _, annotations = split_paths(data_dir, val_split)
+    categories = read_coco(annotations).cats
+    if not categories:
+        raise DatasetError(f"{annotations.name} lists no categories; a detection set needs at least one.")
+    return _detect_info("coco", len(categories), image_size, IMAGENET_STD)
+
+
+def _detect_info(name: str, num_classes: int, image_size: int, std) -> "DatasetInfo":
+    from attnlab.data.registry import DatasetInfo
+
+    return DatasetInfo(name, num_classes, image_size, 3, IMAGENET_MEAN, tuple(std), task="detect",
+                       model_args=(("num_classes", num_classes), ("img_size", image_size)))
+
+
+def build_coco(train: bool, *, data_dir, download: bool = False, augment: str = "recipe", image_size: int = 224,
+               masks: bool = True, train_split: str = "train2017", val_split: str = "val2017",
+               jitter_min: float = 0.1, jitter_max: float = 2.0) -> CocoInstances:
+    """A COCO-format split under ``data_dir`` (COCO 2017's ``train2017`` / ``val2017`` unless the splits name
+    other folders): ViTDet's jitter on train unless ``augment`` is ``none``; nothing is downloaded."""
+    images, annotations = split_paths(data_dir, train_split if train else val_split)
+    transforms = detection_transforms(train and augment != "none", image_size, jitter=(jitter_min, jitter_max))
     return CocoInstances(images, annotations, transforms=transforms, masks=masks)
 
 
-def build_shapes(train: bool, *, data_dir, img_size: int = 128, augment: str = "recipe", masks: bool = True,
-                 jitter: Sequence[float] = (0.5, 1.5), mean=IMAGENET_MEAN, **options) -> CocoInstances:
+def info_shapes(data_dir, *, image_size: int, **_options) -> "DatasetInfo":
+    from attnlab.data.registry import IMAGENET_STD
+    from attnlab.data.shapes import CATEGORIES
+
+    return _detect_info("shapes", len(CATEGORIES), image_size, IMAGENET_STD)
+
+
+def build_shapes(train: bool, *, data_dir, download: bool = False, augment: str = "recipe", image_size: int = 128,
+                 masks: bool = True, jitter_min: float = 0.5, jitter_max: float = 1.5, **options) -> CocoInstances:
     """The synthetic shapes set (:mod:`attnlab.data.shapes`), generated under ``<data_dir>/shapes`` on first use
-    (``options``: :class:`~attnlab.data.shapes.ShapesOptions` fields) and read as COCO; its images are already the
-    canvas size, so the jitter is milder (0.5 to 1.5) than ViTDet's."""
+    (``options``: :class:`~attnlab.data.shapes.ShapesOptions` fields; ``image_size`` is both the images' size and
+    the canvas) and read as COCO; its images already fill the canvas, so the jitter is milder than ViTDet's."""
     import dataclasses
 
-    from attnlab.data.shapes import ShapesOptions, generate_shapes
+    from attnlab.data.shapes import ShapesOptions, generate_shapes, set_dir
 
     valid = [f.name for f in dataclasses.fields(ShapesOptions)]
     bad = next((k for k in options if k not in valid), None)
     if bad is not None:
         raise DatasetError(f"shapes has no option {bad!r}{did_you_mean(bad, valid)}; its options are "
                            f"{', '.join(valid)}.")
-    opt = ShapesOptions(**options)
-    root = generate_shapes(Path(data_dir).expanduser() / "shapes" / f"seed{opt.seed}", opt)
+    opt = ShapesOptions(image_size=image_size, **options)
+    root = generate_shapes(set_dir(data_dir, opt), opt)
     images, annotations = split_paths(root, "train" if train else "val")
-    transforms = detection_transforms(train and augment != "none", img_size, jitter=jitter, mean=mean)
+    transforms = detection_transforms(train and augment != "none", image_size, jitter=(jitter_min, jitter_max))
     return CocoInstances(images, annotations, transforms=transforms, masks=masks)
 
 
 __all__ = ["CocoInstances", "build_coco", "build_shapes", "check_coco", "check_same_categories", "collate",
-           "detection_loss", "detection_transforms", "read_coco", "require_pycocotools", "split_paths", "to_device"]
+           "detection_loss", "detection_transforms", "info_coco", "info_shapes", "read_coco", "require_pycocotools",
+           "split_paths", "to_device"]

@@ -113,6 +113,15 @@ def _write_split(root: Path, split: str, count: int, rng: np.random.Generator, o
     (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(coco))
 
 
+def set_dir(data_dir: str | os.PathLike, options: ShapesOptions) -> Path:
+    """``<data_dir>/shapes/seed<seed>-<hash>``: one folder per set of options, so that runs of different sets never
+    rewrite each other's files."""
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps(asdict(options), sort_keys=True).encode()).hexdigest()[:8]
+    return Path(data_dir).expanduser() / "shapes" / f"seed{options.seed}-{digest}"
+
+
 def generate_shapes(root: str | os.PathLike, options: ShapesOptions | None = None) -> Path:
     """Write the shapes set of ``options`` under ``root`` (module docstring) unless it is already there, and
     return ``root``. Written into a temporary sibling and renamed, so a reader never sees half a set."""
@@ -143,8 +152,13 @@ def generate_shapes(root: str | os.PathLike, options: ShapesOptions | None = Non
     if root.exists():  # a set of other options: replaced whole
         shutil.rmtree(root)
     root.parent.mkdir(parents=True, exist_ok=True)
-    tmp.replace(root)
+    try:
+        tmp.replace(root)
+    except OSError:  # another process wrote the same set meanwhile (a grid's runs start together)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not record.is_file() or json.loads(record.read_text()) != asdict(opt):
+            raise
     return root
 
 
-__all__ = ["CATEGORIES", "ShapesOptions", "generate_shapes"]
+__all__ = ["CATEGORIES", "ShapesOptions", "generate_shapes", "set_dir"]

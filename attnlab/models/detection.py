@@ -237,6 +237,19 @@ def _detector(cfg: DetectorConfig, body: nn.Module, mean, std) -> MaskRCNN | Fas
     return MaskRCNN(body, mask_head=mask, **common)
 
 
+class BackboneProbe(nn.Module):
+    """A detector's transformer behind the detector's own input normalisation: (B, 3, H, W) images in [0, 1] ->
+    the transformer's output. What the backbone instruments measure on a detection run."""
+
+    def __init__(self, detector: nn.Module) -> None:
+        super().__init__()
+        detection_backbone(detector)  # refuses a model without one
+        self.detector = detector
+
+    def forward(self, x):
+        return self.detector.backbone.trunk(self.detector.transform.normalize(x))
+
+
 def detection_backbone(model: nn.Module) -> nn.Module:
     """The transformer inside a detector built by :func:`build_detector` (what the backbone instruments read)."""
     trunk = getattr(getattr(model, "backbone", None), "trunk", None)
@@ -245,5 +258,5 @@ def detection_backbone(model: nn.Module) -> nn.Module:
     return trunk
 
 
-__all__ = ["DETECTOR_PRESETS", "DetectorConfig", "HEADS", "SwinFPNBackbone", "build_detector", "detection_backbone",
+__all__ = ["BackboneProbe", "DETECTOR_PRESETS", "DetectorConfig", "HEADS", "SwinFPNBackbone", "build_detector", "detection_backbone",
            "detector_config"]

@@ -9,7 +9,8 @@ from attnlab.errors import AttnlabError, ConfigError, DatasetError
 
 
 def test_dataset_names():
-    assert data.DATASETS == ("cifar10", "cifar100", "digits", "synthetic", "imagefolder", "listops", "lra_text")
+    assert data.DATASETS == ("cifar10", "cifar100", "digits", "synthetic", "imagefolder", "listops", "lra_text",
+                             "shapes", "coco")
     assert data.DEFAULT_DATASET in data.DATASETS
 
 

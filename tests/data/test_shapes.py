@@ -82,9 +82,12 @@ def test_a_foreign_folder_is_not_overwritten(tmp_path):
 
 def test_read_through_the_coco_path(tmp_path):
     options = {k: v for k, v in SMALL.__dict__.items()}
-    train = build_shapes(True, data_dir=tmp_path, img_size=64, **options)
-    val = build_shapes(False, data_dir=tmp_path, img_size=64, **options)
-    assert (tmp_path / "shapes" / "seed3" / "generator.json").is_file()
+    train = build_shapes(True, data_dir=tmp_path, **options)
+    val = build_shapes(False, data_dir=tmp_path, **options)
+    [folder] = (tmp_path / "shapes").iterdir()  # one folder per set of options
+    assert folder.name.startswith("seed3-") and (folder / "generator.json").is_file()
     assert train.num_classes == 3 and len(train) == 24 and len(val) == 4
     image, target = train[0]
     assert image.shape == (3, 64, 64) and ((target["labels"] >= 1) & (target["labels"] <= 3)).all()
+    other = build_shapes(False, data_dir=tmp_path, **{**options, "val_images": 2})
+    assert len(other) == 2 and len(build_shapes(False, data_dir=tmp_path, **options)) == 4

@@ -16,6 +16,7 @@ from attnlab.errors import ConfigError
 TASKS: dict[str, str] = {
     "image": "attnlab.train.tasks.classify:ImageClassification",
     "sequence": "attnlab.train.tasks.classify:SequenceClassification",
+    "detect": "attnlab.train.tasks.detect:Detection",
 }
 
 
