@@ -55,3 +55,16 @@ def test_analyze_draws_predictions_and_measures_the_backbone(run_dir, tmp_path):
     [(label, entry)] = analysis.items()
     assert "p1" in entry["summary"] and len(entry["spectra"]["blocks"]) == 4  # the detector's four blocks
     assert "relevance does not apply" in out.stderr  # it explains a classifier's logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, words", [
+    (["--model", "vit_cifar"], "timm ViT/DeiT or Swin"),
+    (["--data-options", '{min_size: 80, image_size: 64}'], "min_size"),
+    (["--model-options", "{heads: big}"], "heads"),
+])
+def test_train_refuses_what_detection_cannot_take_in_one_line(tmp_path, flags, words):
+    out = _cli("train", "--recipe", "detect_demo", "--data-dir", tmp_path / "data", "--runs-dir", tmp_path / "runs",
+               "--no-progress", *flags)
+    assert out.returncode == 2 and words in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
