@@ -34,11 +34,15 @@ def _input_shape(model: nn.Module, img_size: int | tuple[int, int] | None) -> tu
     return chans, int(h), int(w)
 
 
-def count_macs(model: nn.Module, input_shape: tuple[int, ...] | torch.Tensor) -> int:
+def count_macs(model: nn.Module, input_shape: tuple[int, ...] | torch.Tensor | list[torch.Tensor]) -> int:
     """Multiply-adds of one forward of ``model`` on a (meta or real) input of ``input_shape`` (or that input
-    itself, e.g. token ids), SDPA as math."""
+    itself, e.g. token ids, or a detector's list of images), SDPA as math."""
     device = next(model.parameters()).device
-    x = input_shape.to(device) if isinstance(input_shape, torch.Tensor) else torch.empty(input_shape, device=device)
+    if isinstance(input_shape, list):
+        x = [t.to(device) for t in input_shape]
+    else:
+        x = input_shape.to(device) if isinstance(input_shape, torch.Tensor) else torch.empty(input_shape,
+                                                                                             device=device)
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(x)
     return counter.get_total_flops() // 2  # FlopCounterMode counts 2 FLOPs per multiply-add

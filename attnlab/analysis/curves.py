@@ -1,6 +1,7 @@
 """Training curves of a comparison (as the DnA paper's loss and accuracy curves, Appendix C, Figure 8): train loss,
-test loss and top-1 per epoch for every run, grouped by variant, as the mean over seeds and a band of +- one
-sample SD (no band for one seed).
+test loss and top-1 per epoch for every run (a task family may name other panels, ``curve_panels``: detection's
+train loss, box AP and mask AP), grouped by variant, as the mean over seeds and a band of +- one sample SD (no band
+for one seed).
 
 Runs are read from their files alone: ``config.yaml`` (the variant, model and dataset) and ``metrics.jsonl`` (one
 JSON object per epoch with ``epoch``, ``train_loss``, ``test_loss``, ``top1``). ``metrics.jsonl`` is untrusted
@@ -18,11 +19,32 @@ from ..train.files import CONFIG
 from ..train.files import METRICS as METRICS_FILE
 
 METRICS = ("train_loss", "test_loss", "top1")
+PANELS = (("train_loss", "train loss"), ("test_loss", "test loss"), ("top1", "test top-1 (%)"))
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    """The epochs of one ``metrics.jsonl``: ``[{"epoch": int, "train_loss", "test_loss", "top1": float}]``."""
+def panels_of(run_dir: str | Path) -> tuple[tuple[str, str], ...]:
+    """The (metric, title) panels of a run's curves: its task family's ``curve_panels``, classification's
+    :data:`PANELS` by default (and for a directory without a readable config.yaml)."""
+    from ..train.config import load_config
+    from ..train.tasks import task_class
+
+    config = Path(run_dir) / CONFIG
+    if not config.is_file():
+        return PANELS
+    try:
+        from ..data.registry import dataset
+
+        return tuple(getattr(task_class(dataset(load_config(config).dataset).task), "curve_panels", PANELS))
+    except Exception:  # noqa: BLE001 - a config this version cannot read: its epochs say what is wrong
+        return PANELS
+
+
+def read_metrics(path: str | Path, metrics: tuple[str, ...] | None = None) -> list[dict]:
+    """The epochs of one ``metrics.jsonl``: ``[{"epoch": int, metric: float for each of metrics}]``; ``metrics``
+    default to its run's panels (:func:`panels_of`: ``train_loss``, ``test_loss``, ``top1`` for
+    classification)."""
     path = Path(path)
+    keys = metrics if metrics is not None else tuple(m for m, _ in panels_of(path.parent))
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -38,12 +60,12 @@ def read_metrics(path: str | Path) -> list[dict]:
         except (ValueError, RecursionError):
             obj = None
         epoch = obj.get("epoch") if isinstance(obj, dict) else None
-        values = [obj.get(k) for k in METRICS] if isinstance(obj, dict) else []
-        if (type(epoch) is not int or epoch < 0 or len(values) != len(METRICS)
+        values = [obj.get(k) for k in keys] if isinstance(obj, dict) else []
+        if (type(epoch) is not int or epoch < 0 or len(values) != len(keys)
                 or any(type(v) not in (int, float) for v in values)):
             raise ConfigError(f"{path} line {number} is not a JSON object with an integer epoch and numbers "
-                              f"{', '.join(METRICS)}; rerun the training or remove the run.")
-        epochs.append({"epoch": epoch, **{k: float(v) for k, v in zip(METRICS, values)}})
+                              f"{', '.join(keys)}; rerun the training or remove the run.")
+        epochs.append({"epoch": epoch, **{k: float(v) for k, v in zip(keys, values)}})
     return epochs
 
 
@@ -53,14 +75,14 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
     return mean, sd
 
 
-def aggregate(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
-    """{variant: [epochs of each run]} -> {variant: {"runs": n, "epochs": [...], metric: {"mean", "low", "high",
-    "n"}}}: per epoch the mean over the runs that reached it, low / high = mean -+ sample SD."""
+def aggregate(runs: dict[str, list[list[dict]]], panels=PANELS) -> dict[str, dict]:
+    """{variant: [epochs of each run]} -> {variant: {"runs": n, "epochs": [...], "panels": panels, metric: {"mean",
+    "low", "high", "n"}}}: per epoch the mean over the runs that reached it, low / high = mean -+ sample SD."""
     out = {}
     for variant, histories in runs.items():
         epochs = sorted({e["epoch"] for h in histories for e in h})
-        entry: dict = {"runs": len(histories), "epochs": epochs}
-        for metric in METRICS:
+        entry: dict = {"runs": len(histories), "epochs": epochs, "panels": [list(p) for p in panels]}
+        for metric, _ in panels:
             series = {"mean": [], "low": [], "high": [], "n": []}
             for epoch in epochs:
                 values = [e[metric] for h in histories for e in h if e["epoch"] == epoch]
@@ -84,7 +106,12 @@ def training_curves(run_dirs: list[str | Path]) -> dict[str, dict]:
             raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give directories written by "
                               f"attnlab train or compare.")
         cfg = load_config(config)
-        found.append(((cfg.model, cfg.dataset), cfg.attn, read_metrics(run_dir / METRICS_FILE)))
+        panels = panels_of(run_dir)
+        found.append(((cfg.model, cfg.dataset), cfg.attn, read_metrics(run_dir / METRICS_FILE,
+                                                                        tuple(m for m, _ in panels))))
+        if panels != panels_of(run_dirs[0]):
+            raise ConfigError(f"{run_dir} is a run of another task family than {run_dirs[0]}, whose curves show other "
+                              f"metrics; draw the curves of each family's runs apart.")
     if not found:
         raise ConfigError("training curves need at least one run directory.")
     mixed = len({group for group, _, _ in found}) > 1
@@ -92,10 +119,7 @@ def training_curves(run_dirs: list[str | Path]) -> dict[str, dict]:
     for (model, dataset), attn, epochs in found:
         if epochs:
             runs.setdefault(f"{model}/{dataset}/{attn}" if mixed else attn, []).append(epochs)
-    return aggregate(runs)
-
-
-PANELS = (("train_loss", "train loss"), ("test_loss", "test loss"), ("top1", "test top-1 (%)"))
+    return aggregate(runs, panels_of(run_dirs[0]))
 
 
 def _split(key: str) -> tuple[str, str]:
@@ -120,12 +144,13 @@ def plot_training_curves(curves: dict[str, dict], path: str | Path | None = None
     from .figures import BASELINE_COLOR, color_of, integer_ticks, save_png, variant_colors
 
     colors = colors if colors is not None else variant_colors(map(_variant, curves), baseline)
+    panels = [tuple(p) for p in next(iter(curves.values()), {}).get("panels", PANELS)]
     base_name = "".join(str(baseline).split()) if baseline is not None else None
     bases = {key: entry for key, entry in curves.items() if _variant(key) == base_name}
     rows = [key for key in curves if key not in bases] or list(bases)
     fig = Figure(figsize=(11, 0.7 + 2.3 * len(rows)))
     FigureCanvasAgg(fig)
-    axes = fig.subplots(len(rows), len(PANELS), sharex=True, sharey="col", squeeze=False)
+    axes = fig.subplots(len(rows), len(panels), sharex=True, sharey="col", squeeze=False)
 
     def draw(ax, entry, metric, color, label, **style):
         series = entry[metric]
@@ -135,7 +160,7 @@ def plot_training_curves(curves: dict[str, dict], path: str | Path | None = None
     for i, key in enumerate(rows):
         # the baseline of the variant's own model and dataset, when the curves span several
         base = next((e for k, e in bases.items() if k != key and _split(k)[0] == _split(key)[0]), None)
-        for j, (metric, title) in enumerate(PANELS):
+        for j, (metric, title) in enumerate(panels):
             ax = axes[i][j]
             if base is not None:
                 draw(ax, base, metric, BASELINE_COLOR, f"{base_name} (baseline)", linestyle="--")

@@ -125,6 +125,12 @@ def _curves(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Contex
                                 "model; give run directories to attnlab analyze or call analysis.training_curves.")
 
 
+def _predictions(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Context) -> dict:
+    raise UnsupportedModelError("predictions draws a detector's boxes and masks beside the ground truth of its "
+                                "dataset; give detection run directories to attnlab analyze, or call "
+                                "analysis.predictions.predictions_figures.")
+
+
 INSTRUMENTS: dict[str, Callable[[nn.Module, torch.Tensor, int, Context], dict]] = {
     "spectra": _spectra,    # NS-Attn Sec. 3.4: p1 and effective rank of head outputs
     "entropy": _entropy,    # sigma-Reparam: attention entropy per layer/head, max scaled logit per head
@@ -135,6 +141,7 @@ INSTRUMENTS: dict[str, Callable[[nn.Module, torch.Tensor, int, Context], dict]] 
     "robustness": _robustness,  # DnA Sec. 4.5, Fig. 9: token cosine distance per block, clean and noisy; top-1 drop
     "relevance": _relevance,    # DnA Sec. 4.3, App. C.5 (E): Chefer et al.'s signed relevance per branch
     "curves": _curves,          # train/test loss and top-1 per epoch per variant (run directories only)
+    "predictions": _predictions,  # DnA Fig. 10: detections beside the ground truth (detection runs only)
 }
 
 
@@ -211,6 +218,11 @@ def plot_results(results: dict[str, dict], out_dir: str | Path) -> list[Path]:
     return paths
 
 
+def _instrumented(run, model: nn.Module) -> nn.Module:
+    """What the instruments measure of a run's model: the model, or what its task says (a detector's backbone)."""
+    return getattr(run.task, "instrument_model", lambda m: m)(model)
+
+
 def annotate_runs(run_dirs: list[str | Path], what: list[str], images: int = 160, batch_size: int = 32,
                   progress: bool = True) -> None:
     """Add the instruments' summaries to each finished run's ``result.json`` under ``extra`` (skipping runs that
@@ -231,7 +243,7 @@ def annotate_runs(run_dirs: list[str | Path], what: list[str], images: int = 160
         if not todo:
             continue
         run = Run.open(run_dir)
-        model, cfg = run.load_model(), run.cfg
+        model, cfg = _instrumented(run, run.load_model()), run.cfg
         key = (cfg.dataset, cfg.data_dir, repr(sorted(cfg.data_options.items())))
         if key not in cache:
             cache[key] = run.task.inputs(images)
@@ -262,7 +274,7 @@ def check_instruments(what: list[str], configs: list) -> None:
             continue
         seen.add(key)
         with torch.random.fork_rng(devices=[]):
-            model = run.build_model(pretrained=False).eval()
+            model = _instrumented(run, run.build_model(pretrained=False).eval())
         inputs = run.task.inputs(2)
         skipped = analyze_model(model, inputs, [w for w in what if w not in applies], batch_size=2,
                                 skip_unsupported=True).get("skipped", {})

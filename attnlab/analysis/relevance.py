@@ -76,6 +76,9 @@ def relevance_matrices(model: nn.Module, images: torch.Tensor, classes: torch.Te
     with capture_maps(model, record), eval_mode(model) as device, torch.enable_grad():
         x = images.to(device).detach().requires_grad_(True)  # the maps enter the graph whatever the parameters
         logits = model(x)
+        if logits.dim() != 2:
+            raise UnsupportedModelError(f"relevance explains a classifier's logits, but this model outputs shape "
+                                        f"{tuple(logits.shape)} (a detector's backbone); use a classification run.")
         if classes is None:
             classes = logits.argmax(dim=-1)
         classes = classes.to(logits.device)

@@ -59,8 +59,9 @@ def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 @torch.no_grad()
 def _pass(model: nn.Module, images: torch.Tensor, batch_size: int, prefix: int
-          ) -> tuple[list[float], torch.Tensor]:
-    """(per-block mean Delta over images, predictions) for one set of images."""
+          ) -> tuple[list[float], torch.Tensor | None]:
+    """(per-block mean Delta over images, predictions) for one set of images; predictions are None for a model
+    that does not classify (its output is not (n, classes): a detector's backbone)."""
     blocks = _blocks(model)
     sums = [0.0] * len(blocks)
 
@@ -75,11 +76,12 @@ def _pass(model: nn.Module, images: torch.Tensor, batch_size: int, prefix: int
     try:
         with eval_mode(model) as device:
             for chunk in images.split(batch_size):
-                preds.append(model(chunk.to(device)).argmax(dim=-1).cpu())
+                out = model(chunk.to(device))
+                preds.append(out.argmax(dim=-1).cpu() if out.dim() == 2 else None)
     finally:
         for h in handles:
             h.remove()
-    return [s / images.shape[0] for s in sums], torch.cat(preds)
+    return [s / images.shape[0] for s in sums], None if preds[0] is None else torch.cat(preds)
 
 
 def representational_robustness(model: nn.Module, images: torch.Tensor, labels: torch.Tensor | None = None,
@@ -102,16 +104,17 @@ def representational_robustness(model: nn.Module, images: torch.Tensor, labels: 
     layers = [name for name, _ in _blocks(model)]
     clean_dist, clean_pred = _pass(model, clean, batch_size, prefix)
     out: dict = {"layers": layers, "clean": clean_dist, "noisy": []}
-    if labels is not None:
+    if labels is not None and clean_pred is not None:
         out["top1_clean"] = 100.0 * (clean_pred == labels.cpu()).double().mean().item()
     generator = torch.Generator().manual_seed(seed)
     for sigma in sigmas:
         noisy = clean + sigma * torch.randn(clean.shape, generator=generator)
         dist, pred = _pass(model, noisy, batch_size, prefix)
         row = {"sigma": float(sigma), "psnr": psnr(clean, noisy, peak), "distance": dist,
-               "change": [n - c for n, c in zip(dist, clean_dist)],
-               "agreement": (pred == clean_pred).double().mean().item()}
-        if labels is not None:
+               "change": [n - c for n, c in zip(dist, clean_dist)]}
+        if pred is not None:
+            row["agreement"] = (pred == clean_pred).double().mean().item()
+        if labels is not None and pred is not None:
             row["top1"] = 100.0 * (pred == labels.cpu()).double().mean().item()
             row["top1_drop"] = out["top1_clean"] - row["top1"]
         out["noisy"].append(row)
@@ -125,7 +128,8 @@ def robustness_summary(result: dict) -> dict[str, float]:
     if result["noisy"]:
         worst = max(result["noisy"], key=lambda r: r["sigma"])
         out["token_distance_noisy"] = sum(worst["distance"]) / len(worst["distance"])
-        out["agreement_noisy"] = worst["agreement"]
+        if "agreement" in worst:
+            out["agreement_noisy"] = worst["agreement"]
         if "top1_drop" in worst:
             out["top1_drop"] = worst["top1_drop"]
     return out

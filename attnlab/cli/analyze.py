@@ -11,11 +11,16 @@ Examples:
   attnlab analyze runs/demo/vit_digits-digits-ns-s0 --what jacobian --device cuda:1
   attnlab analyze runs/demo/vit_digits-digits-dna-s0 --what redundancy,robustness,relevance
   attnlab analyze runs/demo/* --what curves --out figures/   # train/test loss and top-1 per variant
+  attnlab analyze runs/vitdet_tiny-shapes-dna-s0 --what predictions,spectra   # a detection run: its backbone
 
 --what all runs every instrument. An instrument that does not apply to a model (relevance on Swin, entropy on
 DnA...) is reported in one line on stderr and the others go on; entries that are not run directories (the report
 files compare writes beside the runs) are passed over with one note. A progress bar over instruments and images
-shows on a terminal."""
+shows on a terminal.
+
+On a detection run the model instruments measure the detector's transformer (its backbone) on the first evaluation
+images fitted into the detector's square canvas; predictions draws the first 8 evaluation images' detections
+(score >= 0.5) beside their ground truth, as the DnA paper's Figure 10, into predictions_<image id>.png."""
 
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ from ..train.files import CONFIG
 
 # attnlab.analysis.instruments.INSTRUMENTS by name: that module imports torch, which --help must not wait for
 INSTRUMENTS = ("spectra", "entropy", "qk", "branches", "jacobian", "redundancy", "robustness", "relevance",
-               "curves")
+               "curves", "predictions")
+PREDICTION_IMAGES = 8  # images drawn per detection run by --what predictions (the DnA paper's Figure 10)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -84,7 +90,7 @@ def run(args) -> int:
 
     device = resolve_device(args.device)
 
-    model_what = [w for w in what if w != "curves"]
+    model_what = [w for w in what if w not in ("curves", "predictions")]
     targets = []  # (label, attn, model, dataset, data_dir)
     if args.model and "curves" in what:
         print(f"{args.model}: curves does not apply to a fresh model (no metrics.jsonl); give run directories.",
@@ -99,10 +105,24 @@ def run(args) -> int:
         targets.append((f"{args.model}-{parse_spec(args.attn)}", str(parse_spec(args.attn)), model, args.dataset,
                         args.data_dir or "data"))
     from ..train import load_run
+    from ..train.run import Run
 
-    for path in runs if model_what else []:
+    inputs = {}  # label -> (images, labels) from the run's task, for tasks whose instruments read their backbone
+    drawn = []  # detection runs' Figure-10 panels
+    for path in runs if model_what or "predictions" in what else []:
         model, cfg = load_run(path, map_location=device)
-        targets.append((Path(path).name, cfg.attn, model, cfg.dataset, args.data_dir or cfg.data_dir))
+        task = Run.open(path).task
+        label = Path(path).name
+        if "predictions" in what:
+            drawn += _predictions(label, model, task, out, device, len(runs) > 1)
+        if not model_what:
+            continue
+        if hasattr(task, "instrument_model"):  # e.g. a detector: its transformer, on the task's own inputs
+            inputs[label] = (task.inputs(args.images).to(device), None)
+            model = task.instrument_model(model)
+        targets.append((label, cfg.attn, model, cfg.dataset, args.data_dir or cfg.data_dir))
+    if "predictions" in what and not drawn:
+        print("predictions: no detection run given; it draws a detector's boxes and masks.", file=sys.stderr)
 
     results = {}
     image_cache = {}
@@ -110,7 +130,10 @@ def run(args) -> int:
     skipped = []  # (label, instrument, reason)
     for label, attn, model, dataset, data_dir in targets:
         key = (dataset, data_dir)
-        if key not in image_cache:
+        if label in inputs:
+            image_cache[label] = inputs[label]
+            key = label
+        elif key not in image_cache:
             test = build_dataset(dataset, False, data_dir=data_dir)
             n = min(args.images, len(test))
             samples = [test[i] for i in range(n)]
@@ -122,7 +145,7 @@ def run(args) -> int:
             prefix="" if len(targets) == 1 else f"{label}-", skip_unsupported=True, progress=progress)}
         skipped += [(label, name, why) for name, why in results[label].get("skipped", {}).items()]
         print(f"{label}: " + ", ".join(f"{k} {v:.4g}" for k, v in results[label]["summary"].items()))
-    if skipped and len(skipped) == len(targets) * len(model_what) and not (runs and "curves" in what):
+    if skipped and len(skipped) == len(targets) * len(model_what) and not (runs and "curves" in what) and not drawn:
         raise UnsupportedModelError(skipped[0][2])  # nothing was measured: the reason is the error
     for label, name, why in skipped:
         print(f"{label}: {name} does not apply: {why}", file=sys.stderr)
@@ -137,7 +160,24 @@ def run(args) -> int:
     atomic_write_json(out / "analysis.json", results)
     for path in plot_results({k: v for k, v in results.items() if k != "curves"}, out):
         print(f"wrote {path}")
-    for path in (p for r in results.values() for p in r.get("figures", [])):
+    for path in [*(p for r in results.values() for p in r.get("figures", [])), *drawn]:
         print(f"wrote {path}")
     print(f"wrote {out / 'analysis.json'}")
     return 0
+
+
+def _predictions(label, model, task, out, device, prefixed: bool) -> list:
+    """Figure-10 panels of a detection run (its first evaluation images), or [] with a note for other runs."""
+    import sys
+
+    from ..data.coco import CocoInstances
+
+    if not isinstance(getattr(task, "val_set", lambda: None)(), CocoInstances):
+        print(f"{label}: predictions does not apply: it draws a detector's boxes and masks, and this is a "
+              f"{task.name} run.", file=sys.stderr)
+        return []
+    from ..analysis.predictions import predictions_figures
+
+    val = task.val_set()
+    return predictions_figures(model, val, range(min(PREDICTION_IMAGES, len(val))),
+                               out / label if prefixed else out, device=device)

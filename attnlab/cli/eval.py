@@ -5,6 +5,7 @@ DnA paper's robustness metrics (Table 4: ImageNet-A; Table 10: ImageNet-O and -R
 Examples:
   attnlab eval runs/demo/vit_digits-digits-dna-s0
   attnlab eval runs/demo/vit_digits-digits-dna-s0 --noise 0.5
+  attnlab eval runs/vitdet_tiny-shapes-dna-s0      # a detection run: COCO box and mask AP on its val split
   attnlab eval --model vit_digits --attn dna --checkpoint weights.safetensors --dataset digits
   attnlab eval --model vit_base_patch16_224 --attn dna --checkpoint theirs.pth --dna-layout legacy --folder val
   attnlab eval --model deit_tiny_patch16_224 --pretrained --folder imagenet-a --classes imagenet_wnids.txt
@@ -19,7 +20,8 @@ its input size; a file that is not an image, or has more than 64 megapixels, is 
 --model needs weights (--checkpoint, --pretrained, --pretrained-file); --random-weights evaluates its seeded random
 initialisation on purpose.
 --ood DIR is an image folder (any subfolders) compared with --folder's images, or with the dataset split's, in
-which case it is read like the dataset (its channels, size and normalisation)."""
+which case it is read like the dataset (its channels, size and normalisation).
+A run of another task family (detection) prints the metrics its training logs, on its own evaluation split."""
 
 from __future__ import annotations
 
@@ -184,6 +186,12 @@ def run(args) -> int:
     device = resolve_device(args.device)
     if args.run_dir:
         from ..train import load_run
+        from ..train.run import Run
+        from ..train.tasks.classify import Classification
+
+        task = Run.open(args.run_dir).task
+        if not isinstance(task, Classification):  # detection, ...: the metrics its training logs
+            return _task_eval(args, task, device)
 
         model, cfg = load_run(args.run_dir, map_location=device)
         dataset, data_dir = args.dataset or cfg.dataset, args.data_dir or cfg.data_dir
@@ -247,4 +255,30 @@ def run(args) -> int:
     result = evaluate(model, data, ood=ood_data, batch_size=args.batch_size, device=device, noise_std=args.noise,
                       seed=args.seed, limit=args.images, class_indices=class_indices)
     print(json.dumps({**label, **result}))
+    return 0
+
+
+def _task_eval(args, task, device) -> int:
+    """A run of a family that is not classification, evaluated as its training evaluates it (``Task.evaluate``
+    on its evaluation split), printed as one JSON line; the classification-only flags are refused."""
+    import json
+
+    from ..errors import ConfigError
+    from ..train import load_run
+
+    given = [flag for flag, value in (("--folder", args.folder), ("--ood", args.ood), ("--classes", args.classes),
+                                      ("--noise", args.noise), ("--images", args.images),
+                                      ("--image-size", args.image_size), ("--num-classes", args.num_classes),
+                                      ("--split train", args.split == "train"), ("--dataset", args.dataset),
+                                      ("--data-dir", args.data_dir)) if value]
+    if given:
+        raise ConfigError(f"{given[0]} applies to classification runs; a {task.name} run is evaluated on its own "
+                          f"evaluation split as in training, so drop it.")
+    model, cfg = load_run(args.run_dir, map_location=device)
+    task.prepare_eval()
+    from ..train.run import resolve_amp
+
+    metrics = task.evaluate(model, device=device, amp_dtype=resolve_amp(cfg.amp, device))
+    print(json.dumps({"run": str(args.run_dir), "attn": cfg.attn, "dataset": cfg.dataset, "task": task.name,
+                      **metrics}))
     return 0

@@ -336,5 +336,28 @@ register(Dataset("moving_digits", "video", "scikit-learn's digits moving across 
                   "speed": Option(1, 0, help="pixels per frame"), "num_train": Option(4096, 1),
                   "num_test": Option(1024, 1), "seed": Option(0, 0, 2**62 - 1)}))
 
+# Detection and instance segmentation: COCO-format instance sets (attnlab.data.coco), the task "detect"
+_DETECT_OPTIONS = {
+    "masks": Option(True, help="instance masks (Mask R-CNN); false: boxes only (Faster R-CNN)"),
+    "jitter_min": Option(0.1, 0.01, 10.0, help="large-scale jitter: smallest scale of the fitted size (recipe)"),
+    "jitter_max": Option(2.0, 0.01, 10.0, help="large-scale jitter: largest scale (recipe)"),
+}
+register(Dataset("shapes", "detect", "synthetic squares, disks and triangles with instance masks, the embedded "
+                 "default, written once as COCO json + PNGs", "attnlab.data.coco:info_shapes",
+                 "attnlab.data.coco:build_shapes",
+                 {"image_size": Option(128, 32, 1024, help="image side and the detector's canvas"),
+                  **_DETECT_OPTIONS, "jitter_min": Option(0.5, 0.01, 10.0), "jitter_max": Option(1.5, 0.01, 10.0),
+                  "seed": Option(0, 0, 2**62 - 1, help="the set's generator seed"),
+                  "train_images": Option(512, 1), "val_images": Option(128, 1),
+                  "max_objects": Option(4, 1, 20), "min_size": Option(12, 1), "max_size": Option(48, 1),
+                  "empty_fraction": Option(0.05, 0.0, 1.0, help="share of images without objects")},
+                 AUGMENTS))
+register(Dataset("coco", "detect", "a COCO-format instance set, MS-COCO 2017 by default: "
+                 "<data_dir>/annotations/instances_<split>.json + <data_dir>/<split>/",
+                 "attnlab.data.coco:info_coco", "attnlab.data.coco:build_coco",
+                 {"image_size": Option(224, 32, 4096, help="the square canvas (the DnA paper's Table 9: 224)"),
+                  **_DETECT_OPTIONS, "train_split": Option("train2017"), "val_split": Option("val2017")},
+                 AUGMENTS))
+
 DATASETS: tuple[str, ...] = tuple(DATASET_TABLE)
 OPTIONS: dict[str, dict[str, Any]] = {n: {k: o.default for k, o in e.options.items()} for n, e in DATASET_TABLE.items()}

@@ -6,5 +6,16 @@ from .gpt import GPT, generate
 from .gpt_loaders import gpt_from_file, load_gpt2_hf, load_gpt_file, load_nanogpt
 from .timesformer import TimeSformer, init_from_image, load_timesformer
 
-__all__ = ["PRESETS", "build_model", "convert", "attention_modules", "GPT", "generate", "gpt_from_file", "load_gpt2_hf",
-           "load_gpt_file", "load_nanogpt", "TimeSformer", "init_from_image", "load_timesformer"]
+
+
+def __getattr__(name: str):
+    # torchvision's detection models load on first use
+    if name in ("DETECTOR_PRESETS", "build_detector"):
+        from . import detection
+        return getattr(detection, name)
+    raise AttributeError(f"module 'attnlab.models' has no attribute {name!r}")
+
+
+__all__ = ["PRESETS", "DETECTOR_PRESETS", "build_detector", "build_model", "convert", "attention_modules", "GPT",
+           "generate", "gpt_from_file", "load_gpt2_hf", "load_gpt_file", "load_nanogpt", "TimeSformer",
+           "init_from_image", "load_timesformer"]

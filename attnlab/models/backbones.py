@@ -131,7 +131,8 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
     """Build a backbone with the attention variant ``attn`` (a spec string; ``None`` leaves timm's modules untouched).
 
     ``name`` is a preset (``vit_cifar``, ``swin_cifar``, ``vit_digits``, ``seq_*``, the language models ``gpt_tiny``,
-    ``gpt_mini``, ``gpt2_small``, which take no ``num_classes``) or any timm model name (random init).
+    ``gpt_mini``, ``gpt2_small``, which take no ``num_classes``), a detector preset (``vitdet_tiny`` ...,
+    :func:`attnlab.models.detection.build_detector`), or any timm model name (random init).
     ``overrides`` go to the timm constructor (e.g. ``drop_path_rate=0.0``, ``img_size=64``, ``in_chans=1``).
     ``norm="post"`` builds ViT-family models with post-LN blocks (:class:`~attnlab.models.blocks.PostNormBlock`);
     ``norm="none"`` replaces every LayerNorm by the identity (the no-LayerNorm ablation; ViT and sequence models).
@@ -146,6 +147,11 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
     """
     if norm not in ("pre", "post", "none"):
         raise ConfigError(f"norm must be 'pre', 'post' or 'none', not {norm!r}.")
+    from .detection import DETECTOR_PRESETS, build_detector  # detection builds its backbone through this function
+
+    if name in DETECTOR_PRESETS:
+        return build_detector(name, num_classes, attn, norm=norm, pretrained=pretrained,
+                              pretrained_file=pretrained_file, **overrides)
     if norm == "post":
         overrides["block_fn"] = PostNormBlock
     if norm == "none":

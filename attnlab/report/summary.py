@@ -1,12 +1,18 @@
 """Run directories -> per-variant summaries, following the NS-Attn paper's evaluation protocol (Section 3.1).
 
-For each (model, dataset) group and each attention variant with top-1 values x_1..x_n (one per seed):
+For each (model, dataset) group and each attention variant with headline values x_1..x_n (one per seed; the
+headline is the metric a run's result.json names under "metric": top-1 for classification, box AP for
+detection), each a percentage:
 
     mean = (1/n) sum_i x_i
     sd   = sqrt( sum_i (x_i - mean)^2 / (n - 1) )        sample SD (ddof=1); None when n < 2
     gain_pp = mean(variant) - mean(baseline)              from unrounded means, in percentage points
     wins = k/m                                            m = seeds run by both variant and baseline,
-                                                          k = those seeds where variant top-1 > baseline top-1
+                                                          k = those seeds where the variant beats the baseline
+                                                          (higher, or lower for a metric its task says is better
+                                                          lower)
+
+A task's further report columns (detection: mask AP, box and mask AP50/AP75) get the same mean, SD and gain.
 
 Further numeric entries of a run's ``extra`` dict (e.g. ``p1``, ``eff_rank``) are averaged per variant over the
 runs that report them.
@@ -30,8 +36,29 @@ from attnlab.errors import AttnlabError
 from attnlab.report.page import Table, table_markdown
 from attnlab.train.files import CONFIG, METRICS, RESULT
 
-REQUIRED_KEYS = ("name", "model", "dataset", "attn", "seed", "top1")
+REQUIRED_KEYS = ("name", "model", "dataset", "attn", "seed")
 NO_VALUE = "—"
+METRIC_TITLES = {"top1": "Top-1", "mean_class_accuracy": "Mean class accuracy", "val_loss": "Validation loss"}  # a headline's name in a table; others are their key with spaces ("box AP")
+
+
+def headline(run: dict) -> str:
+    """The metric a run is compared by: its result.json's "metric" (runs from before it was written: top-1)."""
+    return str(run.get("metric") or "top1")
+
+
+def metric_title(metric: str) -> str:
+    return METRIC_TITLES.get(metric, metric.replace("_", " "))
+
+
+def _task(run: dict):
+    """The run's Task class (None for an unknown family): its direction and report columns."""
+    from attnlab.errors import ConfigError
+    from attnlab.train.tasks import task_class
+
+    try:
+        return task_class(str(run.get("task") or "image"))
+    except ConfigError:
+        return None
 
 
 def _is_number(x: Any) -> bool:
@@ -54,8 +81,9 @@ def _problem(path: Path) -> tuple[dict | None, str]:
     missing = [k for k in REQUIRED_KEYS if k not in run]
     if missing:
         return None, f"lacks the key(s) {', '.join(missing)}; a result.json needs {', '.join(REQUIRED_KEYS)}."
-    if not _is_number(run["top1"]):
-        return None, f"has top1={run['top1']!r}; it must be a finite number (percent)."
+    metric = headline(run)
+    if not _is_number(run.get(metric)):
+        return None, f"has {metric}={run.get(metric)!r}; it must be a finite number (percent)."
     return run, ""
 
 
@@ -107,6 +135,10 @@ def group_key(run_or_row: dict) -> tuple[str, str, str, str]:
     """(model, dataset, tag, setting): the runs of one comparison share it (``setting`` from :func:`label_settings`)."""
     return (str(run_or_row["model"]), str(run_or_row["dataset"]), str(run_or_row.get("tag") or ""),
             str(run_or_row.get("setting") or ""))
+
+
+def _beats(a: float, b: float, higher_is_better: bool) -> bool:
+    return a > b if higher_is_better else a < b
 
 
 def group_title(key: tuple[str, str, str, str]) -> str:
@@ -223,9 +255,11 @@ def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
         One row per (model, dataset, tag, setting, variant) (``setting``: see :func:`label_settings`; runs trained
         differently are never one group); groups sorted by that key; within a group the baseline row first, then
         the other variants sorted by name. Each row holds ``model, dataset, tag, setting, variant, baseline`` (bool),
-        ``n, seeds`` (sorted), ``top1_by_seed``, ``mean, sd`` (top-1, percent), ``top5_mean`` (None if absent),
-        ``gain_pp`` and ``wins`` (``"k/m"``; with ``wins_k, wins_n``), None for the baseline row and in groups
-        without the baseline, and ``extras`` {name: mean}.
+        ``n, seeds`` (sorted), ``metric`` (the headline's key), ``by_seed`` {seed: headline} (``top1_by_seed`` too
+        for classification), ``mean, sd`` (the headline, percent), ``top5_mean`` (None if absent), ``gain_pp`` and
+        ``wins`` (``"k/m"``; with ``wins_k, wins_n``), None for the baseline row and in groups without the
+        baseline, ``columns`` {name: {"mean", "sd", "gain_pp"}} for the task's further report columns, and
+        ``extras`` {name: mean}.
 
     Raises:
         AttnlabError: two runs share model, dataset, variant and seed (matched-seed pairing would be ambiguous).
@@ -250,8 +284,11 @@ def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
     rows = []
     for (model, dataset, tag, setting) in sorted(by_group):
         variants = by_group[(model, dataset, tag, setting)]
-        metric, higher, shown = _headline(next(iter(next(iter(variants.values())).values())))
         base_runs = variants.get(baseline)
+        first = next(iter(next(iter(variants.values())).values()))
+        metric, task = headline(first), _task(first)
+        higher = task.higher_is_better if task is not None else True
+        columns = [c for c in getattr(task, "report_columns", ()) if c != metric]
         base_mean = _mean([r[metric] for r in base_runs.values()]) if base_runs else None
         order = ([baseline] if base_runs else []) + sorted(v for v in variants if v != baseline)
         for variant in order:
@@ -262,8 +299,7 @@ def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
             top5 = [float(by_seed[s]["top5"]) for s in seeds if _is_number(by_seed[s].get("top5"))]
             extras: dict[str, list[float]] = {}
             for s in seeds:
-                family = {k: by_seed[s].get(k) for k in shown}  # the task's other metrics (video: top-1 / mCA)
-                for name, value in {**family, **(by_seed[s].get("extra") or {})}.items():
+                for name, value in (by_seed[s].get("extra") or {}).items():
                     if _is_number(value):
                         extras.setdefault(name, []).append(float(value))
             row = {
@@ -276,7 +312,9 @@ def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
                 "n": len(seeds),
                 "seeds": seeds,
                 "metric": metric,
-                "top1_by_seed": {str(s): by_seed[s][metric] for s in seeds},
+                "percent": getattr(task, "percent", True),
+                "by_seed": {str(s): by_seed[s][metric] for s in seeds},
+                **({"top1_by_seed": {str(s): by_seed[s]["top1"] for s in seeds}} if metric == "top1" else {}),
                 "mean": mean,
                 "sd": _sd(top1),
                 "top5_mean": _mean(top5) if top5 else None,
@@ -284,37 +322,26 @@ def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
                 "wins": None,
                 "wins_k": None,
                 "wins_n": None,
+                "columns": {name: _column(by_seed, base_runs if variant != baseline else None, name)
+                            for name in columns},
                 "extras": {name: _mean(vals) for name, vals in sorted(extras.items())},
             }
             if base_runs and variant != baseline:
                 row["gain_pp"] = mean - base_mean
                 shared = [s for s in seeds if s in base_runs]
-                k = sum((by_seed[s][metric] > base_runs[s][metric]) == higher and by_seed[s][metric] !=
-                        base_runs[s][metric] for s in shared)
+                k = sum(_beats(by_seed[s][metric], base_runs[s][metric], higher) for s in shared)
                 row.update(wins=f"{k}/{len(shared)}", wins_k=k, wins_n=len(shared))
             rows.append(row)
     return rows
 
 
-#: how a report names a headline metric (``result.json``'s "metric") in its column
-METRIC_LABELS = {"top1": "Top-1", "mean_class_accuracy": "Mean class accuracy"}
-
-
-def _headline(run: dict) -> tuple[str, bool, tuple[str, ...]]:
-    """(the key a group compares, whether higher is better, the task's other metrics a row shows) from one of its
-    runs: result.json's "metric" when the run records a finite value under it (else top-1), the direction and the
-    metrics from its task family."""
-    metric = run.get("metric")
-    metric = metric if isinstance(metric, str) and _is_number(run.get(metric)) else "top1"
-    try:
-        from attnlab.train.tasks import task_class
-
-        task = task_class(run.get("task", "image"))
-        higher, metrics = bool(task.higher_is_better), tuple(task.metrics)
-    except AttnlabError:
-        higher, metrics = True, ()
-    shown = tuple(k for k in metrics if k not in (metric, "top5", "test_loss") and _is_number(run.get(k)))
-    return metric, higher, shown
+def _column(by_seed: dict, base_runs: dict | None, name: str) -> dict:
+    """Mean, sample SD and gain over the baseline's mean of a further report column (None where no run has it)."""
+    values = [float(r[name]) for r in by_seed.values() if _is_number(r.get(name))]
+    base = [float(r[name]) for r in (base_runs or {}).values() if _is_number(r.get(name))]
+    mean = _mean(values) if values else None
+    gain = mean - _mean(base) if mean is not None and base else None
+    return {"mean": mean, "sd": _sd(values), "gain_pp": gain}
 
 
 def _fmt_extra(x: float | None) -> str:
@@ -340,23 +367,33 @@ def format_gain(gain: float | None) -> str:
 
 
 def accuracy_tables(rows: list[dict]) -> list[Table]:
-    """One :class:`~attnlab.report.page.Table` per comparison (:func:`group_key`): Variant | Top-1 (mean ± SD) |
-    Gain (pp) | Wins | n | extras..., the baseline first (as :func:`summarize` orders the rows)."""
+    """One :class:`~attnlab.report.page.Table` per comparison (:func:`group_key`): Variant | headline (mean ± SD) |
+    Gain (pp) | Wins | n | the task's further columns (mean ± SD, gain) | extras..., the baseline first (as
+    :func:`summarize` orders the rows). Classification's headline is Top-1; detection's box AP, then mask AP,
+    AP50 and AP75."""
     tables: list[Table] = []
     for key, group in groups(rows).items():
         extra_names = sorted({name for row in group for name in row.get("extras", {})})
-        metric = group[0].get("metric", "top1")
-        header = ["Variant", f"{METRIC_LABELS.get(metric, metric)} (mean ± SD)", "Gain (pp)", "Wins", "n",
-                  *extra_names]
+        columns = list(group[0].get("columns", {}))
+        title = metric_title(group[0].get("metric", "top1"))
+        gain = "Gain (pp)" if group[0].get("percent", True) else "Gain"
+        header = ["Variant", f"{title} (mean ± SD)", gain, "Wins", "n",
+                  *(h for c in columns for h in (f"{metric_title(c)} (mean ± SD)", gain)), *extra_names]
         cells = []
         for row in group:
             label = f"{row['variant']} (baseline)" if row.get("baseline") else row["variant"]
+            further = []
+            for c in columns:
+                col = row["columns"][c]
+                further += [NO_VALUE if col["mean"] is None else format_top1(col["mean"], col["sd"]),
+                            format_gain(col["gain_pp"])]
             cells.append([
                 label,
                 format_top1(row["mean"], row["sd"]),
                 format_gain(row["gain_pp"]),
                 row["wins"] or NO_VALUE,
                 str(row["n"]),
+                *further,
                 *(_fmt_extra(row.get("extras", {}).get(name)) for name in extra_names),
             ])
         tables.append(Table(header, cells, title=group_title(key)))

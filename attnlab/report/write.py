@@ -15,7 +15,7 @@ from attnlab.errors import AttnlabError
 from attnlab.train.files import METRICS, RESULT
 
 from attnlab.report.summary import (NO_VALUE, find_unfinished, format_markdown, group_key, group_title, groups,
-                                    label_settings, scan_runs, summarize)
+                                    label_settings, metric_title, scan_runs, summarize)
 
 
 def _slug(text: str) -> str:
@@ -60,7 +60,7 @@ def group_figure(rows: list[dict], title: str, colors: dict[str, str] | None = N
                     fontsize=7)
     ax.set_xticks(list(x), [r["variant"] for r in rows], rotation=35, ha="right", fontsize=8)
     ax.set_ylim(0, min(110.0, max(m + s for m, s in zip(means, sds)) * 1.12) or 1.0)  # from 0: bars read as ratios
-    ax.set_ylabel("Top-1 (%)")
+    ax.set_ylabel(f"{metric_title(rows[0].get('metric', 'top1'))} (%)")
     ax.set_title(title, fontsize=9)
     if gains:
         gx = panels[1]
@@ -133,10 +133,10 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     out.mkdir(parents=True, exist_ok=True)
 
     title = "attnlab report"
-    intro = (f"Final-epoch top-1 (%; or the metric a comparison's column names, such as a video run's mean class "
-             f"accuracy) as mean ± sample SD over seeds; gains in percentage points against "
+    measured = " and ".join(sorted({metric_title(r["metric"]) for r in rows})) or "Top-1"
+    intro = (f"Final-epoch {measured} (%) as mean ± sample SD over seeds; gains in percentage points against "
              f"`{''.join(baseline.split())}`, computed from unrounded means; wins count matched seeds where the "
-             f"variant is strictly higher. Runs are compared only when trained alike: the same config but for "
+             f"variant is strictly better. Runs are compared only when trained alike: the same config but for "
              f"variant, seed and runtime keys (device, paths, ...).")
     about = provenance(runs_dir, runs, rows, unfinished=unfinished, unreadable=unreadable)
     sections = [Section("What was trained", items=[f"**{k}**: {v}" for k, v in about.items()]),
@@ -202,7 +202,8 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
             if key[3]:  # a setting's label can be long: a short digest names its files
                 slug += "_" + hashlib.sha1(key[3].encode()).hexdigest()[:8]
             path = plot_group(group, out / f"report_{slug}.png", label, colors)
-            bars.append(Figure(path, f"Top-1 per variant, {label} (bars: mean from 0, whiskers: sample SD; "
+            bars.append(Figure(path, f"{metric_title(group[0]['metric'])} per variant, {label} (bars: mean from 0, "
+                                     f"whiskers: sample SD; "
                                      f"points: gain against the baseline)"))
             dirs = []
             for run in (r for r in runs if group_key(r) == key):
@@ -223,7 +224,8 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
                 curves.append(Figure(path, f"Training curves, {label}: mean over seeds ± sample SD, one row per "
                                            f"variant beside the baseline (grey, dashed)"))
         plot_paths = [f.path for f in bars + curves]
-        figures.append(Section("Top-1 per variant", figures=bars))
+        titles = sorted({metric_title(r["metric"]) for r in rows})
+        figures.append(Section(f"{' and '.join(titles)} per variant", figures=bars))
         if curves:
             figures.append(Section("Training curves", figures=curves))
     own = {p.resolve() for p in plot_paths}

@@ -264,13 +264,14 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     total = cfg.max_steps or cfg.epochs * per_epoch
     epochs = math.ceil(total / per_epoch)
 
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.optimizer, cfg.momentum, cfg.beta2)
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.optimizer, cfg.momentum, cfg.beta2,
+                                cfg.layer_decay)
     hooks = training_hooks()  # terms that act during training (QK-clip's clip after each step), from the registry
     for hook in hooks:
         hook.attach(model, optimizer)  # a no-op on models without the term
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else int(round(cfg.warmup_epochs * per_epoch))
     scheduler = build_scheduler(optimizer, total_steps=total, warmup_steps=warmup, warmup_lr=cfg.warmup_lr,
-                                min_lr=cfg.min_lr)
+                                min_lr=cfg.min_lr, schedule=cfg.lr_schedule)
 
     start_epoch, num_updates, history = 0, 0, []
     previous = None  # the checkpoint pair the first new checkpoint keeps as the previous one

@@ -20,6 +20,6 @@ def test_video_rows_compare_mean_class_accuracy():
     base, dna = summarize(runs)
     assert base["mean"] == 61.0 and dna["mean"] == 63.0 and dna["gain_pp"] == pytest.approx(2.0)
     assert dna["wins"] == "2/2"  # by mean class accuracy; by top-1 it would be 1/2
-    assert dna["extras"]["top1"] == pytest.approx(73.5)
+    assert dna["columns"]["top1"]["mean"] == pytest.approx(73.5)
     [table] = accuracy_tables([base, dna])
-    assert table.header[:2] == ["Variant", "Mean class accuracy (mean ± SD)"] and "top1" in table.header
+    assert table.header[:2] == ["Variant", "Mean class accuracy (mean ± SD)"] and "Top-1 (mean ± SD)" in table.header

@@ -18,6 +18,7 @@ TASKS: dict[str, str] = {
     "sequence": "attnlab.train.tasks.classify:SequenceClassification",
     "lm": "attnlab.train.tasks.lm:LanguageModelling",
     "video": "attnlab.train.tasks.video:VideoClassification",
+    "detect": "attnlab.train.tasks.detect:Detection",
 }
 
 

@@ -12,7 +12,8 @@ DDP, EMA, checkpoints and resume, logging and the error contract, and asks the r
     inputs(n)                 the first n test inputs (probes, instruments); example_input(b): zeros of that form
     result(record)            what result.json reports, ``headline`` first
 
-A subclass sets ``name``, ``metrics``, ``headline`` and ``higher_is_better``; ``line(record)`` is an epoch's
+A subclass sets ``name``, ``metrics``, ``headline``, ``higher_is_better`` (and for the report ``report_columns``
+and ``percent``); ``line(record)`` is an epoch's
 progress line.
 """
 
@@ -44,6 +45,10 @@ class Task:
     metrics: ClassVar[tuple[str, ...]] = ()
     headline: ClassVar[str] = ""
     higher_is_better: ClassVar[bool] = True
+    #: the further metrics a report shows beside the headline (each with mean, SD and gain), and whether the
+    #: metrics are percentages (gains in percentage points)
+    report_columns: ClassVar[tuple[str, ...]] = ()
+    percent: ClassVar[bool] = True
 
     def __init__(self, run: Run) -> None:
         self.run = run

@@ -40,6 +40,8 @@ class LanguageModelling(Task):
     metrics = ("val_loss", "perplexity", "accuracy", "bits_per_byte")
     headline = "val_loss"
     higher_is_better = False
+    report_columns = ("perplexity", "bits_per_byte", "accuracy")
+    percent = False
 
     def __init__(self, run) -> None:
         super().__init__(run)

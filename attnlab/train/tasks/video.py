@@ -23,6 +23,7 @@ class VideoClassification(Classification):
     name = "video"
     metrics = ("test_loss", "top1", "top5", "mean_class_accuracy")
     headline = "top1"
+    report_columns = ("top1", "mean_class_accuracy", "top5")  # the one result.json names is the headline
 
     def __init__(self, run) -> None:
         super().__init__(run)

@@ -1,0 +1,307 @@
+"""COCO-format instance datasets: an ``instances_*.json`` plus a folder of images, read by pycocotools through
+torchvision's ``CocoDetection`` and ``wrap_dataset_for_transforms_v2``, augmented with ``transforms.v2`` on
+``tv_tensors`` (``BoundingBoxes``, ``Mask``), batched as torchvision's detection models take them (lists).
+
+A sample is ``(image, target)``: ``image`` a float tensor (3, H, W) in [0, 1] (torchvision's detector normalises it),
+``target`` a dict of ``boxes`` (N, 4) XYXY pixels, ``labels`` (N,) in 1..K (the json's categories sorted by id;
+label 0 is torchvision's background), ``masks`` (N, H, W) uint8, ``image_id``. Crowd regions (``iscrowd: 1``) are
+left out of the targets (the evaluation still reads them from the json). An image without objects gives empty
+tensors of those shapes, which torchvision trains on.
+
+Training transforms are ViTDet's large-scale jitter: a random flip, ``ScaleJitter`` (the image resized to fit the
+square canvas times a scale drawn from ``jitter``, 0.1 to 2.0 in ViTDet), ``RandomCrop`` of the canvas padded
+where smaller (with the model's mean pixel, which normalises to 0, the value ViTDet pads with), and boxes left
+empty by the crop removed (``SanitizeBoundingBoxes``). Evaluation images stay at their own size: the detector's
+transform resizes them to the canvas and maps its predictions back, so they come out in the json's coordinates.
+
+Layout (COCO's): ``<data_dir>/annotations/instances_<split>.json`` and ``<data_dir>/<split>/`` (e.g. ``train2017``
+and ``val2017``). Everything a run needs is checked when the dataset is built (:func:`check_coco`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch.utils.data import Dataset
+from torchvision.datasets import CocoDetection, VisionDataset
+
+from attnlab.errors import DatasetError, did_you_mean
+
+if TYPE_CHECKING:  # pragma: no cover
+    from attnlab.data.registry import DatasetInfo
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+
+
+def require_pycocotools():
+    """The pycocotools package, or a DatasetError naming the extra that installs it."""
+    try:
+        import pycocotools.coco  # noqa: F401
+        import pycocotools.mask  # noqa: F401
+    except ImportError:
+        raise DatasetError("COCO datasets and metrics need pycocotools; install it with "
+                           "`pip install attnlab[detect]`.") from None
+    return pycocotools
+
+
+def split_paths(data_dir: str | Path, split: str) -> tuple[Path, Path]:
+    """(image folder, annotation json) of ``split`` in COCO's layout under ``data_dir``."""
+    root = Path(data_dir).expanduser().resolve()
+    return root / split, root / "annotations" / f"instances_{split}.json"
+
+
+def read_coco(annotations: str | Path):
+    """A pycocotools ``COCO`` index of ``annotations`` (its progress lines silenced); DatasetError for a missing,
+    unreadable or malformed file."""
+    require_pycocotools()
+    from pycocotools.coco import COCO
+
+    path = Path(annotations)
+    if not path.is_file():
+        raise DatasetError(f"COCO annotation file {path} does not exist; give <data_dir>/annotations/"
+                           f"instances_<split>.json.")
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            coco = COCO(str(path))
+    except (ValueError, OSError, UnicodeDecodeError) as err:  # json.JSONDecodeError is a ValueError
+        raise DatasetError(f"COCO annotation file {path} is not valid JSON ({str(err)[:80]}); give an "
+                           f"instances json as COCO writes it.") from None
+    except (KeyError, TypeError, AttributeError) as err:
+        raise DatasetError(f"COCO annotation file {path} lacks COCO's structure ({type(err).__name__}: "
+                           f"{str(err)[:60]}); it needs 'images', 'annotations' and 'categories' lists.") from None
+    return coco
+
+
+def _valid_segmentation(seg) -> bool:
+    if isinstance(seg, dict):  # RLE
+        return isinstance(seg.get("counts"), (str, list)) and isinstance(seg.get("size"), list)
+    return (isinstance(seg, list) and len(seg) > 0
+            and all(isinstance(p, list) and len(p) >= 6 and len(p) % 2 == 0 for p in seg))
+
+
+def check_coco(coco, images: str | Path, name: str = "the annotation file", masks: bool = True) -> None:
+    """What training and evaluation need, checked before they start: categories, annotations that name known
+    images and categories with valid boxes (and, with ``masks``, segmentations), at least one annotation, and
+    every listed image in ``images``. ``iscrowd`` and ``area``, which COCO's evaluation reads, default to 0 and the
+    box's area where an annotation leaves them out."""
+    data = coco.dataset
+    for key in ("images", "annotations", "categories"):
+        if not isinstance(data.get(key), list):
+            raise DatasetError(f"{name} has no {key!r} list; COCO instance files hold images, annotations and "
+                               f"categories.")
+    if not data["categories"]:
+        raise DatasetError(f"{name} lists no categories; a detection set needs at least one.")
+    if not data["images"]:
+        raise DatasetError(f"{name} lists no images.")
+    if not data["annotations"]:
+        raise DatasetError(f"{name} has no annotations at all; a detection set needs objects (images without "
+                           f"any are fine, a set without any is not).")
+    cats, image_ids = set(coco.cats), set(coco.imgs)
+    for ann in data["annotations"]:
+        if ann.get("category_id") not in cats:
+            raise DatasetError(f"{name}: annotation {ann.get('id')} has category_id {ann.get('category_id')!r}, "
+                               f"which is not among its categories ({', '.join(map(str, sorted(cats)))}).")
+        if ann.get("image_id") not in image_ids:
+            raise DatasetError(f"{name}: annotation {ann.get('id')} names image_id {ann.get('image_id')!r}, "
+                               f"which is not among its images.")
+        box = ann.get("bbox")
+        if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)
+                and box[2] >= 0 and box[3] >= 0):
+            raise DatasetError(f"{name}: annotation {ann.get('id')} has bbox {box!r}; COCO boxes are "
+                               f"[x, y, width, height] with width and height >= 0.")
+        if masks and not _valid_segmentation(ann.get("segmentation")):
+            raise DatasetError(f"{name}: annotation {ann.get('id')} has no usable segmentation (polygons or RLE); "
+                               f"give masks for every object, or train boxes only (masks=False, Faster R-CNN).")
+        ann.setdefault("iscrowd", 0)
+        ann.setdefault("area", box[2] * box[3])
+    folder = Path(images)
+    if not folder.is_dir():
+        raise DatasetError(f"image folder {folder} does not exist; give the folder of {name}'s images.")
+    missing = [img.get("file_name") for img in data["images"] if not (folder / str(img.get("file_name"))).is_file()]
+    if missing:
+        raise DatasetError(f"{len(missing)} of the {len(data['images'])} images {name} lists are missing from "
+                           f"{folder} (first: {missing[0]}); give the image folder that goes with it.")
+
+
+def check_same_categories(train: "CocoInstances", val: "CocoInstances") -> None:
+    """The two splits must name the same categories under the same ids, or labels would mean different things."""
+    a, b = ([(c["id"], c["name"]) for c in ds.categories] for ds in (train, val))
+    if a != b:
+        only = next((c for c in a if c not in b), None) or next(c for c in b if c not in a)
+        raise DatasetError(f"the train and val annotation files list different categories (e.g. id {only[0]} "
+                           f"{only[1]!r} is in one only); give both splits of the same dataset.")
+
+
+def detection_transforms(train: bool, img_size: int, *, jitter: Sequence[float] = (0.1, 2.0), flip: float = 0.5,
+                         mean: Sequence[float] = IMAGENET_MEAN):
+    """transforms.v2 for (image, target) samples: ViTDet's large-scale jitter on train (module docstring), only
+    the float conversion on evaluation."""
+    from torchvision import tv_tensors
+    from torchvision.transforms import v2
+
+    to_float = v2.ToDtype({tv_tensors.Image: torch.float32, "others": None}, scale=True)
+    if not train:
+        return v2.Compose([v2.ToImage(), to_float])
+    fill = {tv_tensors.Image: tuple(round(255 * m) for m in mean), "others": 0}
+    return v2.Compose([
+        v2.ToImage(),
+        v2.RandomHorizontalFlip(flip),
+        v2.ScaleJitter((img_size, img_size), scale_range=tuple(jitter), antialias=True),
+        v2.RandomCrop((img_size, img_size), pad_if_needed=True, fill=fill),
+        v2.SanitizeBoundingBoxes(min_size=1),
+        to_float,
+    ])
+
+
+class _IndexedCocoDetection(CocoDetection):
+    """torchvision's CocoDetection over an index already read (its own constructor would read the json again)."""
+
+    def __init__(self, root: str, coco) -> None:
+        VisionDataset.__init__(self, root)
+        self.coco = coco
+        self.ids = sorted(coco.imgs)
+
+
+class CocoInstances(Dataset):
+    """A COCO instance split: ``images`` (folder) and ``annotations`` (json), as (image, target) pairs (module
+    docstring), checked when built.
+
+    Args:
+        images: the image folder the json's ``file_name`` entries are relative to.
+        annotations: the ``instances_*.json``.
+        transforms: a transforms.v2 callable on (image, target), e.g. :func:`detection_transforms`.
+        masks: decode instance masks (False: boxes only, for Faster R-CNN; faster).
+    """
+
+    def __init__(self, images: str | Path, annotations: str | Path, transforms=None, masks: bool = True) -> None:
+        from torchvision.datasets import wrap_dataset_for_transforms_v2
+
+        self.coco = read_coco(annotations)
+        check_coco(self.coco, images, name=Path(annotations).name, masks=masks)
+        self.images, self.annotations = Path(images), Path(annotations)
+        self.categories = [self.coco.cats[i] for i in sorted(self.coco.cats)]
+        #: label -> COCO category id (index 0: background)
+        self.label_to_category = [0] + [c["id"] for c in self.categories]
+        self._label = {cat: label for label, cat in enumerate(self.label_to_category) if label}
+        self.masks = masks
+        base = _IndexedCocoDetection(str(images), self.coco)
+        self.image_ids: list[int] = base.ids
+        keys = {"image_id", "boxes", "labels", "iscrowd", *(("masks",) if masks else ())}
+        self._data = wrap_dataset_for_transforms_v2(base, target_keys=keys)
+        self.transforms = transforms
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.categories)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __getitem__(self, index: int):
+        from torchvision import tv_tensors
+        from torchvision.transforms.v2 import functional as F
+
+        image, raw = self._data[index]
+        h, w = F.get_size(image)
+        keep = torch.tensor([not c for c in raw.get("iscrowd", [])], dtype=torch.bool)
+        boxes = raw.get("boxes")
+        target = {"image_id": raw["image_id"]}
+        if boxes is None:  # an image without annotations: the wrapper returns its id alone
+            keep = torch.zeros(0, dtype=torch.bool)
+            boxes = torch.zeros(0, 4)
+        target["boxes"] = tv_tensors.BoundingBoxes(boxes[keep].float(), format="XYXY", canvas_size=(h, w))
+        labels = raw["labels"].tolist() if "labels" in raw else []
+        target["labels"] = torch.tensor([self._label[c] for c in labels], dtype=torch.int64)[keep]
+        if self.masks:
+            masks = raw["masks"] if "masks" in raw else torch.zeros(0, h, w, dtype=torch.uint8)
+            target["masks"] = tv_tensors.Mask(masks[keep])
+        if self.transforms is not None:
+            image, target = self.transforms(image, target)
+        return image, target
+
+
+def collate(batch):
+    """(list of images, list of targets): torchvision's detection models take lists, since sizes differ."""
+    images, targets = zip(*batch)
+    return list(images), list(targets)
+
+
+def to_device(images, targets, device: torch.device):
+    """A batch on ``device`` as plain tensors (torchvision's models do not need the tv_tensor subclasses)."""
+    images = [im.as_subclass(torch.Tensor).to(device, non_blocking=True) for im in images]
+    targets = [{k: v.as_subclass(torch.Tensor).to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                for k, v in t.items()} for t in targets]
+    return images, targets
+
+
+def detection_loss(model, images, targets) -> tuple[torch.Tensor, dict[str, float]]:
+    """The summed torchvision loss dict of a train-mode detector on a batch, and its parts as floats."""
+    parts = model(images, targets)
+    return sum(parts.values()), {k: float(v.detach()) for k, v in parts.items()}
+
+
+def info_coco(data_dir, *, image_size: int, val_split: str, **_options) -> "DatasetInfo":
+    """Categories (read from the evaluation split's json) and the canvas size, for ``attnlab.data.registry``."""
+    from attnlab.data.registry import IMAGENET_STD, DatasetInfo
+
+    _, annotations = split_paths(data_dir, val_split)
+    categories = read_coco(annotations).cats
+    if not categories:
+        raise DatasetError(f"{annotations.name} lists no categories; a detection set needs at least one.")
+    return _detect_info("coco", len(categories), image_size, IMAGENET_STD)
+
+
+def _detect_info(name: str, num_classes: int, image_size: int, std) -> "DatasetInfo":
+    from attnlab.data.registry import DatasetInfo
+
+    return DatasetInfo(name, num_classes, image_size, 3, IMAGENET_MEAN, tuple(std), task="detect",
+                       model_args=(("num_classes", num_classes), ("img_size", image_size)))
+
+
+def build_coco(train: bool, *, data_dir, download: bool = False, augment: str = "recipe", image_size: int = 224,
+               masks: bool = True, train_split: str = "train2017", val_split: str = "val2017",
+               jitter_min: float = 0.1, jitter_max: float = 2.0) -> CocoInstances:
+    """A COCO-format split under ``data_dir`` (COCO 2017's ``train2017`` / ``val2017`` unless the splits name
+    other folders): ViTDet's jitter on train unless ``augment`` is ``none``; nothing is downloaded."""
+    images, annotations = split_paths(data_dir, train_split if train else val_split)
+    transforms = detection_transforms(train and augment != "none", image_size, jitter=(jitter_min, jitter_max))
+    return CocoInstances(images, annotations, transforms=transforms, masks=masks)
+
+
+def info_shapes(data_dir, *, image_size: int, **_options) -> "DatasetInfo":
+    from attnlab.data.registry import IMAGENET_STD
+    from attnlab.data.shapes import CATEGORIES
+
+    return _detect_info("shapes", len(CATEGORIES), image_size, IMAGENET_STD)
+
+
+def build_shapes(train: bool, *, data_dir, download: bool = False, augment: str = "recipe", image_size: int = 128,
+                 masks: bool = True, jitter_min: float = 0.5, jitter_max: float = 1.5, **options) -> CocoInstances:
+    """The synthetic shapes set (:mod:`attnlab.data.shapes`), generated under ``<data_dir>/shapes`` on first use
+    (``options``: :class:`~attnlab.data.shapes.ShapesOptions` fields; ``image_size`` is both the images' size and
+    the canvas) and read as COCO; its images already fill the canvas, so the jitter is milder than ViTDet's."""
+    import dataclasses
+
+    from attnlab.data.shapes import ShapesOptions, generate_shapes, set_dir
+
+    valid = [f.name for f in dataclasses.fields(ShapesOptions)]
+    bad = next((k for k in options if k not in valid), None)
+    if bad is not None:
+        raise DatasetError(f"shapes has no option {bad!r}{did_you_mean(bad, valid)}; its options are "
+                           f"{', '.join(valid)}.")
+    opt = ShapesOptions(image_size=image_size, **options)
+    root = generate_shapes(set_dir(data_dir, opt), opt)
+    images, annotations = split_paths(root, "train" if train else "val")
+    transforms = detection_transforms(train and augment != "none", image_size, jitter=(jitter_min, jitter_max))
+    return CocoInstances(images, annotations, transforms=transforms, masks=masks)
+
+
+__all__ = ["CocoInstances", "build_coco", "build_shapes", "check_coco", "check_same_categories", "collate",
+           "detection_loss", "detection_transforms", "info_coco", "info_shapes", "read_coco", "require_pycocotools",
+           "split_paths", "to_device"]

@@ -1,0 +1,203 @@
+"""ViTDet: a plain ViT as a detection backbone (Li, Mao, Girshick, He, "Exploring Plain Vision Transformer Backbones
+for Object Detection", arXiv 2203.16527).
+
+    image --patch_embed--> (B, H/p, W/p, C) + pos --blocks (windowed or global)--> stride-p map
+          --SimpleFeaturePyramid--> {'0': 1/4, '1': 1/8, '2': 1/16, '3': 1/32, 'pool': 1/64}  (for p = 16)
+
+The trunk keeps the timm ViT's own submodules and state-dict names (``patch_embed``, ``pos_embed``, ``blocks.N``):
+each block's attention is still the timm ``Attention`` (or whatever ``attnlab.convert`` put there), called on
+windows of the token grid (window blocks) or on the whole grid (global blocks), so every kernel term converts it.
+The class token goes (ViTDet has none) and the position embedding is resampled to the detection grid once, and
+again in a forward whose grid differs (ViTDet's ``get_abs_pos``). ViTDet's decomposed relative-position bias is not
+built: it is no part of timm's ``Attention`` and would not reach every kernel.
+
+The pyramid (Section 3 of the paper, its Figure 2): from the last stride-16 map, two stride-2 deconvolutions (a
+LayerNorm and GELU between) to 1/4, one to 1/8, the map itself at 1/16, a 2x2 max-pool to 1/32; each followed by a
+1x1 and a 3x3 convolution without bias, each with a LayerNorm, to ``out_channels``; and torchvision's
+``LastLevelMaxPool`` for the 1/64 level the RPN also reads (p6). Output names follow torchvision's FPN, so its
+default anchor generator and RoI pools apply.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from timm.layers import LayerNorm2d, resample_abs_pos_embed
+from timm.models.swin_transformer import window_partition, window_reverse
+from timm.models.vision_transformer import Block, VisionTransformer
+from torch import nn
+from torchvision.ops import Conv2dNormActivation
+from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
+
+from ..errors import UnsupportedModelError
+from .blocks import PostNormBlock
+
+_BLOCK_PARTS = ("norm1", "attn", "ls1", "drop_path1", "norm2", "mlp", "ls2", "drop_path2")
+
+
+class WindowBlock(nn.Module):
+    """A timm ViT ``Block`` (pre-LN) or attnlab ``PostNormBlock`` on a (B, H, W, C) token grid: attention within
+    non-overlapping ``window_size`` x ``window_size`` windows (the grid zero-padded to a multiple after the norm, as
+    ViTDet pads), or over the whole grid when ``window_size`` is 0. Takes over the block's submodules, so the
+    parameter names stay timm's."""
+
+    def __init__(self, block: nn.Module, window_size: int = 0) -> None:
+        super().__init__()
+        if type(block) not in (Block, PostNormBlock):
+            raise UnsupportedModelError(
+                f"ViTDet takes ViT blocks of timm's Block (pre-LN) or attnlab's PostNormBlock, not "
+                f"{type(block).__name__}; build the backbone from a plain timm ViT/DeiT.")
+        for name in _BLOCK_PARTS:
+            setattr(self, name, getattr(block, name))
+        self.post_norm = type(block) is PostNormBlock
+        self.window_size = int(window_size)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's attention on (B, H, W, C): per window, or global."""
+        B, H, W, C = x.shape
+        w = self.window_size
+        if not w:
+            return self.attn(x.reshape(B, H * W, C)).view(B, H, W, C)
+        pad_h, pad_w = (w - H % w) % w, (w - W % w) % w
+        if pad_h or pad_w:
+            x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
+        Hp, Wp = H + pad_h, W + pad_w
+        windows = window_partition(x, (w, w)).view(-1, w * w, C)
+        x = window_reverse(self.attn(windows).view(-1, w, w, C), (w, w), Hp, Wp)
+        return x[:, :H, :W].contiguous() if pad_h or pad_w else x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.post_norm:
+            x = self.norm1(x + self.drop_path1(self.ls1(self.attention(x))))
+            return self.norm2(x + self.drop_path2(self.ls2(self.mlp(x))))
+        x = x + self.drop_path1(self.ls1(self.attention(self.norm1(x))))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+    def extra_repr(self) -> str:
+        return f"window_size={self.window_size}" + (", post_norm=True" if self.post_norm else "")
+
+
+class ViTDetTrunk(nn.Module):
+    """A timm ``VisionTransformer``'s patch embedding, position embedding and blocks as a stride-p feature map.
+
+    Args:
+        vit: the timm ViT/DeiT (pretrained or converted or not); its blocks are taken over, its class token, final
+            norm and head are dropped.
+        img_size: the detection input (square side) the position embedding is resampled to once.
+        window_size: window side in tokens for the window blocks; 0 makes every block global.
+        global_blocks: indices of the blocks that stay global when ``window_size`` > 0 (ViTDet-B: 2, 5, 8, 11).
+    """
+
+    def __init__(self, vit: nn.Module, img_size: int, window_size: int = 0,
+                 global_blocks: Sequence[int] = ()) -> None:
+        super().__init__()
+        if not isinstance(vit, VisionTransformer):
+            raise UnsupportedModelError(f"ViTDet takes a timm VisionTransformer (ViT, DeiT), not "
+                                        f"{type(vit).__name__}.")
+        depth = len(vit.blocks)
+        bad = [i for i in global_blocks if not 0 <= int(i) < depth]
+        if bad:
+            raise UnsupportedModelError(f"global block {bad[0]} is outside the backbone's {depth} blocks; give "
+                                        f"indices 0 to {depth - 1}.")
+        self.patch_embed = vit.patch_embed
+        self.patch_size = int(vit.patch_embed.patch_size[0])
+        if img_size % self.patch_size:
+            raise UnsupportedModelError(f"img_size {img_size} is not a multiple of the patch size "
+                                        f"{self.patch_size}; give a multiple.")
+        self.grid = (img_size // self.patch_size,) * 2
+        self.embed_dim = vit.embed_dim
+        if vit.pos_embed is None:
+            self.pos_embed = None
+        else:
+            prefix = 0 if getattr(vit, "no_embed_class", False) else vit.num_prefix_tokens
+            old = tuple(vit.patch_embed.grid_size)
+            grid = resample_abs_pos_embed(vit.pos_embed.detach(), list(self.grid), list(old), num_prefix_tokens=prefix)
+            self.pos_embed = nn.Parameter(grid[:, prefix:].clone())
+        self.patch_drop = vit.patch_drop
+        self.norm_pre = vit.norm_pre
+        global_blocks = {int(i) for i in global_blocks}
+        self.blocks = nn.Sequential(*(WindowBlock(b, 0 if i in global_blocks else window_size)
+                                      for i, b in enumerate(vit.blocks)))
+
+    def abs_pos(self, h: int, w: int) -> torch.Tensor:
+        """The position embedding on an (h, w) grid, (1, h, w, C); resampled when the grid is not the stored one."""
+        pos = self.pos_embed
+        if (h, w) != self.grid:
+            pos = resample_abs_pos_embed(pos, [h, w], list(self.grid), num_prefix_tokens=0)
+        return pos.view(1, h, w, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) images, H and W multiples of the patch size -> (B, C, H/p, W/p)."""
+        x = self.patch_embed.proj(x).permute(0, 2, 3, 1)  # timm's PatchEmbed, kept as a grid
+        x = self.patch_embed.norm(x)
+        if self.pos_embed is not None:
+            x = x + self.abs_pos(x.shape[1], x.shape[2])
+        x = self.norm_pre(self.patch_drop(x))
+        return self.blocks(x).permute(0, 3, 1, 2)
+
+
+class SimpleFeaturePyramid(nn.Module):
+    """ViTDet's simple feature pyramid: one map at stride s -> maps at s/f for each scale factor f, then p6.
+
+    Args:
+        in_channels: channels of the input map (the ViT width).
+        out_channels: channels of every output level (256 in the paper).
+        scale_factors: 4, 2, 1, 0.5 in the paper (strides 4, 8, 16, 32 from a stride-16 map).
+        norm_layer: LayerNorm over channels (the paper's "LN").
+    """
+
+    def __init__(self, in_channels: int, out_channels: int = 256,
+                 scale_factors: Sequence[float] = (4.0, 2.0, 1.0, 0.5), norm_layer=LayerNorm2d) -> None:
+        super().__init__()
+        self.scale_factors = tuple(float(f) for f in scale_factors)
+        self.out_channels = out_channels
+        stages = []
+        for scale in self.scale_factors:
+            dim = in_channels
+            if scale == 4.0:
+                layers = [nn.ConvTranspose2d(dim, dim // 2, 2, stride=2), norm_layer(dim // 2), nn.GELU(),
+                          nn.ConvTranspose2d(dim // 2, dim // 4, 2, stride=2)]
+                dim //= 4
+            elif scale == 2.0:
+                layers, dim = [nn.ConvTranspose2d(dim, dim // 2, 2, stride=2)], dim // 2
+            elif scale == 1.0:
+                layers = []
+            elif scale == 0.5:
+                layers = [nn.MaxPool2d(2, stride=2)]
+            else:
+                raise UnsupportedModelError(f"scale factor {scale} is not one of ViTDet's 4, 2, 1, 0.5.")
+            layers += [Conv2dNormActivation(dim, out_channels, 1, norm_layer=norm_layer, activation_layer=None,
+                                            bias=False),
+                       Conv2dNormActivation(out_channels, out_channels, 3, norm_layer=norm_layer,
+                                            activation_layer=None, bias=False)]
+            stages.append(nn.Sequential(*layers))
+        self.stages = nn.ModuleList(stages)
+        self.top_block = LastLevelMaxPool()
+
+    def forward(self, x: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
+        names = [str(i) for i in range(len(self.stages))]
+        feats = [stage(x) for stage in self.stages]
+        feats, names = self.top_block(feats, feats, names)
+        return OrderedDict(zip(names, feats))
+
+
+class ViTDetBackbone(nn.Module):
+    """``trunk`` (:class:`ViTDetTrunk`) then ``pyramid`` (:class:`SimpleFeaturePyramid`): the ``backbone`` of a
+    torchvision ``MaskRCNN`` / ``FasterRCNN`` (it has ``out_channels`` and returns an ordered dict of maps)."""
+
+    def __init__(self, trunk: ViTDetTrunk, out_channels: int = 256,
+                 scale_factors: Sequence[float] = (4.0, 2.0, 1.0, 0.5)) -> None:
+        super().__init__()
+        self.trunk = trunk
+        self.pyramid = SimpleFeaturePyramid(trunk.embed_dim, out_channels, scale_factors)
+        self.out_channels = out_channels
+        self.strides = tuple(trunk.patch_size / f for f in self.pyramid.scale_factors)
+
+    def forward(self, x: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
+        return self.pyramid(self.trunk(x))
+
+
+__all__ = ["SimpleFeaturePyramid", "ViTDetBackbone", "ViTDetTrunk", "WindowBlock"]
