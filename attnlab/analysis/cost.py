@@ -22,18 +22,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 
-def _input_shape(model: nn.Module, img_size: int | tuple[int, int] | None) -> tuple[int, int, int]:
-    embed = getattr(model, "patch_embed", None)
-    chans = embed.proj.in_channels if embed is not None and hasattr(embed, "proj") else 3
-    if img_size is None:
-        cfg = getattr(model, "pretrained_cfg", None) or {}
-        size = getattr(embed, "img_size", None) or cfg.get("input_size", (3, 224, 224))[1:]
-    else:
-        size = img_size
-    h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
-    return chans, int(h), int(w)
-
-
 def count_macs(model: nn.Module, input_shape: tuple[int, ...] | torch.Tensor | list[torch.Tensor]) -> int:
     """Multiply-adds of one forward of ``model`` on a (meta or real) input of ``input_shape`` (or that input
     itself, e.g. token ids, or a detector's list of images), SDPA as math."""
@@ -58,13 +46,14 @@ def variant_costs(model_name: str, variants: list[str], img_size: int | tuple[in
     """
     from ..models import build_model  # analysis sits above models
     from ..models.convert import attention_modules
+    from ..models.inputs import example_input
 
     rows = []
     for spec in variants:
         kwargs = {} if img_size is None else {"img_size": img_size}
         with torch.device("meta"):
             model = build_model(model_name, num_classes=num_classes, attn=spec, **kwargs).eval()
-        shape = (1, *_input_shape(model, img_size))
+        shape = example_input(model, 1, img_size=img_size)
         macs = count_macs(model, shape)
         for _, module in attention_modules(model):
             module.fused_attn = False

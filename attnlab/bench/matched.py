@@ -8,6 +8,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..models import build_model
+from ..models.inputs import image_size
 from ..spec import parse_spec
 from ..train.run import resolve_device
 
@@ -62,11 +63,7 @@ def matched_models(model: str, specs: list[str], *, num_classes: int | None = No
 
 def input_shape(model: nn.Module) -> tuple[int, int, int]:
     """(channels, height, width) a timm image model expects."""
-    embed = getattr(model, "patch_embed", None)
-    if embed is not None and getattr(embed, "img_size", None) is not None:
-        return embed.proj.in_channels, *embed.img_size
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    return tuple(cfg.get("input_size", (3, 224, 224)))
+    return image_size(model)
 
 
 def bench_variants(model: str, specs: list[str], *, batch_size: int = 128, warmup: int = 50, iters: int = 200,

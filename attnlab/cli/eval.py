@@ -187,10 +187,9 @@ def run(args) -> int:
     if args.run_dir:
         from ..train import load_run
         from ..train.run import Run
-        from ..train.tasks.classify import Classification
 
         task = Run.open(args.run_dir).task
-        if not isinstance(task, Classification):  # detection, ...: the metrics its training logs
+        if not task.robustness_eval:  # detection, video, language models: the metrics their training logs
             return _task_eval(args, task, device)
 
         model, cfg = load_run(args.run_dir, map_location=device)
@@ -272,7 +271,8 @@ def _task_eval(args, task, device) -> int:
                                       ("--split train", args.split == "train"), ("--dataset", args.dataset),
                                       ("--data-dir", args.data_dir)) if value]
     if given:
-        raise ConfigError(f"{given[0]} applies to classification runs; a {task.name} run is evaluated on its own "
+        raise ConfigError(f"{given[0]} applies to image and sequence classification runs; a {task.name} run is "
+                          f"evaluated on its own "
                           f"evaluation split as in training, so drop it.")
     model, cfg = load_run(args.run_dir, map_location=device)
     task.prepare_eval()

@@ -140,6 +140,10 @@ class GPT(nn.Module):
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, block_size={self.block_size}"
 
+    def example_input(self, batch: int = 1, device=None) -> torch.Tensor:
+        """Token ids (batch, block_size), zeros (operation counts, shape checks)."""
+        return torch.zeros(batch, self.block_size, dtype=torch.long, device=device)
+
 
 def _init_weights(module: nn.Module) -> None:
     if isinstance(module, (nn.Linear, nn.Embedding)):

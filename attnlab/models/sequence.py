@@ -110,6 +110,10 @@ class SequenceClassifier(nn.Module):
             real = torch.cat([real.new_ones(real.shape[0], 1), real], dim=1)
         return AttentionMask(key_padding=real)
 
+    def example_input(self, batch: int = 1, device=None) -> torch.Tensor:
+        """Token ids (batch, max_length), zeros (operation counts, shape checks)."""
+        return torch.zeros(batch, self.max_length, dtype=torch.long, device=device)
+
     def forward_features(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, N) integer ids, N <= max_length -> (B, N' [+ 1], embed_dim), N' = N padded to the multiple."""
         if tokens.shape[-1] > self.max_length:

@@ -199,6 +199,10 @@ class TimeSformer(nn.Module):
             x = block(x, T) if isinstance(block, DividedBlock) else block(x)
         return self.norm(x)[:, 0]
 
+    def example_input(self, batch: int = 1, device=None) -> torch.Tensor:
+        """Clips (batch, C, T, H, W), zeros (operation counts, shape checks)."""
+        return torch.zeros(batch, self.in_chans, self.num_frames, *self.patch_embed.img_size, device=device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.forward_features(x))
 

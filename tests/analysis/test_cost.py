@@ -37,3 +37,11 @@ def test_vit_b_parameters_and_operations_match_the_paper():
     assert (gmacs["dna"]["gmacs"] - gmacs["standard"]["gmacs"]) * 1e9 == pytest.approx(extra, rel=1e-9)
     assert gmacs["dna"]["gmacs_ratio"] == pytest.approx(21.07 / 17.56, abs=0.01)
     assert "| dna |" in format_costs(rows)
+
+
+def test_language_model_operations_are_counted_on_token_ids():
+    """gpt_tiny (N=256 positions, L=4 blocks, d=128, vocab V=256) on one full block of tokens, by hand: per token
+    12 L d^2 (qkv 3d^2, projection d^2, MLP 8d^2) and the tied head V d; per layer QK^T and PV, 2 N^2 d."""
+    N, L, d, V = 256, 4, 128, 256
+    (row,) = variant_costs("gpt_tiny", ["standard"])
+    assert row["gmacs"] * 1e9 == pytest.approx(N * (12 * L * d * d + V * d) + L * 2 * N * N * d, rel=1e-9)

@@ -76,6 +76,26 @@ def test_views_are_averaged_as_probabilities(tmp_path):
     assert run.task.inputs(2).shape == (2, 1, 4, 16, 16)
 
 
+def test_eval_of_a_video_run_prints_its_task_metrics_over_the_views(tmp_path, capsys):
+    """`attnlab eval RUN` on a run whose test clips come in several views: the task's own evaluation (views
+    averaged), not the image protocol; the image-only flags are refused in one line."""
+    from attnlab.cli import main
+
+    data = frame_clips(tmp_path / "data")
+    cfg = _cfg(tmp_path / "runs", dataset="video", data_dir=str(data), batch_size=2, data_options=dict(
+        num_frames=4, image_size=16, in_chans=1, clips=2, crops=3), name="clips")
+    train(cfg)
+    run = Run.open(tmp_path / "runs" / "clips")
+    want = run.task.evaluate(run.load_model(), device=torch.device("cpu"), amp_dtype=None)
+    capsys.readouterr()
+    assert main(["eval", str(run.dir)]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["task"] == "video" and got["top1"] == pytest.approx(want["top1"])
+    assert got["mean_class_accuracy"] == pytest.approx(want["mean_class_accuracy"])
+    assert main(["eval", str(run.dir), "--noise", "0.5"]) == 2
+    assert "--noise applies to image and sequence classification runs" in capsys.readouterr().err
+
+
 # Runs in a fresh interpreter: argv = runs_dir, data_dir, kill_at (training forward count at which the process
 # SIGKILLs itself; 0 = never). Every random part of the video recipe is on: temporal jitter, scale jitter, crop and
 # flip in 2 DataLoader workers, drop-path.

@@ -49,6 +49,9 @@ class Task:
     #: metrics are percentages (gains in percentage points)
     report_columns: ClassVar[tuple[str, ...]] = ()
     percent: ClassVar[bool] = True
+    #: ``attnlab eval``'s classification protocol (noise, out-of-distribution folders, calibration) applies; else
+    #: eval prints what :meth:`evaluate` gives on the evaluation split
+    robustness_eval: ClassVar[bool] = False
 
     def __init__(self, run: Run) -> None:
         self.run = run

@@ -148,6 +148,7 @@ class Classification(Task):
     metrics = ("test_loss", "top1", "top5")
     headline = "top1"
     higher_is_better = True
+    robustness_eval = True
 
     def __init__(self, run) -> None:
         super().__init__(run)

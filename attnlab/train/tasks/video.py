@@ -24,6 +24,7 @@ class VideoClassification(Classification):
     metrics = ("test_loss", "top1", "top5", "mean_class_accuracy")
     headline = "top1"
     report_columns = ("top1", "mean_class_accuracy", "top5")  # the one result.json names is the headline
+    robustness_eval = False  # clips in several views: eval reports the task's own metrics
 
     def __init__(self, run) -> None:
         super().__init__(run)
