@@ -25,9 +25,9 @@ and exits, and torchrun stops the others.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -214,19 +214,6 @@ def settle(error: BaseException) -> BaseException:
         # a crash keeps its traceback on the rank where it happened; the others end with PeerFailedError
         return error if not isinstance(error, AttnlabError) else agreed
     return error
-
-
-def is_quiet(error: BaseException) -> bool:
-    """True on ranks other than 0 for an error every rank shares: rank 0 alone prints it."""
-    return getattr(error, "attnlab_shared", False) and not env_ranks().is_main
-
-
-def any_rank(flag: bool | torch.Tensor) -> bool:
-    """True when ``flag`` (say, a non-finite loss) is set on any rank; every rank must ask at the same point."""
-    if not _current.distributed:
-        return bool(flag)
-    (total,) = reduce_sums(torch.as_tensor(flag).float().nan_to_num(1.0).clamp(0, 1))
-    return float(total) > 0
 
 
 def shared(error: BaseException) -> BaseException:
