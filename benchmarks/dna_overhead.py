@@ -42,9 +42,8 @@ from torch import nn
 from common import model_options
 
 import attnlab
-from attnlab.analysis.cost import _input_shape
 from attnlab.attention.dna import DnAAttention
-from attnlab.bench import DTYPES, Autocast, measure_latency, resolve_device
+from attnlab.bench import DTYPES, Autocast, input_shape, measure_latency, resolve_device
 from attnlab.models.convert import attention_modules
 from attnlab.spec import split_specs
 
@@ -195,7 +194,7 @@ def main() -> None:
     tol = tolerance(args.dtype, device)
     for model_name, bs in zip(args.models.split(","), map(int, args.batch_sizes.split(","))):
         models = build(model_name, specs, **model_options(args.model_options))
-        shape = _input_shape(models[specs[0]], None)
+        shape = input_shape(models[specs[0]])
         x = torch.randn(bs, *shape, generator=torch.Generator().manual_seed(0)).to(device)
         for name, m in models.items():
             m = m.to(device)
