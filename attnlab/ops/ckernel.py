@@ -46,7 +46,8 @@ import torch
 
 __all__ = ["available", "disabled", "load", "load_error", "run_split"]
 
-_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu99")
+# -O2, not -O3: with GCC 12 -O3 took 10x longer to build (132 s vs 10-14 s) and ran slower (docs/perf.md)
+_FLAGS = ("-O2", "-march=native", "-shared", "-fPIC", "-std=gnu99")
 _OPENMP = "-fopenmp"
 
 _lock = threading.Lock()

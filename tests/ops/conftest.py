@@ -1,6 +1,6 @@
 """Shared fixtures of the ops tests. Tests that need a fused CPU kernel (or a C compiler) take one of the fixtures
 below, which skip them with the reason where it cannot run: no C compiler, no OpenMP, ATTNLAB_KERNELS=0 (.ci/run
-runs tests/ops that way too)."""
+runs tests/ops that way too). The kernels build into the test run's one cache (tests/conftest.py)."""
 
 import os
 import shutil
@@ -8,20 +8,8 @@ import shutil
 import pytest
 
 
-@pytest.fixture(scope="module")
-def private_kernel_cache(tmp_path_factory):
-    """Build the C kernels into a temporary cache (ATTNLAB_CACHE) for one test module, never ~/.cache."""
-    old = os.environ.get("ATTNLAB_CACHE")
-    os.environ["ATTNLAB_CACHE"] = str(tmp_path_factory.mktemp("kernels"))
-    yield
-    if old is None:
-        os.environ.pop("ATTNLAB_CACHE")
-    else:
-        os.environ["ATTNLAB_CACHE"] = old
-
-
 @pytest.fixture
-def dna_kernel(private_kernel_cache):
+def dna_kernel():
     """Skip, saying why, where the fused DnA kernel cannot run (no C compiler, ATTNLAB_KERNELS=0)."""
     from attnlab.ops import dna_cpu
 
@@ -31,7 +19,7 @@ def dna_kernel(private_kernel_cache):
 
 
 @pytest.fixture
-def ns_kernel(private_kernel_cache):
+def ns_kernel():
     """Skip, saying why, where the fused NS-Attn kernel cannot run (no C compiler, ATTNLAB_KERNELS=0)."""
     from attnlab.ops import ns_cpu
 
@@ -41,7 +29,7 @@ def ns_kernel(private_kernel_cache):
 
 
 @pytest.fixture
-def performer_kernel(private_kernel_cache):
+def performer_kernel():
     """Skip, saying why, where the fused Performer kernel cannot run (no C compiler, ATTNLAB_KERNELS=0)."""
     from attnlab.ops import performer_cpu
 

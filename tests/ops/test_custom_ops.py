@@ -15,7 +15,6 @@ from torch.utils.flop_counter import FlopCounterMode
 import attnlab
 from attnlab.ops import ckernel, dna_cpu
 
-pytestmark = pytest.mark.usefixtures("private_kernel_cache")
 
 
 def _kernel_or_skip():

@@ -17,7 +17,7 @@ from attnlab.ops.dna_cpu import dna_attention, kernel_error
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference_dna as ref  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("private_kernel_cache", "dna_kernel")
+pytestmark = pytest.mark.usefixtures("dna_kernel")
 
 
 def _inputs(B, H, N, M, D, seed=0):

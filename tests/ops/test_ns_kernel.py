@@ -1,7 +1,7 @@
 """The fused CPU kernel of ns_transform (impl="kernel", ns_kernel.c) against the SVD reference and Algorithm 1.
 
-The kernel is compiled on first use; these tests build it into a temporary cache (ATTNLAB_CACHE, the
-private_kernel_cache fixture of tests/ops/conftest.py), so they never touch the user's ~/.cache.
+The kernel is compiled on first use; these tests build it into the test run's temporary cache (ATTNLAB_CACHE,
+set by tests/conftest.py), so they never touch the user's ~/.cache.
 """
 
 import os
@@ -22,7 +22,7 @@ from attnlab.ops.ns_cpu import kernel_error
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference as ref  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("private_kernel_cache", "ns_kernel")
+pytestmark = pytest.mark.usefixtures("ns_kernel")
 
 FEATURE_D = (16, 32, 48, 64)  # D <= N: Gram side n = D
 TOKEN_ND = ((16, 32), (16, 64), (32, 48), (32, 64), (48, 64))  # N < D: Gram side n = N

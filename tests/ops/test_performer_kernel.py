@@ -17,7 +17,6 @@ from attnlab.ops import performer_cpu
 from attnlab.ops.lowrank import orthogonal_gaussian, performer_attention
 from tests.reference_lowrank import favor_attention
 
-pytestmark = pytest.mark.usefixtures("private_kernel_cache")
 
 
 def _qkv(B, H, N, D, *, scale=1.0, seed=0):
