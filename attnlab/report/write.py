@@ -151,6 +151,16 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
             "Final-epoch top-1 (%), mean ± sample SD over seeds, one row per dataset; the best mean in bold."],
             tables=ablation))
 
+    from attnlab.report.sweeps import lr_sweeps, sensitivity_tables, sweep_figure, sweeps_json
+
+    sweeps = lr_sweeps(runs)
+    if sweeps:
+        sections.append(Section("Learning-rate sensitivity (Wortsman et al. 2023)", paragraphs=[
+            "Runs trained alike but for the peak learning rate (\"Small-scale proxies for large-scale Transformer "
+            "training instabilities\", arXiv 2309.14322): LR sensitivity = mean over the swept rates of min(final "
+            "loss, loss at initialisation) minus the best final loss; losses are means over seeds, the loss at "
+            "initialisation the evaluation before the first step."], tables=sensitivity_tables(sweeps)))
+
     bench_results, bench_json = [], []
     bench_paths = {p.resolve(): p for p in [*find_bench_files(runs_dir), *map(Path, bench)]}  # a file once
     for path in bench_paths.values():
@@ -223,11 +233,20 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
                 plot_training_curves(found, path, baseline=baseline, colors=colors)
                 curves.append(Figure(path, f"Training curves, {label}: mean over seeds ± sample SD, one row per "
                                            f"variant beside the baseline (grey, dashed)"))
-        plot_paths = [f.path for f in bars + curves]
+        from attnlab.analysis.figures import save_png
+
+        rates = []
+        for sweep in sweeps:
+            path = save_png(sweep_figure(sweep, colors), out / f"report_lr_{_slug(sweep['title'])}.png")
+            rates.append(Figure(path, f"Final {metric_title(sweep['metric']).lower()} against the peak learning rate, "
+                                      f"{sweep['title']}" + (" (dashed: no warm-up)" if sweep["mixed_warmup"] else "")))
+        plot_paths = [f.path for f in bars + curves + rates]
         titles = sorted({metric_title(r["metric"]) for r in rows})
         figures.append(Section(f"{' and '.join(titles)} per variant", figures=bars))
         if curves:
             figures.append(Section("Training curves", figures=curves))
+        if rates:
+            figures.append(Section("Loss against learning rate", figures=rates))
     own = {p.resolve() for p in plot_paths}
     for group, paths in analysis_figures(analysis_dirs, skip=own).items():
         figures.append(Section(f"attnlab analyze: {FIGURE_TITLES.get(group, group)}", figures=[
@@ -255,6 +274,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
               for s in sections if s.tables}
     data = {"baseline": baseline, "provenance": about, "mismatched": mismatches, "rows": rows,
             "unfinished": unfinished, "unreadable": unreadable, "problems": problems, "latency": bench_json,
+            "lr_sweeps": sweeps_json(sweeps),
             "tables": tables,
             "figures": [Path(os.path.relpath(f.path, out)).as_posix() for s in figures for f in s.figures]}
     atomic_write_text(md_path, markdown)

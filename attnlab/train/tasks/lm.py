@@ -42,6 +42,7 @@ class LanguageModelling(Task):
     higher_is_better = False
     report_columns = ("perplexity", "bits_per_byte", "accuracy")
     percent = False
+    eval_at_init = True  # the loss at initialisation, for the learning-rate sensitivity
 
     def __init__(self, run) -> None:
         super().__init__(run)
