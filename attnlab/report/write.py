@@ -202,10 +202,11 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     plot_paths: list[Path] = []
     figures: list[Section] = []
     if plots:
-        from attnlab.analysis.curves import plot_training_curves, read_metrics, training_curves
+        from attnlab.analysis.curves import (layer_max_logits, plot_layer_max_logits, plot_training_curves,
+                                             read_metrics, training_curves)
 
         colors = variant_colors([r["variant"] for r in rows], baseline)  # one colour per variant in every figure
-        bars, curves = [], []
+        bars, curves, logits = [], [], []
         for key, group in groups(rows).items():
             label = group_title(key)
             slug = "_".join(_slug(x) for x in key[:3] if x)
@@ -225,14 +226,20 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
                                      "problem": " ".join(str(err).split()).replace(str(runs_dir) + "/", "")})
             try:
                 found = training_curves(dirs) if dirs else {}
+                maxima = layer_max_logits(dirs)  # runs with probe_every logged them
             except AttnlabError as err:  # a config.yaml that cannot be read
                 problems.append({"path": label, "problem": f"no training curves: {' '.join(str(err).split())}"})
-                found = {}
+                found, maxima = {}, {}
             if found:
                 path = out / f"report_curves_{slug}.png"
                 plot_training_curves(found, path, baseline=baseline, colors=colors)
                 curves.append(Figure(path, f"Training curves, {label}: mean over seeds ± sample SD, one row per "
                                            f"variant beside the baseline (grey, dashed)"))
+            if maxima:
+                path = out / f"report_max_logit_{slug}.png"
+                plot_layer_max_logits(maxima, path, title=label)
+                logits.append(Figure(path, f"Max attention logit per layer over training, {label} (the training "
+                                           f"probe, probe_every; mean over seeds)"))
         from attnlab.analysis.figures import save_png
 
         rates = []
@@ -240,11 +247,13 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
             path = save_png(sweep_figure(sweep, colors), out / f"report_lr_{_slug(sweep['title'])}.png")
             rates.append(Figure(path, f"Final {metric_title(sweep['metric']).lower()} against the peak learning rate, "
                                       f"{sweep['title']}" + (" (dashed: no warm-up)" if sweep["mixed_warmup"] else "")))
-        plot_paths = [f.path for f in bars + curves + rates]
+        plot_paths = [f.path for f in bars + curves + logits + rates]
         titles = sorted({metric_title(r["metric"]) for r in rows})
         figures.append(Section(f"{' and '.join(titles)} per variant", figures=bars))
         if curves:
             figures.append(Section("Training curves", figures=curves))
+        if logits:
+            figures.append(Section("Max attention logit per layer (Wortsman et al. 2023)", figures=logits))
         if rates:
             figures.append(Section("Loss against learning rate", figures=rates))
     own = {p.resolve() for p in plot_paths}

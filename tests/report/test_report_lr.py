@@ -80,3 +80,37 @@ def test_runs_at_one_rate_make_no_sweep(tmp_path):
     result = write_report(tmp_path / "runs", tmp_path / "out", costs=False)
     assert "Learning-rate sensitivity" not in result["markdown"]
     assert not any(p.name.startswith("report_lr_") for p in result["plots"])
+
+
+def test_per_layer_max_logit_over_training(tmp_path):
+    """metrics.jsonl's probes (probe_every) -> per variant, per layer, the mean over seeds at each step, and a
+    figure in the report."""
+    from attnlab.analysis.curves import layer_max_logits
+
+    probes = {("standard", 0): [{"step": 10, "max_logit/layer_0": 2.0, "max_logit/layer_1": 3.0},
+                                {"step": 20, "max_logit/layer_0": 4.0, "max_logit/layer_1": 9.0}],
+              ("standard", 1): [{"step": 10, "max_logit/layer_0": 4.0, "max_logit/layer_1": 5.0},
+                                {"step": 20, "max_logit/layer_0": 6.0, "max_logit/layer_1": 11.0}],
+              ("qknorm", 0): [{"step": 10, "max_logit/layer_0": 1.0, "max_logit/max": 1.0, "entropy/layer_0": 2.0}]}
+    dirs = []
+    for (attn, seed), logged in probes.items():
+        d = tmp_path / "runs" / f"gpt_tiny-stdlib-{attn}-s{seed}"
+        d.mkdir(parents=True)
+        (d / "config.yaml").write_text(f"recipe: lm_demo\nmodel: gpt_tiny\ndataset: stdlib\nattn: {attn}\n"
+                                       f"seed: {seed}\n")
+        (d / "metrics.jsonl").write_text(json.dumps(
+            {"epoch": 1, "step": 20, "train_loss": 3.0, "val_loss": 3.0, "perplexity": 20.0, "accuracy": 0.2,
+             "probes": logged}) + "\n")
+        (d / "result.json").write_text(json.dumps(
+            {"name": d.name, "task": "lm", "model": "gpt_tiny", "dataset": "stdlib", "attn": attn, "seed": seed,
+             "metric": "val_loss", "val_loss": 3.0}))
+        dirs.append(d)
+
+    found = layer_max_logits(dirs)
+    assert found["standard"] == {"runs": 2, "steps": [10, 20], "layers": {0: [3.0, 5.0], 1: [4.0, 10.0]}}
+    assert found["qknorm"] == {"runs": 1, "steps": [10], "layers": {0: [1.0]}}
+
+    result = write_report(tmp_path / "runs", tmp_path / "out", costs=False)
+    [figure] = [p for p in result["plots"] if p.name.startswith("report_max_logit_")]
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "## Max attention logit per layer (Wortsman et al. 2023)" in result["markdown"].replace("###", "##")

@@ -43,6 +43,7 @@ class LanguageModelling(Task):
     report_columns = ("perplexity", "bits_per_byte", "accuracy")
     percent = False
     eval_at_init = True  # the loss at initialisation, for the learning-rate sensitivity
+    curve_panels = (("train_loss", "train loss"), ("val_loss", "validation loss"), ("accuracy", "next-token accuracy"))
 
     def __init__(self, run) -> None:
         super().__init__(run)
