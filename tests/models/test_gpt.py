@@ -77,6 +77,44 @@ def test_position_i_ignores_later_tokens(attn):
             assert not torch.equal(out[:, i + 1:], base[:, i + 1:])
 
 
+def _registered_specs():
+    """Every registered term as the demo trains it (its demo spec where it names one, else its bare name)."""
+    from attnlab.variants import VARIANTS
+
+    return [v.demo if isinstance(v.demo, str) else name for name, v in VARIANTS.items()]
+
+
+# documented refusals (docs/methods.md, causal forms): ns's transform mixes every token of a head; Nystrom's
+# landmarks are segment means over the whole sequence
+REFUSE_CAUSAL = {"ns", "nystrom"}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+@pytest.mark.parametrize("spec", _registered_specs())
+def test_every_term_is_causal_or_refuses(spec, fused):
+    """For every registered term and both paths: the logits up to position i do not change, bit for bit in
+    float64, when the tokens after i do; a term that cannot be causal refuses in one line saying why."""
+    torch.manual_seed(0)
+    model = attnlab.build_model("gpt_tiny", attn=spec, **GEO).double().eval()
+    for block in model.blocks:
+        block.attn.fused_attn = fused
+    x = tokens(B=2)
+    name = spec.split("(")[0]
+    with torch.no_grad():
+        if name in REFUSE_CAUSAL:
+            with pytest.raises(AttnlabError, match="causal") as err:
+                model(x)
+            assert "\n" not in str(err.value) and str(err.value).startswith(name)
+            return
+        base = model(x)
+        for i in (0, 6, GEO["block_size"] - 2):
+            y = x.clone()
+            y[:, i + 1:] = (y[:, i + 1:] + 1 + torch.arange(y.shape[1] - i - 1)) % GEO["vocab_size"]
+            out = model(y)
+            assert torch.equal(out[:, : i + 1], base[:, : i + 1]), f"{spec}: position <= {i} saw a later token"
+            assert not torch.equal(out[:, i + 1:], base[:, i + 1:])
+
+
 def test_presets_have_gpt2_geometry():
     """gpt2_small has GPT-2 small's 124,439,808 parameters (tied head counted once); gpt_mini is ~10M."""
     with torch.device("meta"):
