@@ -61,11 +61,11 @@ def test_tanh_gelu_and_no_bias_match_reference():
         torch.testing.assert_close(model(x), ref, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("attn", [None, "standard", "qknorm", "sigma"])
-def test_position_i_ignores_later_tokens(attn):
-    """Changing the tokens after position i leaves the logits up to i bit-identical (float64)."""
+def test_position_i_ignores_later_tokens():
+    """timm's own attention (no spec): changing the tokens after position i leaves the logits up to i bit-identical
+    (float64); every registered term is checked below."""
     torch.manual_seed(0)
-    model = attnlab.build_model("gpt_tiny", attn=attn, **GEO).double().eval()
+    model = attnlab.build_model("gpt_tiny", attn=None, **GEO).double().eval()
     x = tokens(B=2)
     with torch.no_grad():
         base = model(x)
