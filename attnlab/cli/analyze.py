@@ -120,6 +120,8 @@ def run(args) -> int:
         if hasattr(task, "instrument_model"):  # e.g. a detector: its transformer, on the task's own inputs
             inputs[label] = (task.inputs(args.images).to(device), None)
             model = task.instrument_model(model)
+        elif not task.labelled_inputs:  # e.g. a language model: the first validation blocks, token ids
+            inputs[label] = (task.inputs(args.images).to(device), None)
         targets.append((label, cfg.attn, model, cfg.dataset, args.data_dir or cfg.data_dir))
     if "predictions" in what and not drawn:
         print("predictions: no detection run given; it draws a detector's boxes and masks.", file=sys.stderr)

@@ -56,6 +56,9 @@ class Task:
     #: evaluate once before the first step too (result.json's ``init``: the loss at initialisation that the
     #: learning-rate sensitivity of Wortsman et al. 2023 caps each final loss at)
     eval_at_init: ClassVar[bool] = False
+    #: the evaluation split is (input, label) pairs that the instruments index (``attnlab analyze``); False: the
+    #: instruments take :meth:`inputs` and no labels (a language model's token blocks)
+    labelled_inputs: ClassVar[bool] = True
 
     def __init__(self, run: Run) -> None:
         self.run = run
