@@ -44,9 +44,9 @@ def _rate(x: float) -> str:
 
 def lr_sweeps(runs: list[dict]) -> list[dict]:
     """The sweeps among ``runs`` (:func:`~attnlab.report.summary.scan_runs`' dicts, with ``settings``): one
-    ``{"title", "metric", "rates": [eta...] (sorted), "lines": {(variant, warmup): {eta: {"final", "init", "n"}}},
-    "mixed_warmup"}`` per sweep (``init`` None where a run at that rate recorded none; ``mixed_warmup``: lines with
-    and without warm-up)."""
+    ``{"title", "metric", "rates": {warmup: [eta...] swept with it}, "lines": {(variant, warmup): {eta: {"final",
+    "init", "n"}}}, "mixed_warmup"}`` per sweep (``init`` None where a run at that rate recorded none;
+    ``mixed_warmup``: lines with and without warm-up). A warm-up that was run at one rate only makes no line."""
     found = []
     for run in runs:
         settings = run.get("settings") or {}
@@ -61,8 +61,11 @@ def lr_sweeps(runs: list[dict]) -> list[dict]:
         by_sweep.setdefault((run["model"], run["dataset"], run["setting"], headline(run)), []).append(run)
     sweeps = []
     for (model, dataset, setting, metric), members in sorted(by_sweep.items()):
-        rates = sorted({r["lr"] for r in members})
-        if len(rates) < 2:
+        swept: dict[str, set[float]] = {}  # the rates run with each warm-up: a line is measured against its own
+        for run in members:
+            swept.setdefault(run["warmup"], set()).add(run["lr"])
+        members = [r for r in members if len(swept[r["warmup"]]) >= 2]  # a warm-up run at one rate: no sweep
+        if not members:
             continue
         points: dict[tuple[str, str], dict[float, list[dict]]] = {}
         for run in members:
@@ -75,7 +78,8 @@ def lr_sweeps(runs: list[dict]) -> list[dict]:
                 lines[key][lr] = {"final": statistics.fmean(float(r[metric]) for r in at), "n": len(at),
                                   "init": statistics.fmean(inits) if all(_finite(v) for v in inits) else None}
         sweeps.append({"title": f"{model} / {dataset}" + (f" ({setting})" if setting else ""), "metric": metric,
-                       "rates": rates, "lines": lines, "mixed_warmup": len({w == "none" for _, w in lines}) > 1})
+                       "rates": {w: sorted(swept[w]) for w in sorted({w for _, w in lines})}, "lines": lines,
+                       "mixed_warmup": len({w == "none" for _, w in lines}) > 1})
     return sweeps
 
 
@@ -99,8 +103,8 @@ def sensitivity_tables(sweeps: list[dict]) -> list[Table]:
         cells = []
         for (variant, warmup), points in sweep["lines"].items():
             best = min(points, key=lambda lr: points[lr]["final"])
-            missing = [lr for lr in sweep["rates"] if lr not in points]
-            rates = f"{len(points)} of {len(sweep['rates'])}" + (
+            missing = [lr for lr in sweep["rates"][warmup] if lr not in points]
+            rates = f"{len(points)} of {len(sweep['rates'][warmup])}" + (
                 f" (no finished run at {', '.join(map(_rate, missing))})" if missing else "")
             inits = [p["init"] for p in points.values()]
             value = lr_sensitivity(points)
@@ -144,9 +148,9 @@ def sweep_figure(sweep: dict, colors: dict[str, str] | None = None):
 
 
 def sweeps_json(sweeps: list[dict]) -> list[dict]:
-    """The sweeps as JSON (report.json): rates, and per line its points and LR sensitivity."""
-    return [{"title": s["title"], "metric": s["metric"], "rates": s["rates"],
-             "lines": [{"variant": v, "warmup": w, "lr_sensitivity": lr_sensitivity(points),
+    """The sweeps as JSON (report.json): per line its swept rates, points and LR sensitivity."""
+    return [{"title": s["title"], "metric": s["metric"],
+             "lines": [{"variant": v, "warmup": w, "rates": s["rates"][w], "lr_sensitivity": lr_sensitivity(points),
                         "points": [{"lr": lr, **p} for lr, p in sorted(points.items())]}
                        for (v, w), points in s["lines"].items()]} for s in sweeps]
 

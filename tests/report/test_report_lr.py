@@ -13,17 +13,20 @@ RUNS = {
     ("qknorm", 0, 1e-3, 0): (2.2, 5.6), ("qknorm", 0, 1e-2, 0): (1.7, 5.6), ("qknorm", 0, 1e-2, 1): (1.9, 5.6),
     ("qknorm", 0, 3e-2, 0): (1.9, 5.6),
     ("standard", 10, 1e-3, 0): (2.1, 5.5), ("standard", 10, 1e-2, 0): (1.6, 5.5),  # 3e-2 did not finish
+    ("qknorm", 10, 1e-3, 0): (2.3, 5.6), ("qknorm", 10, 1e-2, 0): (1.9, 5.6), ("qknorm", 10, 3e-2, 0): (2.0, 5.6),
+    ("qknorm", 20, 3e-2, 0): (1.9, 5.6),  # a warm-up run at one rate only: no line
     ("sigma", 0, 1e-3, 0): (2.5, None), ("sigma", 0, 1e-2, 0): (2.4, None),  # trained before init was recorded
 }
 # Hand-worked: LRS = mean_i min(L_i, L0) - min_i L_i
 #   standard, no warm-up: (2.0 + 1.5 + min(6.0, 5.5)) / 3 - 1.5 = 9.0 / 3 - 1.5 = 1.5
 #   qknorm: L(1e-2) = mean(1.7, 1.9) = 1.8, so (2.2 + 1.8 + 1.9) / 3 - 1.8 = 5.9 / 3 - 1.8 = 0.166667
-#   standard, 10 warm-up steps: (2.1 + 1.6) / 2 - 1.6 = 0.25, over 2 of the 3 rates
+#   standard, 10 warm-up steps: (2.1 + 1.6) / 2 - 1.6 = 0.25, over 2 of the 3 rates run with that warm-up
+#   qknorm, 10 warm-up steps: (2.3 + 1.9 + 2.0) / 3 - 1.9 = 6.2 / 3 - 1.9 = 0.166667
 
 
 def make_runs(root):
     for (attn, warmup, lr, seed), (final, init) in RUNS.items():
-        tag = f"lr_{lr:g}" + ("_warm" if warmup else "")
+        tag = f"lr_{lr:g}" + (f"_warm{warmup}" if warmup else "")
         d = root / f"gpt_tiny-stdlib-{tag}-{attn}-s{seed}"
         d.mkdir(parents=True)
         (d / "config.yaml").write_text(
@@ -48,9 +51,12 @@ def test_lr_sensitivity_table_and_figure(tmp_path):
     data = json.loads((tmp_path / "out" / "report.json").read_text())
 
     [sweep] = data["lr_sweeps"]
-    assert sweep["title"] == "gpt_tiny / stdlib" and sweep["rates"] == [1e-3, 1e-2, 3e-2]
+    assert sweep["title"] == "gpt_tiny / stdlib"
     lines = {(line["variant"], line["warmup"]): line for line in sweep["lines"]}
-    assert set(lines) == {("standard", "none"), ("standard", "10 steps"), ("qknorm", "none"), ("sigma", "none")}
+    assert all(line["rates"] == [1e-3, 1e-2, 3e-2] for line in lines.values())
+    assert set(lines) == {("standard", "none"), ("standard", "10 steps"), ("qknorm", "none"), ("qknorm", "10 steps"),
+                          ("sigma", "none")}  # not qknorm with 20 steps, run at one rate
+    assert lines[("qknorm", "10 steps")]["lr_sensitivity"] == pytest.approx(6.2 / 3 - 1.9, abs=1e-12)
     assert lines[("standard", "none")]["lr_sensitivity"] == pytest.approx(1.5, abs=1e-12)
     assert lines[("qknorm", "none")]["lr_sensitivity"] == pytest.approx(5.9 / 3 - 1.8, abs=1e-12)
     assert lines[("standard", "10 steps")]["lr_sensitivity"] == pytest.approx(0.25, abs=1e-12)
