@@ -20,7 +20,11 @@ shows on a terminal.
 
 On a detection run the model instruments measure the detector's transformer (its backbone) on the first evaluation
 images fitted into the detector's square canvas; predictions draws the first 8 evaluation images' detections
-(score >= 0.5) beside their ground truth, as the DnA paper's Figure 10, into predictions_<image id>.png."""
+(score >= 0.5) beside their ground truth, as the DnA paper's Figure 10, into predictions_<image id>.png.
+
+On a language-model run (a GPT) the instruments read the first --images validation blocks (token ids) and measure
+the causal order the model passes its blocks: a later key is in no entropy, maximum or Jacobian; robustness and
+relevance, which perturb or explain image inputs, do not apply."""
 
 from __future__ import annotations
 
