@@ -216,8 +216,8 @@ def layer_max_logits(run_dirs: list[str | Path]) -> dict[str, dict]:
 
 
 def plot_layer_max_logits(found: dict[str, dict], path: str | Path | None = None, *, title: str = ""):
-    """One panel per variant (shared y axis): each layer's max attention logit against the step, darker for deeper
-    layers (the logit growth of Wortsman et al. 2023, arXiv 2309.14322). Written to ``path`` when given."""
+    """One panel per variant (shared y axis, logarithmic beyond +-1): each layer's max attention logit against the
+    step, darker for deeper layers (the logit growth of Wortsman et al. 2023, arXiv 2309.14322). Written to ``path`` when given."""
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -236,7 +236,8 @@ def plot_layer_max_logits(found: dict[str, dict], path: str | Path | None = None
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="x-small", loc="best")
-    axes[0].set_ylabel("max attention logit")
+    axes[0].set_yscale("symlog", linthresh=1.0)  # logits of a clipped and an unclipped model differ by orders
+    axes[0].set_ylabel("max attention logit (symlog)")
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()

@@ -134,7 +134,9 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
 
     title = "attnlab report"
     measured = " and ".join(sorted({metric_title(r["metric"]) for r in rows})) or "Top-1"
-    intro = (f"Final-epoch {measured} (%) as mean ± sample SD over seeds; gains in percentage points against "
+    percent = all(r.get("percent", True) for r in rows)  # a language model's loss is no percentage
+    intro = (f"Final-epoch {measured}{' (%)' if percent else ''} as mean ± sample SD over seeds; gains"
+             f"{' in percentage points' if percent else ' (differences of means)'} against "
              f"`{''.join(baseline.split())}`, computed from unrounded means; wins count matched seeds where the "
              f"variant is strictly better. Runs are compared only when trained alike: the same config but for "
              f"variant, seed and runtime keys (device, paths, ...).")

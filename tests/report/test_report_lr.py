@@ -65,6 +65,7 @@ def test_lr_sensitivity_table_and_figure(tmp_path):
     assert qk[1e-2]["final"] == pytest.approx(1.8) and qk[1e-2]["n"] == 2
 
     md = result["markdown"]
+    assert "Validation loss as mean ± sample SD over seeds; gains (differences of means) against" in md  # no "%"
     assert "## Learning-rate sensitivity (Wortsman et al. 2023)" in md
     assert "| standard | none | 3 of 3 | 1.5000 | 1e-2 | 5.5000 | 1.5000 |" in md
     assert "| qknorm | none | 3 of 3 | 1.8000 | 1e-2 | 5.6000 | 0.1667 |" in md
