@@ -217,7 +217,8 @@ def layer_max_logits(run_dirs: list[str | Path]) -> dict[str, dict]:
 
 def plot_layer_max_logits(found: dict[str, dict], path: str | Path | None = None, *, title: str = ""):
     """One panel per variant (shared y axis, logarithmic beyond +-1): each layer's max attention logit against the
-    step, darker for deeper layers (the logit growth of Wortsman et al. 2023, arXiv 2309.14322). Written to ``path`` when given."""
+    step, darker for deeper layers (the logit growth of Wortsman et al. 2023, arXiv 2309.14322). Written to
+    ``path`` when given."""
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

@@ -196,8 +196,9 @@ def training_probe(model: nn.Module, images: torch.Tensor, topk_percent: float =
     lowest per-head mean), ``entropy/low`` (mean over heads of the ``topk_percent`` % tail), ``entropy/layer_<i>``
     (per-layer mean over heads, i counting measured layers), ``max_logit/max`` and ``max_logit/mean`` (over heads
     of the per-head maximum), ``max_logit/layer_<i>`` (the largest of layer i's heads: the per-layer logit growth of
-    Wortsman et al. 2023, arXiv 2309.14322), ``qk_spectral_norm/max`` and ``qk_spectral_norm/mean``. Layers that are not softmax attention are left out;
-    keys whose layers are all left out are absent. Records nothing into QK-clip (eval mode).
+    Wortsman et al. 2023, arXiv 2309.14322), ``qk_spectral_norm/max`` and ``qk_spectral_norm/mean``. Layers that
+    are not softmax attention are left out; keys whose layers are all left out are absent. Records nothing into
+    QK-clip (eval mode).
     """
     out: dict[str, float] = {}
     found = attention_modules(model)

@@ -164,9 +164,9 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     neither sum (and C is taken over the real keys). ``causal``: the unidirectional FAVOR+ of the paper's Sec. 2.2,
     query i over keys j <= i, by prefix sums of phi(k_j) v_j^T and phi(k_j) computed ``chunk`` tokens at a time
     (within a chunk the masked (chunk x chunk) product, across chunks the running (M, D) state), with query i's
-    constant C taken over its keys j <= i, so that no output depends on a later token even in rounding. The denominator is
-    floored at ``eps`` (default the dtype's smallest normal number): it guards 0 / 0 for a query without any key and
-    changes nothing else.
+    constant C taken over its keys j <= i, so that no output depends on a later token even in rounding. The
+    denominator is floored at ``eps`` (default the dtype's smallest normal number): it guards 0 / 0 for a query
+    without any key and changes nothing else.
     """
     w = projection * q.shape[-1] ** -0.25
     in_place = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or w.requires_grad))

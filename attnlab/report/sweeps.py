@@ -133,7 +133,8 @@ def sweep_figure(sweep: dict, colors: dict[str, str] | None = None):
     ax = fig.add_subplot()
     for (variant, warmup), points in sweep["lines"].items():
         rates = sorted(points)
-        label = (f"{variant} (no warm-up)" if warmup == "none" else f"{variant} (warm-up {warmup})") if both else variant
+        label = variant if not both else f"{variant} (no warm-up)" if warmup == "none" else \
+            f"{variant} (warm-up {warmup})"
         ax.plot(rates, [points[lr]["final"] for lr in rates], marker="o", label=label,
                 color=color_of(colors, variant, variants.index(variant)),
                 linestyle="--" if both and warmup == "none" else "-")

@@ -70,7 +70,8 @@ def test_lr_sensitivity_table_and_figure(tmp_path):
     assert "| standard | none | 3 of 3 | 1.5000 | 1e-2 | 5.5000 | 1.5000 |" in md
     assert "| qknorm | none | 3 of 3 | 1.8000 | 1e-2 | 5.6000 | 0.1667 |" in md
     assert "| standard | 10 steps | 2 of 3 (no finished run at 3e-2) | 1.6000 | 1e-2 | 5.5000 | 0.2500 |" in md
-    assert "| sigma | none | 2 of 3 (no finished run at 3e-2) | 2.4000 | 1e-2 | — | — (no loss at init recorded) |" in md
+    assert ("| sigma | none | 2 of 3 (no finished run at 3e-2) | 2.4000 | 1e-2 | — | — (no loss at init recorded) |"
+            in md)
 
     [figure] = [p for p in result["plots"] if p.name.startswith("report_lr_")]
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
