@@ -179,4 +179,73 @@ def plot_training_curves(curves: dict[str, dict], path: str | Path | None = None
     return fig
 
 
-__all__ = ["aggregate", "plot_training_curves", "read_metrics", "training_curves"]
+LAYER_MAX_LOGIT = "max_logit/layer_"  # the training probe's per-layer key (attnlab.analysis.entropy.training_probe)
+
+
+def layer_max_logits(run_dirs: list[str | Path]) -> dict[str, dict]:
+    """The training probe's per-layer max attention logit over steps (``probe_every``: metrics.jsonl's ``probes``),
+    grouped by variant as :func:`training_curves` groups: {variant: {"runs": n, "steps": [...], "layers": {i:
+    [mean over the runs that probed step s]}}}. Runs without a probed layer are left out."""
+    from ..train.config import load_config
+    from ..train.files import read_jsonl
+
+    found: dict[str, dict[int, dict[int, list[float]]]] = {}
+    for run_dir in map(Path, run_dirs):
+        series: dict[int, dict[int, list[float]]] = {}
+        for record in read_jsonl(run_dir / METRICS_FILE):
+            for probe in record.get("probes") or []:
+                step = probe.get("step") if isinstance(probe, dict) else None
+                if type(step) is not int:
+                    continue
+                for key, value in probe.items():
+                    if key.startswith(LAYER_MAX_LOGIT) and key[len(LAYER_MAX_LOGIT):].isdigit() \
+                            and type(value) in (int, float) and math.isfinite(value):
+                        series.setdefault(int(key[len(LAYER_MAX_LOGIT):]), {})[step] = float(value)
+        if series:
+            variant = "".join(str(load_config(run_dir / CONFIG).attn).split())
+            for layer, by_step in series.items():
+                for step, value in by_step.items():
+                    found.setdefault(variant, {}).setdefault(layer, {}).setdefault(step, []).append(value)
+    out = {}
+    for variant, layers in found.items():
+        steps = sorted({s for by_step in layers.values() for s in by_step})
+        out[variant] = {"runs": max(len(v) for by_step in layers.values() for v in by_step.values()), "steps": steps,
+                        "layers": {i: [_mean_sd(layers[i][s])[0] if s in layers[i] else math.nan for s in steps]
+                                   for i in sorted(layers)}}
+    return out
+
+
+def plot_layer_max_logits(found: dict[str, dict], path: str | Path | None = None, *, title: str = ""):
+    """One panel per variant (shared y axis, logarithmic beyond +-1): each layer's max attention logit against the
+    step, darker for deeper layers (the logit growth of Wortsman et al. 2023, arXiv 2309.14322). Written to
+    ``path`` when given."""
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from .figures import save_png
+
+    fig = Figure(figsize=(max(4.0, 3.2 * len(found)), 3.2))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(found), sharey=True, squeeze=False)[0]
+    for ax, (variant, entry) in zip(axes, sorted(found.items())):
+        depth = len(entry["layers"])
+        for j, (layer, values) in enumerate(entry["layers"].items()):
+            ax.plot(entry["steps"], values, color=colormaps["viridis"](0.85 - 0.75 * j / max(depth - 1, 1)),
+                    marker=".", label=f"layer {layer}")
+        ax.set_title(f"{variant} ({entry['runs']} run{'s' if entry['runs'] != 1 else ''})", fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small", loc="best")
+    axes[0].set_yscale("symlog", linthresh=1.0)  # logits of a clipped and an unclipped model differ by orders
+    axes[0].set_ylabel("max attention logit (symlog)")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    if path is not None:
+        save_png(fig, path, dpi=120)
+    return fig
+
+
+__all__ = ["aggregate", "layer_max_logits", "plot_layer_max_logits", "plot_training_curves", "read_metrics",
+           "training_curves"]

@@ -195,8 +195,10 @@ def training_probe(model: nn.Module, images: torch.Tensor, topk_percent: float =
     Keys: ``entropy/mean`` (mean over layers and heads of the per-head mean entropy), ``entropy/min_head`` (the
     lowest per-head mean), ``entropy/low`` (mean over heads of the ``topk_percent`` % tail), ``entropy/layer_<i>``
     (per-layer mean over heads, i counting measured layers), ``max_logit/max`` and ``max_logit/mean`` (over heads
-    of the per-head maximum), ``qk_spectral_norm/max`` and ``qk_spectral_norm/mean``. Layers that are not softmax attention are left out;
-    keys whose layers are all left out are absent. Records nothing into QK-clip (eval mode).
+    of the per-head maximum), ``max_logit/layer_<i>`` (the largest of layer i's heads: the per-layer logit growth of
+    Wortsman et al. 2023, arXiv 2309.14322), ``qk_spectral_norm/max`` and ``qk_spectral_norm/mean``. Layers that
+    are not softmax attention are left out; keys whose layers are all left out are absent. Records nothing into
+    QK-clip (eval mode).
     """
     out: dict[str, float] = {}
     found = attention_modules(model)
@@ -204,8 +206,9 @@ def training_probe(model: nn.Module, images: torch.Tensor, topk_percent: float =
                        skip_unsupported=True) if any(_is_softmax(m) for _, m in found) else []
     if records:
         layers = [_summarise(r, topk_percent) for r in records]
-        for i, layer in enumerate(layers):
+        for i, (layer, record) in enumerate(zip(layers, records)):
             out[f"entropy/layer_{i}"] = float(layer["mean"].mean())
+            out[f"max_logit/layer_{i}"] = float(record["max_logit"].max())  # the logit growth, layer by layer
         means = torch.cat([layer["mean"] for layer in layers])
         lows = torch.cat([layer["low"] for layer in layers])
         maxima = torch.cat([r["max_logit"] for r in records])

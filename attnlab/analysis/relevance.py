@@ -67,6 +67,10 @@ def _check_global(model: nn.Module) -> None:
 def relevance_matrices(model: nn.Module, images: torch.Tensor, classes: torch.Tensor | None = None
                        ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """({branch: R (B, N, N)}, target classes (B,)) for ``images`` (B, C, H, W), eval mode, float32."""
+    if not images.is_floating_point():
+        raise UnsupportedModelError("relevance explains a classifier's class logits over image patches; this model "
+                                    "reads token ids (a language model), whose output is a next-token distribution "
+                                    "per position.")
     _check_global(model)
     maps: dict[int, dict] = {}
 

@@ -98,6 +98,9 @@ def representational_robustness(model: nn.Module, images: torch.Tensor, labels: 
         raise ConfigError(f"noise sigmas must be finite and non-negative, got {list(sigmas)}.")
     if labels is not None and labels.shape[0] != images.shape[0]:
         raise ConfigError(f"got {labels.shape[0]} labels for {images.shape[0]} images; give one label per image.")
+    if not images.is_floating_point():
+        raise UnsupportedModelError("representational robustness adds Gaussian noise to images; this model's inputs "
+                                    "are token ids, which take no noise.")
     prefix = int(getattr(model, "num_prefix_tokens", 0) or 0)
     clean = images.detach().cpu().float()
     peak = float(clean.max() - clean.min()) if data_range is None else float(data_range)

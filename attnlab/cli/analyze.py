@@ -20,7 +20,11 @@ shows on a terminal.
 
 On a detection run the model instruments measure the detector's transformer (its backbone) on the first evaluation
 images fitted into the detector's square canvas; predictions draws the first 8 evaluation images' detections
-(score >= 0.5) beside their ground truth, as the DnA paper's Figure 10, into predictions_<image id>.png."""
+(score >= 0.5) beside their ground truth, as the DnA paper's Figure 10, into predictions_<image id>.png.
+
+On a language-model run (a GPT) the instruments read the first --images validation blocks (token ids) and measure
+the causal order the model passes its blocks: a later key is in no entropy, maximum or Jacobian; robustness and
+relevance, which perturb or explain image inputs, do not apply."""
 
 from __future__ import annotations
 
@@ -120,6 +124,8 @@ def run(args) -> int:
         if hasattr(task, "instrument_model"):  # e.g. a detector: its transformer, on the task's own inputs
             inputs[label] = (task.inputs(args.images).to(device), None)
             model = task.instrument_model(model)
+        elif not task.labelled_inputs:  # e.g. a language model: the first validation blocks, token ids
+            inputs[label] = (task.inputs(args.images).to(device), None)
         targets.append((label, cfg.attn, model, cfg.dataset, args.data_dir or cfg.data_dir))
     if "predictions" in what and not drawn:
         print("predictions: no detection run given; it draws a detector's boxes and masks.", file=sys.stderr)

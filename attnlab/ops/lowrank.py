@@ -163,9 +163,10 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     ``key_padding`` (broadcastable to (..., N), True at real keys): padded keys get weight c = 0, so they are in
     neither sum (and C is taken over the real keys). ``causal``: the unidirectional FAVOR+ of the paper's Sec. 2.2,
     query i over keys j <= i, by prefix sums of phi(k_j) v_j^T and phi(k_j) computed ``chunk`` tokens at a time
-    (within a chunk the masked (chunk x chunk) product, across chunks the running (M, D) state). The denominator is
-    floored at ``eps`` (default the dtype's smallest normal number): it guards 0 / 0 for a query without any key and
-    changes nothing else.
+    (within a chunk the masked (chunk x chunk) product, across chunks the running (M, D) state), with query i's
+    constant C taken over its keys j <= i, so that no output depends on a later token even in rounding. The
+    denominator is floored at ``eps`` (default the dtype's smallest normal number): it guards 0 / 0 for a query
+    without any key and changes nothing else.
     """
     w = projection * q.shape[-1] ** -0.25
     in_place = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or w.requires_grad))
@@ -176,34 +177,49 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     log_c = top_k - (0.5 * q.shape[-1] ** -0.5) * (k * k).sum(-1, keepdim=True)
     if key_padding is not None:
         log_c = log_c.masked_fill(~key_padding.unsqueeze(-1), float("-inf"))
-    top_c = log_c.amax(-2, keepdim=True).detach()
-    c = (log_c - top_c.clamp_min(torch.finfo(log_c.dtype).min)).exp()   # (..., N, 1), <= 1; 0 at padded keys
     floor = torch.finfo(q.dtype).tiny if eps is None else eps
     if causal:
-        return _causal_favor(phi_q, phi_k, v * c, c, floor, chunk)
+        return _causal_favor(phi_q, phi_k, v, log_c.squeeze(-1), floor, chunk)
+    top_c = log_c.amax(-2, keepdim=True).detach()
+    c = (log_c - top_c.clamp_min(torch.finfo(log_c.dtype).min)).exp()   # (..., N, 1), <= 1; 0 at padded keys
     kv = phi_k.mT @ (v * c)                                               # (..., M, D): D columns, BLAS's fast shape
     z = torch.einsum("...nm,...n->...m", phi_k, c.squeeze(-1))            # phi(k)^T 1, as a sum rather than a GEMV
     den = torch.einsum("...nm,...m->...n", phi_q, z).unsqueeze(-1)
     return (phi_q @ kv) / den.clamp_min(floor)
 
 
-def _causal_favor(phi_q: torch.Tensor, phi_k: torch.Tensor, cv: torch.Tensor, c: torch.Tensor, floor: float,
+def _causal_favor(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, log_c: torch.Tensor, floor: float,
                   chunk: int) -> torch.Tensor:
-    """sum_{j <= i} (phi_q_i . phi_k_j) cv_j / sum_{j <= i} (phi_q_i . phi_k_j) c_j for every query i, (..., N, D):
-    inside each chunk of T tokens the masked T x T product, plus each chunk's queries against the sum of
-    phi_k^T [cv, c] over all earlier chunks (an exclusive prefix sum of per-chunk (M, D + 1) states)."""
+    """sum_{j <= i} (phi_q_i . phi_k_j) c_ij v_j / sum_{j <= i} (phi_q_i . phi_k_j) c_ij for every query i, (..., N, D),
+    with c_ij = exp(log_c_j - C_i) and C_i = max_{j <= i} log_c_j: the constant that cancels in query i's ratio is
+    taken over its own keys only, so no output depends on a later token, not even in its rounding (a maximum over
+    all N would be). Inside each chunk of T tokens the masked T x T product; across chunks each chunk's state
+    phi_k^T [v, 1] weighted against the chunk's last C, rescaled to the query's C (every factor <= 1, as in an
+    online softmax)."""
     N = phi_q.shape[-2]
     T = max(1, min(chunk, N))
     pad = -N % T
-    if pad:  # zero features and weights: padded keys add nothing, padded queries are cut off below
-        phi_q, phi_k, cv, c = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (phi_q, phi_k, cv, c))
+    if pad:  # zero features and weight 0: padded keys add nothing, padded queries are cut off below
+        phi_q, phi_k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (phi_q, phi_k, v))
+        log_c = torch.nn.functional.pad(log_c, (0, pad), value=float("-inf"))
     n = (N + pad) // T
+    lowest = torch.finfo(log_c.dtype).min
+    run = log_c.detach().cummax(-1).values.clamp_min(lowest).unflatten(-1, (n, T))  # C_i, (..., n, T)
+    lc = log_c.unflatten(-1, (n, T))
     qc, kc = phi_q.unflatten(-2, (n, T)), phi_k.unflatten(-2, (n, T))    # (..., n, T, M)
-    values = torch.cat([cv, c], dim=-1).unflatten(-2, (n, T))             # (..., n, T, D + 1): numerator, denominator
-    inside = (qc @ kc.mT).tril()                                          # (..., n, T, T): j <= i within the chunk
-    state = kc.mT @ values                                                # (..., n, M, D + 1)
-    before = torch.cat([torch.zeros_like(state[..., :1, :, :]), state[..., :-1, :, :].cumsum(dim=-3)], dim=-3)
-    out = inside @ values + qc @ before                                   # (..., n, T, D + 1)
+    values = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1).unflatten(-2, (n, T))  # (..., n, T, D + 1)
+    before_i = torch.ones(T, T, dtype=torch.bool, device=v.device).tril()
+    weight = (lc[..., None, :] - run[..., :, None]).masked_fill(~before_i, float("-inf")).exp()  # c_ij, j <= i
+    out = ((qc @ kc.mT) * weight) @ values                                # (..., n, T, D + 1): inside the chunk
+    if n > 1:
+        last = run[..., -1]                                               # (..., n): C at each chunk's last token
+        state = kc.mT @ (values * (lc - last[..., None]).exp()[..., None])  # (..., n, M, D + 1)
+        ref = torch.cat([last[..., :1], last[..., :-1]], dim=-1)         # chunk t's reference: C ending chunk t - 1
+        earlier = torch.ones(n, n, dtype=torch.bool, device=v.device).tril(-1)  # s < t
+        mix = (last[..., None, :] - ref[..., :, None]).masked_fill(~earlier, float("-inf")).exp()  # (..., n, n)
+        before = torch.einsum("...ts,...smd->...tmd", mix, state)         # sum_{s<t} state_s exp(C_s - ref_t)
+        scale = (ref[..., None] - run).exp().masked_fill(~earlier.any(-1)[:, None], 0.0)  # exp(ref_t - C_i) <= 1
+        out = out + (qc @ before) * scale[..., None]
     out = out.flatten(-3, -2)[..., :N, :]
     return out[..., :-1] / out[..., -1:].clamp_min(floor)
 

@@ -134,7 +134,9 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
 
     title = "attnlab report"
     measured = " and ".join(sorted({metric_title(r["metric"]) for r in rows})) or "Top-1"
-    intro = (f"Final-epoch {measured} (%) as mean ± sample SD over seeds; gains in percentage points against "
+    percent = all(r.get("percent", True) for r in rows)  # a language model's loss is no percentage
+    intro = (f"Final-epoch {measured}{' (%)' if percent else ''} as mean ± sample SD over seeds; gains"
+             f"{' in percentage points' if percent else ' (differences of means)'} against "
              f"`{''.join(baseline.split())}`, computed from unrounded means; wins count matched seeds where the "
              f"variant is strictly better. Runs are compared only when trained alike: the same config but for "
              f"variant, seed and runtime keys (device, paths, ...).")
@@ -150,6 +152,16 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
         sections.append(Section("Ablation (NS-Attn Table 2 form)", paragraphs=[
             "Final-epoch top-1 (%), mean ± sample SD over seeds, one row per dataset; the best mean in bold."],
             tables=ablation))
+
+    from attnlab.report.sweeps import lr_sweeps, sensitivity_tables, sweep_figure, sweeps_json
+
+    sweeps = lr_sweeps(runs)
+    if sweeps:
+        sections.append(Section("Learning-rate sensitivity (Wortsman et al. 2023)", paragraphs=[
+            "Runs trained alike but for the peak learning rate (\"Small-scale proxies for large-scale Transformer "
+            "training instabilities\", arXiv 2309.14322): LR sensitivity = mean over the swept rates of min(final "
+            "loss, loss at initialisation) minus the best final loss; losses are means over seeds, the loss at "
+            "initialisation the evaluation before the first step."], tables=sensitivity_tables(sweeps)))
 
     bench_results, bench_json = [], []
     bench_paths = {p.resolve(): p for p in [*find_bench_files(runs_dir), *map(Path, bench)]}  # a file once
@@ -192,10 +204,11 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     plot_paths: list[Path] = []
     figures: list[Section] = []
     if plots:
-        from attnlab.analysis.curves import plot_training_curves, read_metrics, training_curves
+        from attnlab.analysis.curves import (layer_max_logits, plot_layer_max_logits, plot_training_curves,
+                                             read_metrics, training_curves)
 
         colors = variant_colors([r["variant"] for r in rows], baseline)  # one colour per variant in every figure
-        bars, curves = [], []
+        bars, curves, logits = [], [], []
         for key, group in groups(rows).items():
             label = group_title(key)
             slug = "_".join(_slug(x) for x in key[:3] if x)
@@ -215,19 +228,36 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
                                      "problem": " ".join(str(err).split()).replace(str(runs_dir) + "/", "")})
             try:
                 found = training_curves(dirs) if dirs else {}
+                maxima = layer_max_logits(dirs)  # runs with probe_every logged them
             except AttnlabError as err:  # a config.yaml that cannot be read
                 problems.append({"path": label, "problem": f"no training curves: {' '.join(str(err).split())}"})
-                found = {}
+                found, maxima = {}, {}
             if found:
                 path = out / f"report_curves_{slug}.png"
                 plot_training_curves(found, path, baseline=baseline, colors=colors)
                 curves.append(Figure(path, f"Training curves, {label}: mean over seeds ± sample SD, one row per "
                                            f"variant beside the baseline (grey, dashed)"))
-        plot_paths = [f.path for f in bars + curves]
+            if maxima:
+                path = out / f"report_max_logit_{slug}.png"
+                plot_layer_max_logits(maxima, path, title=label)
+                logits.append(Figure(path, f"Max attention logit per layer over training, {label} (the training "
+                                           f"probe, probe_every; mean over seeds)"))
+        from attnlab.analysis.figures import save_png
+
+        rates = []
+        for sweep in sweeps:
+            path = save_png(sweep_figure(sweep, colors), out / f"report_lr_{_slug(sweep['title'])}.png")
+            rates.append(Figure(path, f"Final {metric_title(sweep['metric']).lower()} against the peak learning rate, "
+                                      f"{sweep['title']}" + (" (dashed: no warm-up)" if sweep["mixed_warmup"] else "")))
+        plot_paths = [f.path for f in bars + curves + logits + rates]
         titles = sorted({metric_title(r["metric"]) for r in rows})
         figures.append(Section(f"{' and '.join(titles)} per variant", figures=bars))
         if curves:
             figures.append(Section("Training curves", figures=curves))
+        if logits:
+            figures.append(Section("Max attention logit per layer (Wortsman et al. 2023)", figures=logits))
+        if rates:
+            figures.append(Section("Loss against learning rate", figures=rates))
     own = {p.resolve() for p in plot_paths}
     for group, paths in analysis_figures(analysis_dirs, skip=own).items():
         figures.append(Section(f"attnlab analyze: {FIGURE_TITLES.get(group, group)}", figures=[
@@ -255,6 +285,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
               for s in sections if s.tables}
     data = {"baseline": baseline, "provenance": about, "mismatched": mismatches, "rows": rows,
             "unfinished": unfinished, "unreadable": unreadable, "problems": problems, "latency": bench_json,
+            "lr_sweeps": sweeps_json(sweeps),
             "tables": tables,
             "figures": [Path(os.path.relpath(f.path, out)).as_posix() for s in figures for f in s.figures]}
     atomic_write_text(md_path, markdown)

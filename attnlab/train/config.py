@@ -176,12 +176,12 @@ RECIPES: dict[str, TrainConfig] = {
         repeated_aug=1, num_workers=0, drop_path=None,
     ),
     # the LR-sensitivity study cut to 2 CPU cores (`attnlab compare --preset lm_demo`): gpt_tiny, 64-byte blocks,
-    # 150 steps, no warm-up, one thread per run
+    # 150 steps, no warm-up, one thread per run; the training probe every 25 steps (the report's per-layer max logit)
     "lm_demo": TrainConfig(
         recipe="lm_demo", model="gpt_tiny", dataset="stdlib", epochs=1, max_steps=150, eval_every=50, eval_iters=4,
         warmup_steps=0, batch_size=8, block_size=64, lr=1e-3, warmup_lr=0.0, min_lr=1e-4, weight_decay=0.1,
         beta2=0.95, clip_grad=1.0, z_loss=1e-4, label_smoothing=0.0, augment="none", mixup=0.0, cutmix=0.0,
-        mixup_prob=0.0, repeated_aug=1, num_workers=0, threads=1,
+        mixup_prob=0.0, repeated_aug=1, num_workers=0, threads=1, probe_every=25, probe_images=16,
     ),
     # ViTDet's recipe (Li et al., arXiv 2203.16527; detectron2's ViT-B Mask R-CNN: AdamW, lr 1e-4, weight decay 0.1,
     # layer-wise decay 0.7, drop-path 0.1, 250 warm-up iterations from 0.001 x lr, x0.1 at 8/9 and 26/27 of

@@ -275,12 +275,14 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
 
     start_epoch, num_updates, history = 0, 0, []
     previous = None  # the checkpoint pair the first new checkpoint keeps as the previous one
+    init_eval = None  # the evaluation before the first step (tasks with eval_at_init), kept in the checkpoint
     if found is not None:
         weights, state, previous = found.weights, found.state, found.files
         model.load_state_dict(weights)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, num_updates, history = int(state["epoch"]), int(state["num_updates"]), list(state["history"])
+        init_eval = state.get("init_eval")
         set_rng_state(state["rng"])
     ema = None
     if cfg.ema:
@@ -339,6 +341,12 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
         for fn in after_step:
             fn(step)
 
+    if task.eval_at_init and found is None and main:  # the loss at initialisation (LR sensitivity), eager
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            init_eval = task.evaluate(model, device=device, amp_dtype=amp_dtype)
+        if progress:
+            tqdm.write(f"{run.name}: before training {task.headline} {init_eval[task.headline]:.4f}")
+
     for epoch in range(start_epoch + 1, epochs + 1):
         epoch_start = time.perf_counter()
         probes.clear()
@@ -374,7 +382,7 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
         save_checkpoint(run.dir, model, {
             "epoch": epoch, "num_updates": num_updates, "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "sampler": {"seed": cfg.seed, "next_epoch": epoch + 1},
-            "rng": get_rng_state(), "history": history,
+            "rng": get_rng_state(), "history": history, **({"init_eval": init_eval} if init_eval else {}),
             **({"ema": weights_of(ema.module)} if ema is not None else {}),
         }, previous=previous)
         if ema is not None:  # the EMA weights for use, beside the raw ones (the resumable copy is in the state)
@@ -397,6 +405,8 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
               "world_size": ranks.world_size, **provenance(device)}
     if cfg.max_steps or cfg.eval_every:
         result["steps"] = num_updates
+    if init_eval:
+        result["init"] = init_eval
     atomic_write_json(run.dir / RESULT, result)
     distributed.agree(None)
     return distributed.from_main(result)

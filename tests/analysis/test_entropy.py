@@ -170,8 +170,10 @@ def test_training_probe_keys_and_side_effects():
     assert probe["max_logit/max"] == pytest.approx(float(maxima.max()))
     assert probe["qk_spectral_norm/max"] == pytest.approx(
         float(torch.cat([r["norm"] for r in E.qk_spectral_norms(model)]).max()))
+    assert probe["max_logit/layer_1"] == pytest.approx(float(E.max_logits(model, images)[1]["max"].max()))
     assert set(probe) == {"entropy/mean", "entropy/min_head", "entropy/low", "max_logit/max", "max_logit/mean",
-                          "qk_spectral_norm/max", "qk_spectral_norm/mean"} | {f"entropy/layer_{i}" for i in range(3)}
+                          "qk_spectral_norm/max", "qk_spectral_norm/mean"} | {
+        f"{k}/layer_{i}" for i in range(3) for k in ("entropy", "max_logit")}
 
 
 def test_unsupported_kernels():
@@ -242,3 +244,29 @@ def test_causal_models_are_measured_over_allowed_keys():
                              attn.num_heads, bias=causal)
     np.testing.assert_allclose(layer["mean"].numpy(), rows.mean(axis=(0, 2)), rtol=1e-5)
     assert layer["low"].min() == 0.0  # the first query sees one key: entropy exactly 0
+
+
+def test_training_probe_on_a_gpt_takes_token_ids_and_the_causal_order():
+    """A GPT's probe: token ids in, each layer's max logit over the allowed (j <= i) positions only."""
+    torch.manual_seed(2)
+    model = attnlab.build_model("gpt_tiny", attn="standard", vocab_size=11, block_size=8, embed_dim=16, depth=2,
+                                num_heads=2).train()
+    with torch.no_grad():  # logits of order 1 (GPT-2's init gives ~0.01, where every maximum is near a tie)
+        for _, attn in attention_modules(model):
+            attn.qkv.weight.normal_(0.0, 0.5)
+    tokens = torch.randint(0, 11, (3, 8))
+    seen = []
+    handles = [m.register_forward_pre_hook(lambda m, args, kwargs: seen.append(args[0].detach()), with_kwargs=True)
+               for _, m in attention_modules(model)]
+    probe = E.training_probe(model, tokens)
+    for h in handles:
+        h.remove()
+    assert model.training
+    causal = np.broadcast_to(np.tril(np.ones((8, 8), dtype=bool)), (3, 8, 8))
+    raised = []
+    for i, ((_, attn), x) in enumerate(zip(attention_modules(model), seen)):
+        want = ref.max_logit(attn.qkv.weight, attn.qkv.bias, x, attn.num_heads, allowed=causal).max()
+        everywhere = ref.max_logit(attn.qkv.weight, attn.qkv.bias, x, attn.num_heads).max()
+        assert probe[f"max_logit/layer_{i}"] == pytest.approx(want, rel=1e-5)
+        raised.append(want < everywhere)
+    assert any(raised)  # in some layer the later keys would have raised it: the mask is what keeps them out

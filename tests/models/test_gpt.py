@@ -61,11 +61,11 @@ def test_tanh_gelu_and_no_bias_match_reference():
         torch.testing.assert_close(model(x), ref, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("attn", [None, "standard", "qknorm", "sigma"])
-def test_position_i_ignores_later_tokens(attn):
-    """Changing the tokens after position i leaves the logits up to i bit-identical (float64)."""
+def test_position_i_ignores_later_tokens():
+    """timm's own attention (no spec): changing the tokens after position i leaves the logits up to i bit-identical
+    (float64); every registered term is checked below."""
     torch.manual_seed(0)
-    model = attnlab.build_model("gpt_tiny", attn=attn, **GEO).double().eval()
+    model = attnlab.build_model("gpt_tiny", attn=None, **GEO).double().eval()
     x = tokens(B=2)
     with torch.no_grad():
         base = model(x)
@@ -74,6 +74,44 @@ def test_position_i_ignores_later_tokens(attn):
             y[:, i + 1:] = (y[:, i + 1:] + 1 + torch.arange(y.shape[1] - i - 1)) % GEO["vocab_size"]
             out = model(y)
             assert torch.equal(out[:, : i + 1], base[:, : i + 1])
+            assert not torch.equal(out[:, i + 1:], base[:, i + 1:])
+
+
+def _registered_specs():
+    """Every registered term as the demo trains it (its demo spec where it names one, else its bare name)."""
+    from attnlab.variants import VARIANTS
+
+    return [v.demo if isinstance(v.demo, str) else name for name, v in VARIANTS.items()]
+
+
+# documented refusals (docs/methods.md, causal forms): ns's transform mixes every token of a head; Nystrom's
+# landmarks are segment means over the whole sequence
+REFUSE_CAUSAL = {"ns", "nystrom"}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+@pytest.mark.parametrize("spec", _registered_specs())
+def test_every_term_is_causal_or_refuses(spec, fused):
+    """For every registered term and both paths: the logits up to position i do not change, bit for bit in
+    float64, when the tokens after i do; a term that cannot be causal refuses in one line saying why."""
+    torch.manual_seed(0)
+    model = attnlab.build_model("gpt_tiny", attn=spec, **GEO).double().eval()
+    for block in model.blocks:
+        block.attn.fused_attn = fused
+    x = tokens(B=2)
+    name = spec.split("(")[0]
+    with torch.no_grad():
+        if name in REFUSE_CAUSAL:
+            with pytest.raises(AttnlabError, match="causal") as err:
+                model(x)
+            assert "\n" not in str(err.value) and str(err.value).startswith(name)
+            return
+        base = model(x)
+        for i in (0, 6, GEO["block_size"] - 2):
+            y = x.clone()
+            y[:, i + 1:] = (y[:, i + 1:] + 1 + torch.arange(y.shape[1] - i - 1)) % GEO["vocab_size"]
+            out = model(y)
+            assert torch.equal(out[:, : i + 1], base[:, : i + 1]), f"{spec}: position <= {i} saw a later token"
             assert not torch.equal(out[:, i + 1:], base[:, i + 1:])
 
 

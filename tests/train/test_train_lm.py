@@ -69,6 +69,7 @@ def test_sigkill_mid_run_then_resume_is_bit_identical(tmp_path):
     assert w_whole.keys() == w_cut.keys() and all(torch.equal(w_whole[k], w_cut[k]) for k in w_whole)
     for key in ("val_loss", "perplexity", "accuracy", "bits_per_byte"):
         assert again[key] == result[key]
+    assert again["init"] == result["init"]  # the loss at initialisation survives the kill (it is in the checkpoint)
     lines = lambda d: [json.loads(x) for x in (d / name / "metrics.jsonl").read_text().splitlines()]
     drop = ("epoch_seconds", "tokens_per_s", "train_seconds", "seconds")
     assert [{k: v for k, v in m.items() if k not in drop} for m in lines(tmp_path / "cut")] == \
@@ -85,3 +86,20 @@ def test_recipe_values_and_checks():
                        (dict(z_loss=-1.0), "z_loss"), (dict(beta2=1.0), "beta2")):
         with pytest.raises(ConfigError, match=match):
             validate(dataclasses.replace(lm, **bad))
+
+
+def test_loss_at_initialisation_is_the_untrained_models(tmp_path):
+    """result.json's ``init``: the evaluation before the first step. With lr 0 nothing moves, so it is the final
+    evaluation; it does not depend on the rate, and training at a real rate moves the final loss away from it."""
+    from attnlab.train import RECIPES, train
+
+    def run(lr):
+        return train(dataclasses.replace(
+            RECIPES["lm"], max_steps=2, eval_every=2, eval_iters=1, warmup_steps=0, batch_size=2, block_size=16,
+            lr=lr, min_lr=lr / 10, weight_decay=0.0, model_options={"embed_dim": 16, "depth": 1, "num_heads": 2},
+            threads=1, runs_dir=str(tmp_path / f"lr{lr}"), progress=False))
+
+    frozen, moving = run(0.0), run(1e-2)
+    assert frozen["init"]["val_loss"] == frozen["val_loss"] and frozen["init"]["perplexity"] == frozen["perplexity"]
+    assert moving["init"] == frozen["init"]
+    assert moving["val_loss"] != moving["init"]["val_loss"]

@@ -10,7 +10,8 @@ DDP, EMA, checkpoints and resume, logging and the error contract, and asks the r
     train_stats(sums, s)      an epoch's training numbers (train_loss, ...) from those sums
     evaluate(model, ...)      the evaluation metrics of an epoch (``metrics`` names them)
     inputs(n)                 the first n test inputs (probes, instruments); example_input(b): zeros of that form
-    result(record)            what result.json reports, ``headline`` first
+    result(record)            what result.json reports, ``headline`` first (with ``eval_at_init``, also
+                              ``init``: :meth:`evaluate` before the first step)
 
 A subclass sets ``name``, ``metrics``, ``headline``, ``higher_is_better`` (and for the report ``report_columns``
 and ``percent``); ``line(record)`` is an epoch's
@@ -52,6 +53,12 @@ class Task:
     #: ``attnlab eval``'s classification protocol (noise, out-of-distribution folders, calibration) applies; else
     #: eval prints what :meth:`evaluate` gives on the evaluation split
     robustness_eval: ClassVar[bool] = False
+    #: evaluate once before the first step too (result.json's ``init``: the loss at initialisation that the
+    #: learning-rate sensitivity of Wortsman et al. 2023 caps each final loss at)
+    eval_at_init: ClassVar[bool] = False
+    #: the evaluation split is (input, label) pairs that the instruments index (``attnlab analyze``); False: the
+    #: instruments take :meth:`inputs` and no labels (a language model's token blocks)
+    labelled_inputs: ClassVar[bool] = True
 
     def __init__(self, run: Run) -> None:
         self.run = run

@@ -42,6 +42,9 @@ class LanguageModelling(Task):
     higher_is_better = False
     report_columns = ("perplexity", "bits_per_byte", "accuracy")
     percent = False
+    eval_at_init = True  # the loss at initialisation, for the learning-rate sensitivity
+    labelled_inputs = False  # instruments read validation blocks (token ids), no labels
+    curve_panels = (("train_loss", "train loss"), ("val_loss", "validation loss"), ("accuracy", "next-token accuracy"))
 
     def __init__(self, run) -> None:
         super().__init__(run)
