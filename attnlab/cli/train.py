@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shutil
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -156,9 +157,15 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(config_path, **overrides)
     cfg = dataclasses.replace(cfg, resume=bool(args.resume))
     output_dir(cfg.runs_dir, "runs_dir")
-    _notes(cfg)
+    notes = _notes(cfg)
 
     from attnlab.train import run_dir_of, train  # torch loads only once the options are known to be good
+
+    if notes:  # a note is for a run that starts: an error found by the checks stays the one line
+        from attnlab.train.run import Run
+
+        Run(cfg).plan()
+        print(*notes, sep="\n", file=sys.stderr)
 
     made = _missing_dirs(run_dir_of(cfg))
     probe = None
@@ -179,22 +186,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _notes(cfg) -> None:
-    """One line on stderr for settings that are valid but probably not meant: more threads than cores, and a
-    dataset trained with a recipe made for another when one exists for it."""
+def _notes(cfg) -> list[str]:
+    """Lines for stderr on settings that are valid but probably not meant: more threads than cores, and a dataset
+    trained with a recipe made for another when one exists for it."""
     import os
-    import sys
 
     from attnlab.train.config import RECIPES
 
+    notes = []
     cores = os.cpu_count() or 1
     if cfg.threads and cfg.threads > cores:
-        print(f"attnlab train: note: --threads {cfg.threads} on {cores} cores oversubscribes them (torch's threads "
-              f"then wait on each other, often several times slower); use --threads {cores} or fewer.",
-              file=sys.stderr)
+        notes.append(f"attnlab train: note: --threads {cfg.threads} on {cores} cores oversubscribes them (torch's "
+                     f"threads then wait on each other, often several times slower); use --threads {cores} or "
+                     f"fewer.")
     recipe = RECIPES[cfg.recipe]
     if cfg.dataset != recipe.dataset:
         made_for = [name for name, r in RECIPES.items() if r.dataset == cfg.dataset]
         if made_for:
-            print(f"attnlab train: note: the {cfg.recipe} recipe is tuned for {recipe.dataset}; --recipe "
-                  f"{made_for[0]} is the one made for {cfg.dataset}.", file=sys.stderr)
+            notes.append(f"attnlab train: note: the {cfg.recipe} recipe is tuned for {recipe.dataset}; --recipe "
+                         f"{made_for[0]} is the one made for {cfg.dataset}.")
+    return notes

@@ -73,7 +73,7 @@ CASES = [
     case("train-options-yaml", "train --model-options {depth:2}", "YAML needs a space after the colon"),
     case("train-options-type", "train --model-options [2]", "argument --model-options: got [2], but it must be a mapping"),
     case("compare-jobs-range", "compare --jobs 0", "argument --jobs: got 0, but it must be at least 1"),
-    case("compare-seeds-type", "compare --preset demo --seeds a,b", "seeds must be a list of integers", slow=True),
+    case("compare-seeds-type", "compare --preset demo --seeds a,b", "seeds must be non-negative integers such as 0,1,3", slow=True),
     case("compare-epochs-type", "compare --epochs many", "argument --epochs: got 'many', but it must be an integer"),
     case("analyze-images-range", "analyze {run} --images 0", "argument --images: got 0, but it must be at least 1"),
     case("analyze-batch-type", "analyze {run} --batch-size x", "argument --batch-size: got 'x', but it must be an"),

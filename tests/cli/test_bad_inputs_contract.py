@@ -176,7 +176,7 @@ def test_one_step_of_cosine_is_no_warning(caplog):
 
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     with caplog.at_level(logging.WARNING):
-        build_scheduler(opt, epochs=1, steps_per_epoch=5, warmup_epochs=1, warmup_lr=0.0, min_lr=0.0)
+        build_scheduler(opt, total_steps=5, warmup_steps=5, warmup_lr=0.0, min_lr=0.0)
     assert "no effect" not in caplog.text
     with caplog.at_level(logging.WARNING):
         CosineLRScheduler(opt, t_initial=1)  # timm's own warning still reaches whoever builds one directly

@@ -98,7 +98,7 @@ def test_hostile_cifar_file_is_refused_whatever_the_md5_setting(tmp_path):
     folder = write_cifar10(tmp_path / "data")
     (folder / "data_batch_3").write_bytes(hostile_pickle(marker))
     common = ["train", "--model", "vit_digits", "--dataset", "cifar10", "--data-dir", tmp_path / "data",
-              "--epochs", "1", "--runs-dir", tmp_path / "runs"]
+              "--epochs", "1", "--warmup-epochs", "0", "--runs-dir", tmp_path / "runs"]
     assert_refused(attnlab(*common, "--data-options", "{verify_md5: false}"), marker, "data_batch_3", "refused",
                    "nothing in it was run")
     assert_refused(attnlab(*common), marker, "md5", "verify_md5: false")  # the default checks md5 first

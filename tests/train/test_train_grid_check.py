@@ -59,7 +59,7 @@ def test_compare_plan_says_what_it_would_do_and_trains_nothing(tmp_path, capsys,
 
     assert main([*_grid(runs, **{"--epochs": "2", "--seeds": "0,1,2"}), "--plan"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[0].split()[:2] == ["skip", "vit_digits-digits-standard-s0"] and "finished, top-1" in out[0]
+    assert out[0].split()[:2] == ["skip", "vit_digits-digits-standard-s0"] and "(finished, top1 " in out[0]
     assert out[1].split()[:2] == ["resume", "vit_digits-digits-standard-s1"] and "after epoch 1 of 2" in out[1]
     assert out[2].split()[:2] == ["train", "vit_digits-digits-standard-s2"]
     assert out[3] == "3 runs: 1 to train, 1 to resume, 1 finished"

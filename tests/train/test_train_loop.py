@@ -23,7 +23,9 @@ def test_demo_recipe_learns_digits(tmp_path):
     assert result["name"] == "vit_digits-digits-standard-s0"
     assert json.loads((run / "result.json").read_text()) == result
     assert set(result) == {"name", "model", "dataset", "tag", "attn", "seed", "epochs", "top1", "top5", "test_loss",
-                           "params", "seconds", "extra", "world_size"}
+                           "params", "seconds", "extra", "world_size", "task", "metric", "finished", "machine",
+                           "attnlab_version"}
+    assert result["task"] == "image" and result["metric"] == "top1"
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in lines] == list(range(1, cfg.epochs + 1))
     for key in ("train_loss", "test_loss", "top1", "top5", "lr", "epoch_seconds", "img_per_s"):
