@@ -1,10 +1,11 @@
 """One error contract, everywhere: every command, given a bad input, prints one line on stderr that names the input
 and says what would be right, exits with 2, shows no traceback, and leaves nothing behind.
 
-Each case runs `python -m attnlab ...` as a real process in a fresh directory (its working directory, so that
-default paths such as runs/ land there too) and compares a listing of that directory before and after. Most cases
-fail before torch is imported (~0.3 s each); those that need torch take ~3 s, and all but the issue's own
-examples are marked slow.
+Each case runs in a fresh directory (its working directory, so that default paths such as runs/ land there too)
+and compares a listing of that directory before and after. A case runs `attnlab.cli.main` in this process, with
+Python's and the file descriptors' stdout and stderr captured: a fresh interpreter would spend seconds importing
+torch per case, and `test_in_process_reads_as_a_real_process` checks that `python -m attnlab ...` as a real process
+prints and exits alike. Cases marked slow build models or read data.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ RUN = "{run}"  # placeholder for the copy of a finished 1-epoch vit_digits run (
 def case(id_, argv, expected, files=None, damage=None, slow=False):
     """argv: words (or a list), with {run} (the copy of a finished run, which lies under {tmp}) and {tmp} (the case's
     directory, also its working directory); files: {relative path: bytes or
-    None for a directory} made before; damage: {file in the run: DAMAGE key}; slow: the case imports torch."""
+    None for a directory} made before; damage: {file in the run: DAMAGE key}; slow: the case builds a model or
+    reads data."""
     argv = argv.split() if isinstance(argv, str) else argv
     return pytest.param(argv, expected, files or {}, damage or {}, id=id_,
                         marks=[pytest.mark.slow] if slow else [])
@@ -73,7 +75,8 @@ CASES = [
     case("train-options-yaml", "train --model-options {depth:2}", "YAML needs a space after the colon"),
     case("train-options-type", "train --model-options [2]", "argument --model-options: got [2], but it must be a mapping"),
     case("compare-jobs-range", "compare --jobs 0", "argument --jobs: got 0, but it must be at least 1"),
-    case("compare-seeds-type", "compare --preset demo --seeds a,b", "seeds must be non-negative integers such as 0,1,3", slow=True),
+    case("compare-seeds-type", "compare --preset demo --seeds a,b",
+         "seeds must be non-negative integers such as 0,1,3", slow=True),
     case("compare-epochs-type", "compare --epochs many", "argument --epochs: got 'many', but it must be an integer"),
     case("analyze-images-range", "analyze {run} --images 0", "argument --images: got 0, but it must be at least 1"),
     case("analyze-batch-type", "analyze {run} --batch-size x", "argument --batch-size: got 'x', but it must be an"),
@@ -244,8 +247,45 @@ def _listing(root: Path) -> dict[str, tuple]:
     return out
 
 
-def run_case(argv, files, damage, tmp_path, finished_run):
-    """Set the case up in tmp_path, run it as a process there; returns (process, listing before, listing after)."""
+def in_process(argv: list[str], cwd: Path, capfd) -> subprocess.CompletedProcess:
+    """``attnlab.cli.main(argv)`` run in ``cwd`` as the process would run it: what reaches stdout and stderr,
+    from Python or from C (capfd), warnings shown as a fresh interpreter shows them, a traceback and exit code 1
+    for an uncaught exception; the working directory, environment and torch's thread count restored after."""
+    import contextlib
+    import traceback
+    import warnings
+
+    import torch
+
+    from attnlab.cli import main
+
+    capfd.readouterr()
+    old_cwd, old_env, threads = os.getcwd(), dict(os.environ), torch.get_num_threads()
+    os.chdir(cwd)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")  # resets "once" memories of earlier cases
+            try:
+                code = main(argv)
+            except SystemExit as stop:  # argparse's own errors
+                code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+            except BaseException:  # noqa: BLE001 - what the interpreter would print
+                traceback.print_exc()
+                code = 1
+            with contextlib.suppress(Exception):
+                sys.stdout.flush(), sys.stderr.flush()
+    finally:
+        os.chdir(old_cwd)
+        os.environ.clear()
+        os.environ.update(old_env)
+        torch.set_num_threads(threads)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["attnlab", *argv], code, out, err)
+
+
+def run_case(argv, files, damage, tmp_path, finished_run, capfd, process=False):
+    """Set the case up in tmp_path and run it there with :func:`in_process` (``process``: as a real process);
+    returns (process, listing before, listing after)."""
     run = tmp_path / "runs" / "run"
     shutil.copytree(finished_run, run)
     for name, how in damage.items():
@@ -260,20 +300,38 @@ def run_case(argv, files, damage, tmp_path, finished_run):
             (tmp_path / name).write_bytes(content)
     argv = [a.replace(RUN, str(run)).replace("{tmp}", str(tmp_path)) for a in argv]
     before = _listing(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "attnlab", *argv], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    if process:
+        proc = subprocess.run([sys.executable, "-m", "attnlab", *argv], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+    else:
+        proc = in_process(argv, tmp_path, capfd)
     return proc, before, _listing(tmp_path)
 
 
 @pytest.mark.parametrize("argv,expected,files,damage", CASES)
-def test_bad_input_is_one_line_exit_2_nothing_made(argv, expected, files, damage, tmp_path, finished_run):
-    proc, before, after = run_case(argv, files, damage, tmp_path, finished_run)
+def test_bad_input_is_one_line_exit_2_nothing_made(argv, expected, files, damage, tmp_path, finished_run, capfd):
+    proc, before, after = run_case(argv, files, damage, tmp_path, finished_run, capfd)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"attnlab{' ' + argv[0] if argv and argv[0] in COMMANDS else ''}: error: ")
     assert expected in lines[0], lines[0]
     assert after == before, f"the command changed {sorted(set(after.items()) ^ set(before.items()))}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("id_", ["command-typo", "report-missing", "compare-seeds-type", "eval-checkpoint-garbage",
+                                 "train-lra-text-missing"])
+def test_in_process_reads_as_a_real_process(id_, tmp_path, finished_run, capfd):
+    """The in-process runner of the torch cases prints what a fresh interpreter prints, and exits alike."""
+    argv, _, files, damage = next(c.values for c in CASES if c.id == id_)
+    codes, errs = [], []
+    for how, process in (("process", True), ("here", False)):
+        (tmp_path / how).mkdir()
+        proc = run_case(argv, files, damage, tmp_path / how, finished_run, capfd, process)[0]
+        codes.append(proc.returncode)
+        errs.append(proc.stderr.replace(str(tmp_path / how), "{tmp}"))
+    assert codes == [2, 2] and errs[0] == errs[1], errs
 
 
 def test_help_does_not_import_torch():
