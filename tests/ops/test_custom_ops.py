@@ -156,7 +156,7 @@ SMALL_STACK = textwrap.dedent("""
 
 def test_kernel_runs_on_a_thread_with_a_small_stack(tmp_path):
     _kernel_or_skip()
-    env = dict(os.environ, ATTNLAB_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # the test run's kernel cache (tests/conftest.py)
     out = subprocess.run([sys.executable, "-c", SMALL_STACK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok (1, 2, 1024, 64)" in out.stdout, (out.returncode, out.stderr[-2000:])
 

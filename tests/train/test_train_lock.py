@@ -117,10 +117,13 @@ FORKED = textwrap.dedent("""
     from attnlab.train.lock import RunLock
 
     lock = RunLock(sys.argv[1]).__enter__()
-    if os.fork() == 0:  # a DataLoader worker, say: outlives its parent for a while
+    child = os.fork()
+    if child == 0:  # a DataLoader worker, say: outlives its parent for a while
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 1), os.dup2(null, 2)  # off the test's pipes, so that its read ends with the parent
         time.sleep(60)
         os._exit(0)
-    print("held", flush=True)
+    print("held", child, flush=True)
     os._exit(0)  # dies holding the lock, without releasing it
 """)
 
@@ -130,10 +133,15 @@ def test_the_lock_ends_with_the_process_not_with_its_forked_children(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     proc = subprocess.run([sys.executable, "-c", FORKED, str(run)], capture_output=True, text=True, timeout=300)
-    assert proc.stdout.strip() == "held", proc.stderr
-    check_unlocked(run)  # the child still runs, but its copy of the descriptor was closed at the fork
-    with RunLock(run):
-        pass
+    word, child = proc.stdout.split()
+    assert word == "held", proc.stderr
+    try:
+        os.kill(int(child), 0)  # the child still runs, but its copy of the descriptor was closed at the fork
+        check_unlocked(run)
+        with RunLock(run):
+            pass
+    finally:
+        os.kill(int(child), signal.SIGKILL)
 
 
 TRAIN = ["--recipe", "demo", "--epochs", "2", "--batch-size", "64", "--no-progress"]
