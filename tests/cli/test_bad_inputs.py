@@ -2,10 +2,10 @@
 and says what would be right, exits with 2, shows no traceback, and leaves nothing behind.
 
 Each case runs in a fresh directory (its working directory, so that default paths such as runs/ land there too)
-and compares a listing of that directory before and after. A case runs `attnlab.cli.main` in this process, with
-Python's and the file descriptors' stdout and stderr captured: a fresh interpreter would spend seconds importing
-torch per case, and `test_in_process_reads_as_a_real_process` checks that `python -m attnlab ...` as a real process
-prints and exits alike. Cases marked slow build models or read data.
+and compares a listing of that directory before and after. A case runs `attnlab.cli.main` in this process
+(tests/cli_runner.py: a fresh interpreter would spend seconds importing torch per case);
+`test_in_process_reads_as_a_real_process` checks that `python -m attnlab ...` as a real process prints and exits
+alike. Cases marked slow build models or read data.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from attnlab.cli import COMMANDS
+from tests.cli_runner import in_process
 
 # damage applied to a copy of the finished run's file before the command runs
 DAMAGE = {
@@ -247,43 +248,7 @@ def _listing(root: Path) -> dict[str, tuple]:
     return out
 
 
-def in_process(argv: list[str], cwd: Path, capfd) -> subprocess.CompletedProcess:
-    """``attnlab.cli.main(argv)`` run in ``cwd`` as the process would run it: what reaches stdout and stderr,
-    from Python or from C (capfd), warnings shown as a fresh interpreter shows them, a traceback and exit code 1
-    for an uncaught exception; the working directory, environment and torch's thread count restored after."""
-    import contextlib
-    import traceback
-    import warnings
-
-    import torch
-
-    from attnlab.cli import main
-
-    capfd.readouterr()
-    old_cwd, old_env, threads = os.getcwd(), dict(os.environ), torch.get_num_threads()
-    os.chdir(cwd)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("default")  # resets "once" memories of earlier cases
-            try:
-                code = main(argv)
-            except SystemExit as stop:  # argparse's own errors
-                code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
-            except BaseException:  # noqa: BLE001 - what the interpreter would print
-                traceback.print_exc()
-                code = 1
-            with contextlib.suppress(Exception):
-                sys.stdout.flush(), sys.stderr.flush()
-    finally:
-        os.chdir(old_cwd)
-        os.environ.clear()
-        os.environ.update(old_env)
-        torch.set_num_threads(threads)
-    out, err = capfd.readouterr()
-    return subprocess.CompletedProcess(["attnlab", *argv], code, out, err)
-
-
-def run_case(argv, files, damage, tmp_path, finished_run, capfd, process=False):
+def run_case(argv, files, damage, tmp_path, finished_run, process=False):
     """Set the case up in tmp_path and run it there with :func:`in_process` (``process``: as a real process);
     returns (process, listing before, listing after)."""
     run = tmp_path / "runs" / "run"
@@ -304,13 +269,13 @@ def run_case(argv, files, damage, tmp_path, finished_run, capfd, process=False):
         proc = subprocess.run([sys.executable, "-m", "attnlab", *argv], cwd=tmp_path, capture_output=True,
                               text=True, timeout=300)
     else:
-        proc = in_process(argv, tmp_path, capfd)
+        proc = in_process(argv, tmp_path)
     return proc, before, _listing(tmp_path)
 
 
 @pytest.mark.parametrize("argv,expected,files,damage", CASES)
-def test_bad_input_is_one_line_exit_2_nothing_made(argv, expected, files, damage, tmp_path, finished_run, capfd):
-    proc, before, after = run_case(argv, files, damage, tmp_path, finished_run, capfd)
+def test_bad_input_is_one_line_exit_2_nothing_made(argv, expected, files, damage, tmp_path, finished_run):
+    proc, before, after = run_case(argv, files, damage, tmp_path, finished_run)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
@@ -322,13 +287,13 @@ def test_bad_input_is_one_line_exit_2_nothing_made(argv, expected, files, damage
 @pytest.mark.slow
 @pytest.mark.parametrize("id_", ["command-typo", "report-missing", "compare-seeds-type", "eval-checkpoint-garbage",
                                  "train-lra-text-missing"])
-def test_in_process_reads_as_a_real_process(id_, tmp_path, finished_run, capfd):
+def test_in_process_reads_as_a_real_process(id_, tmp_path, finished_run):
     """The in-process runner of the torch cases prints what a fresh interpreter prints, and exits alike."""
     argv, _, files, damage = next(c.values for c in CASES if c.id == id_)
     codes, errs = [], []
     for how, process in (("process", True), ("here", False)):
         (tmp_path / how).mkdir()
-        proc = run_case(argv, files, damage, tmp_path / how, finished_run, capfd, process)[0]
+        proc = run_case(argv, files, damage, tmp_path / how, finished_run, process)[0]
         codes.append(proc.returncode)
         errs.append(proc.stderr.replace(str(tmp_path / how), "{tmp}"))
     assert codes == [2, 2] and errs[0] == errs[1], errs

@@ -97,8 +97,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("argv,expected,files,damage", CASES)
-def test_contract_case(argv, expected, files, damage, tmp_path, finished_run, capfd):  # noqa: F811
-    check_case(argv, expected, files, damage, tmp_path, finished_run, capfd)
+def test_contract_case(argv, expected, files, damage, tmp_path, finished_run):  # noqa: F811
+    check_case(argv, expected, files, damage, tmp_path, finished_run)
 
 
 def attnlab(*argv, cwd, **kwargs):

@@ -59,6 +59,5 @@ CASES = [
 
 
 @pytest.mark.parametrize("argv,expected,files,damage", CASES)
-def test_video_bad_input_is_one_line_exit_2_nothing_made(argv, expected, files, damage, tmp_path, finished_run,
-                                                         capfd):
-    check_case(argv, expected, files, damage, tmp_path, finished_run, capfd)
+def test_video_bad_input_is_one_line_exit_2_nothing_made(argv, expected, files, damage, tmp_path, finished_run):
+    check_case(argv, expected, files, damage, tmp_path, finished_run)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from attnlab.errors import ConfigError
+from tests.cli_runner import in_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 from test_data_cifar import write_cifar10  # noqa: E402  (the benign generated archive)
@@ -39,7 +40,10 @@ def hostile_pickle(marker: Path, protocol: int = 2, wrap=lambda p: p) -> bytes:
     return pickle.dumps(wrap(Payload(marker)), protocol=protocol)
 
 
-def attnlab(*argv, cwd=None) -> subprocess.CompletedProcess:
+def attnlab(*argv, cwd=None, process=False) -> subprocess.CompletedProcess:
+    """The command in this process (tests/cli_runner.py), or with ``process`` as a fresh interpreter."""
+    if not process:
+        return in_process(list(argv), cwd)
     return subprocess.run([sys.executable, "-m", "attnlab", *map(str, argv)], capture_output=True, text=True,
                           timeout=300, cwd=cwd)
 
@@ -99,9 +103,9 @@ def test_hostile_cifar_file_is_refused_whatever_the_md5_setting(tmp_path):
     (folder / "data_batch_3").write_bytes(hostile_pickle(marker))
     common = ["train", "--model", "vit_digits", "--dataset", "cifar10", "--data-dir", tmp_path / "data",
               "--epochs", "1", "--warmup-epochs", "0", "--runs-dir", tmp_path / "runs"]
-    assert_refused(attnlab(*common, "--data-options", "{verify_md5: false}"), marker, "data_batch_3", "refused",
-                   "nothing in it was run")
-    assert_refused(attnlab(*common), marker, "md5", "verify_md5: false")  # the default checks md5 first
+    assert_refused(attnlab(*common, "--data-options", "{verify_md5: false}", process=True), marker, "data_batch_3",
+                   "refused", "nothing in it was run")
+    assert_refused(attnlab(*common, process=True), marker, "md5", "verify_md5: false")  # the default checks md5 first
 
 
 def test_cifar_unpickler_refuses_every_global_outside_the_format(tmp_path):
