@@ -172,7 +172,7 @@ def _rank_pid(torchrun: subprocess.Popen, rank: int) -> int:
 
 @pytest.mark.slow
 def test_resume_after_a_rank_is_killed_equals_an_uninterrupted_run(tmp_path):
-    args = [*DEMO, "--epochs", "4", "--threads", "1"]
+    args = [*DEMO, "--epochs", "3", "--threads", "1"]
     full = _torchrun([*args, "--runs-dir", str(tmp_path / "full")])
     assert full.returncode == 0, full.stderr
 
@@ -195,7 +195,7 @@ def test_resume_after_a_rank_is_killed_equals_an_uninterrupted_run(tmp_path):
     for key in w_full:
         assert torch.equal(w_resumed[key], w_full[key]), key
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
-    assert [m["epoch"] for m in lines] == [1, 2, 3, 4]
+    assert [m["epoch"] for m in lines] == [1, 2, 3]
 
 
 @pytest.mark.slow
