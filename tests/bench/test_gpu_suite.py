@@ -311,19 +311,3 @@ def test_dry_run_of_the_compiled_variants_step(tmp_path):
     result = dry_run(tmp_path, "variants")
     assert list(result["steps"]) == ["variants"]
     check_variants(result)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("ATTNLAB_GPU_SUITE_DRY_RUN") != "1", reason="several minutes on 2 cores: run "
-                    "with ATTNLAB_GPU_SUITE_DRY_RUN=1 (docs/perf.md, GPU suite)")
-def test_dry_run_takes_every_gpu_code_path_that_runs_on_a_cpu(tmp_path):
-    result = dry_run(tmp_path)
-    assert list(result["steps"]) == [s.name for s in suite.steps_table()]
-    check_variants(result)
-    assert [r["epoch"] for r in result["steps"]["e2e_cli"]["derived"][0]] == [1.0, 2.0]
-    assert {r["mode"] for r in rows(result["steps"]["ns_compiled"])} == {"compiled"}
-    dna = {r["attention"]: r for r in rows(result["steps"]["dna_vit_b"])}
-    assert "dna[straightforward]" in dna and all(r["check"] in ("ok", "reference", "-") for r in dna.values())
-    for name, t in result["targets"].items():
-        if "triton" not in name or "dna[triton]" in dna:
-            assert isinstance(t["value"], float) and t["status"] == "measured", (name, t)
