@@ -223,3 +223,18 @@ def test_non_finite_loss_stops_every_rank_with_one_line(tmp_path):
     lines = _errors(run.stderr)
     assert len(lines) == 1 and "training loss became" in lines[0], run.stderr
     assert _root_cause(run.stderr) == (0, "3"), run.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_train_a_language_model(tmp_path):
+    """The lm recipe under torchrun (each rank draws its own blocks, data/lm.py): it finishes, records both ranks,
+    evaluates every --eval-every steps and ends below its loss at initialisation."""
+    args = ["train", "--recipe", "lm", "--max-steps", "4", "--eval-every", "2", "--eval-iters", "1",
+            "--batch-size", "4", "--block-size", "16", "--warmup-steps", "1", "--threads", "1", "--no-progress",
+            "--model-options", "{embed_dim: 32, depth: 1, num_heads: 2}", "--runs-dir", str(tmp_path)]
+    proc = _torchrun(args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (run,) = tmp_path.iterdir()
+    result = json.loads((run / "result.json").read_text())
+    assert result["world_size"] == 2 and result["steps"] == 4 and result["val_loss"] < result["init"]["val_loss"]
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [2, 4]

@@ -103,3 +103,38 @@ def test_loss_at_initialisation_is_the_untrained_models(tmp_path):
     assert frozen["init"]["val_loss"] == frozen["val_loss"] and frozen["init"]["perplexity"] == frozen["perplexity"]
     assert moving["init"] == frozen["init"]
     assert moving["val_loss"] != moving["init"]["val_loss"]
+
+
+def _lm_run(runs_dir, **overrides):
+    from attnlab.train import RECIPES, train
+
+    return train(dataclasses.replace(
+        RECIPES["lm"], max_steps=4, eval_every=4, eval_iters=1, warmup_steps=1, batch_size=2, block_size=16,
+        model_options={"embed_dim": 32, "depth": 1, "num_heads": 2}, threads=1, runs_dir=str(runs_dir),
+        progress=False, **overrides))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["qkclip(tau=1)", "dna+sigma"])
+def test_compiled_lm_run_matches_eager(tmp_path, spec):
+    """--compile on the lm recipe (inductor on the CPU, causal masks in the graph): the eager run's losses, with
+    a training and an evaluation graph and no graph break (tolerance as in test_train_compile.py)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    eager = _lm_run(tmp_path / "eager", attn=spec, amp="none")
+    torch._dynamo.reset()
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    compiled = _lm_run(tmp_path / "compiled", attn=spec, amp="none", compile=True)
+    assert counters["stats"]["unique_graphs"] - graphs >= 2
+    assert sum(counters["graph_break"].values()) == breaks
+    assert compiled["val_loss"] == pytest.approx(eager["val_loss"], rel=1e-4)
+    assert compiled["init"]["val_loss"] == pytest.approx(eager["init"]["val_loss"], rel=1e-5)
+
+
+def test_bf16_lm_run_stays_near_float32(tmp_path):
+    """--amp bf16 on the CPU: the same four steps as float32 to bf16's precision (8 bits of mantissa)."""
+    fp32 = _lm_run(tmp_path / "fp32", amp="none")
+    bf16 = _lm_run(tmp_path / "bf16", amp="bf16")
+    assert bf16["val_loss"] == pytest.approx(fp32["val_loss"], rel=2e-2)
+    assert bf16["val_loss"] != fp32["val_loss"]  # it did run in bf16
