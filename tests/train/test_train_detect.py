@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import weights
+from train_helpers import arm_kill, weights
 
 pytest.importorskip("pycocotools")
 
@@ -85,26 +85,8 @@ def test_coco_files_are_checked_before_training(tmp_path):
 # ---- exact resume after SIGKILL --------------------------------------------------------------------------------
 # argv: data_dir, runs_dir, kill_at (training forward count at which the process SIGKILLs itself; 0: never). Two
 # DataLoader workers run the large-scale jitter; drop-path and torchvision's samplers draw from torch's RNG.
-SCRIPT = textwrap.dedent("""
-    import json, os, signal, sys
-    import attnlab.models as models
-    from attnlab.train import make_config, train
-
-    data_dir, runs_dir, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    build = models.build_detector
-
-    def build_and_arm(*args, **kwargs):
-        model = build(*args, **kwargs)
-        count = [0]
-        def hook(module, inputs, output):
-            if module.training:
-                count[0] += 1
-                if count[0] == kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-        model.register_forward_hook(hook)
-        return model
-
-    models.build_detector = build_and_arm
+SCRIPT = arm_kill("build_detector") + textwrap.dedent("""
+    data_dir, runs_dir = sys.argv[1], sys.argv[2]
     cfg = make_config("detect_demo", data_dir=data_dir, runs_dir=runs_dir, epochs=2, batch_size=4, warmup_steps=2,
                       drop_path=0.1, num_workers=2, progress=False, resume=True,
                       data_options={"train_images": 16, "val_images": 4, "image_size": 64, "min_size": 8,

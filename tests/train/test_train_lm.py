@@ -12,30 +12,12 @@ import textwrap
 
 import pytest
 import torch
-from train_helpers import weights
+from train_helpers import ARM_KILL, weights
 
 from attnlab.errors import ConfigError
 
-SCRIPT = textwrap.dedent("""
-    import dataclasses, json, os, signal, sys
-    import attnlab.models as models
-    from attnlab.train import RECIPES, train
-
-    runs_dir, kill_at = sys.argv[1], int(sys.argv[2])
-    build = models.build_model
-
-    def build_and_arm(*args, **kwargs):
-        model = build(*args, **kwargs)
-        count = [0]
-        def hook(module, inputs, output):
-            if module.training:
-                count[0] += 1
-                if count[0] == kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-        model.register_forward_hook(hook)
-        return model
-
-    models.build_model = build_and_arm
+SCRIPT = ARM_KILL + textwrap.dedent("""
+    runs_dir = sys.argv[1]
     cfg = dataclasses.replace(
         RECIPES["lm"], max_steps=6, eval_every=2, eval_iters=1, warmup_steps=2, batch_size=4, block_size=32,
         grad_accum=2, z_loss=1e-4, model_options={"embed_dim": 32, "depth": 1, "num_heads": 2}, threads=1,

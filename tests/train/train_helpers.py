@@ -23,12 +23,17 @@ def weights(path):
     return load_file(str(path))
 
 
-# The start of a training script run in a fresh interpreter (argv[-1] = kill_at): build_model is wrapped so that the
-# process SIGKILLs itself at the kill_at-th training forward (0: never). Used by the SIGKILL-then-resume tests.
-ARM_KILL = """
+def arm_kill(builder: str = "build_model") -> str:
+    """The start of a training script run in a fresh interpreter (argv[-1] = kill_at): ``attnlab.models.<builder>``
+    is wrapped so that the process SIGKILLs itself at the kill_at-th training forward (0: never). Used by the
+    SIGKILL-then-resume tests of every task family."""
+    return _ARM_KILL.replace("build_model", builder)
+
+
+_ARM_KILL = """
 import dataclasses, json, os, signal, sys
 import attnlab.models as models
-from attnlab.train import RECIPES, train
+from attnlab.train import RECIPES, make_config, train
 
 kill_at = int(sys.argv[-1])
 build = models.build_model
@@ -46,3 +51,4 @@ def build_and_arm(*args, **kwargs):
 
 models.build_model = build_and_arm
 """
+ARM_KILL = arm_kill()
