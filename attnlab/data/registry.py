@@ -175,10 +175,6 @@ def dataset(name: str) -> Dataset:
     return DATASET_TABLE[key]
 
 
-def _name(name: str) -> str:
-    return dataset(name).name
-
-
 def resolve_options(name: str, options: Mapping) -> dict:
     """The dataset's defaults updated by ``options``; unknown keys or bad values raise ConfigError."""
     entry = dataset(name)
@@ -215,7 +211,7 @@ def build_transform(name: str, train: bool, *, augment: str = "none", **options)
         with_transform = [e.name for e in DATASET_TABLE.values() if e.transform]
         raise DatasetError(f"dataset {entry.name} has no PIL transform; build_transform takes "
                            f"{', '.join(with_transform)}")
-    return entry.call("transform", train, check_augment(name, augment) if augment != "none" else augment, **opts)
+    return entry.call("transform", train, check_augment(name, augment), **opts)
 
 
 def build_dataset(name: str, train: bool, *, data_dir="data", download=False, augment: str = "none", **options):
@@ -225,8 +221,7 @@ def build_dataset(name: str, train: bool, *, data_dir="data", download=False, au
     family: (image (C, H, W) float, label int) for images, (token ids (N,) int64, label) for sequences."""
     entry = dataset(name)
     opts = resolve_options(name, options)
-    if augment != "none":
-        check_augment(name, augment)
+    check_augment(name, augment)
     return entry.call("build", train, data_dir=data_dir, download=download, augment=augment, **opts)
 
 
@@ -237,18 +232,13 @@ def device_data(name: str, *, data_dir="data", download=False, augment: str = "r
     if entry.device is None:
         raise DatasetError(f"the device pipeline holds {', '.join(on_device_datasets())}, not {entry.name}; train "
                            f"{entry.name} with the CPU loader (data_on_device off)")
-    if augment != "none":
-        check_augment(name, augment)
+    check_augment(name, augment)
     return entry.call("device", data_dir=data_dir, download=download, augment=augment, **opts)
 
 
 def on_device_datasets() -> tuple[str, ...]:
     """Names of the datasets the device pipeline can hold."""
     return tuple(n for n, e in DATASET_TABLE.items() if e.device)
-
-
-def datasets_of(task: str) -> tuple[str, ...]:
-    return tuple(n for n, e in DATASET_TABLE.items() if e.task == task)
 
 
 def describe(name: str) -> str:
