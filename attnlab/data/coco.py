@@ -22,21 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import Dataset
 from torchvision.datasets import CocoDetection, VisionDataset
 
+from attnlab.data.registry import IMAGENET_MEAN, IMAGENET_STD, DatasetInfo
 from attnlab.errors import DatasetError, did_you_mean
-
-if TYPE_CHECKING:  # pragma: no cover
-    from attnlab.data.registry import DatasetInfo
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
 
 
 def require_pycocotools():
@@ -246,21 +240,17 @@ def detection_loss(model, images, targets) -> tuple[torch.Tensor, dict[str, floa
     return sum(parts.values()), {k: float(v.detach()) for k, v in parts.items()}
 
 
-def info_coco(data_dir, *, image_size: int, val_split: str, **_options) -> "DatasetInfo":
+def info_coco(data_dir, *, image_size: int, val_split: str, **_options) -> DatasetInfo:
     """Categories (read from the evaluation split's json) and the canvas size, for ``attnlab.data.registry``."""
-    from attnlab.data.registry import IMAGENET_STD, DatasetInfo
-
     _, annotations = split_paths(data_dir, val_split)
     categories = read_coco(annotations).cats
     if not categories:
         raise DatasetError(f"{annotations.name} lists no categories; a detection set needs at least one.")
-    return _detect_info("coco", len(categories), image_size, IMAGENET_STD)
+    return _detect_info("coco", len(categories), image_size)
 
 
-def _detect_info(name: str, num_classes: int, image_size: int, std) -> "DatasetInfo":
-    from attnlab.data.registry import DatasetInfo
-
-    return DatasetInfo(name, num_classes, image_size, 3, IMAGENET_MEAN, tuple(std), task="detect",
+def _detect_info(name: str, num_classes: int, image_size: int) -> DatasetInfo:
+    return DatasetInfo(name, num_classes, image_size, 3, IMAGENET_MEAN, IMAGENET_STD, task="detect",
                        model_args=(("num_classes", num_classes), ("img_size", image_size)))
 
 
@@ -274,11 +264,10 @@ def build_coco(train: bool, *, data_dir, download: bool = False, augment: str = 
     return CocoInstances(images, annotations, transforms=transforms, masks=masks)
 
 
-def info_shapes(data_dir, *, image_size: int, **_options) -> "DatasetInfo":
-    from attnlab.data.registry import IMAGENET_STD
+def info_shapes(data_dir, *, image_size: int, **_options) -> DatasetInfo:
     from attnlab.data.shapes import CATEGORIES
 
-    return _detect_info("shapes", len(CATEGORIES), image_size, IMAGENET_STD)
+    return _detect_info("shapes", len(CATEGORIES), image_size)
 
 
 def build_shapes(train: bool, *, data_dir, download: bool = False, augment: str = "recipe", image_size: int = 128,
