@@ -103,24 +103,19 @@ def apply_op(images: torch.Tensor, op: str, magnitude: float) -> torch.Tensor:
     if op in GEOMETRIC:  # torchvision's TF.affine / TF.rotate, the grid built as in warp_nearest
         theta = torch.from_numpy(affine_thetas([op], [magnitude], *images.shape[-2:])).to(images.device)
         return warp_nearest(images, theta.expand(images.shape[0], 3, 2))
-    if op == "Brightness":
-        return TF.adjust_brightness(images, 1.0 + magnitude)
-    if op == "Color":
-        return TF.adjust_saturation(images, 1.0 + magnitude)
-    if op == "Contrast":
-        return TF.adjust_contrast(images, 1.0 + magnitude)
-    if op == "Sharpness":
-        return adjust_sharpness(images, 1.0 + magnitude)
-    if op == "Posterize":
-        return TF.posterize(images, int(magnitude))
-    if op == "Solarize":
-        return TF.solarize(images, magnitude)
-    if op == "AutoContrast":
-        return TF.autocontrast(images)
-    if op == "Equalize":
-        return TF2.equalize(images)
-    if op == "Invert":
-        return TF.invert(images)
+    colour = {
+        "Brightness": lambda: TF.adjust_brightness(images, 1.0 + magnitude),
+        "Color": lambda: TF.adjust_saturation(images, 1.0 + magnitude),
+        "Contrast": lambda: TF.adjust_contrast(images, 1.0 + magnitude),
+        "Sharpness": lambda: adjust_sharpness(images, 1.0 + magnitude),
+        "Posterize": lambda: TF.posterize(images, int(magnitude)),
+        "Solarize": lambda: TF.solarize(images, magnitude),
+        "AutoContrast": lambda: TF.autocontrast(images),
+        "Equalize": lambda: TF2.equalize(images),
+        "Invert": lambda: TF.invert(images),
+    }
+    if op in colour:
+        return colour[op]()
     raise ValueError(f"unknown AutoAugment op {op!r}")
 
 
