@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
+from timm.data import create_transform
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
 
@@ -52,7 +52,7 @@ class _ImageFolder(ImageFolder):
 
 
 def folder_transform(train: bool, augment: str, *, image_size: int = 224, auto_augment: bool = True,
-                     random_erasing: float = 0.25, mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD):
+                     random_erasing: float = 0.25, mean=IMAGENET_MEAN, std=IMAGENET_STD):
     """timm's ``create_transform``: recipe on train = RandomResizedCrop, flip, RandAugment (rand-m9-mstd0.5-inc1)
     unless ``auto_augment=False`` (then timm's colour jitter), random erasing; otherwise resize + centre crop."""
     if train and augment == "recipe":
@@ -81,9 +81,7 @@ def info(data_dir, *, image_size: int, **_recipe) -> DatasetInfo:
     return DatasetInfo("imagefolder", len(folder_classes(data_dir)), image_size, 3, IMAGENET_MEAN, IMAGENET_STD)
 
 
-def transform(train: bool, augment: str, *, image_size: int, auto_augment: bool, random_erasing: float):
-    return folder_transform(train, augment, image_size=image_size, auto_augment=auto_augment,
-                            random_erasing=random_erasing, mean=IMAGENET_MEAN, std=IMAGENET_STD)
+transform = folder_transform
 
 
 def build(train: bool, *, data_dir, download: bool, augment: str, **options) -> ImageFolder:
