@@ -237,14 +237,10 @@ class VideoDataset(Dataset):
 
     def _frames(self, clip: Clip, views: int, jitter: bool) -> list[torch.Tensor]:
         """One (T, C, H, W) uint8 tensor per temporal view."""
-        if clip.path.is_dir():
-            files = frame_files(clip.path)
-            picks = [sample_indices(len(files), self.num_frames, train=jitter, view=v, views=views)
-                     for v in range(views)]
-            return [_read_frames(files, p, self.in_chans) for p in picks]
-        frames = decode_video(clip.path)
-        return [_pick(frames, sample_indices(len(frames), self.num_frames, train=jitter, view=v, views=views),
-                      self.in_chans) for v in range(views)]
+        folder = clip.path.is_dir()
+        frames, read = (frame_files(clip.path), _read_frames) if folder else (decode_video(clip.path), _pick)
+        return [read(frames, sample_indices(len(frames), self.num_frames, train=jitter, view=v, views=views),
+                     self.in_chans) for v in range(views)]
 
     def __getitem__(self, index: int):
         clip = self.clips[index]
