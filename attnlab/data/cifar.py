@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+import torch
 import torchvision
 from torchvision import transforms as T
 from torchvision.datasets.utils import check_integrity, download_and_extract_archive
@@ -135,13 +136,10 @@ class _SafeCifar:
         return entry
 
     @classmethod
-    def expected_files(cls) -> list[str]:
-        return [f for f, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
-
-    @classmethod
     def missing_files(cls, root) -> list[str]:
         folder = Path(root, cls.base_folder)
-        return [f for f in cls.expected_files() if not (folder / f).is_file()]
+        names = [f for f, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
+        return [f for f in names if not (folder / f).is_file()]
 
     @classmethod
     def md5_mismatches(cls, root) -> list[str]:
@@ -251,8 +249,6 @@ def _build(cls: type, train: bool, *, data_dir, download: bool, augment: str, ve
 def _device(cls: type, *, data_dir, download: bool, augment: str, auto_augment: bool, random_erasing: float,
             image_size: int, verify_md5: bool) -> DeviceData:
     """uint8 pixels (n, 3, 32, 32); the recipe's crop, flip, AutoAugment and random erasing run on the device."""
-    import torch
-
     ds = load_cifar(cls, data_dir, True, None, download=download, verify_md5=verify_md5)
     images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
     recipe = dict(auto_augment=auto_augment, random_erasing=random_erasing) if augment == "recipe" else None
