@@ -1,11 +1,8 @@
 """CIFAR-10 and CIFAR-100 from the original python pickles, with the NS-Attn paper's transforms.
 
-The files are pickles, and an ordinary ``pickle.load`` runs whatever code a crafted file names. attnlab reads them
-with :class:`CifarUnpickler`, which builds only what the CIFAR python format holds (dicts, lists, strings, bytes,
-numbers and numpy uint8 arrays) and refuses any other object before it is created: nothing in a file is executed,
-whatever the md5 setting. As in torchvision, every file's md5 sum must match the original's by default; a repacked
-or generated copy loads with the data option ``verify_md5: false``, after which a layout check (the files exist and
-hold ``data`` as uint8 rows of 3072 bytes with one label in range per row) still applies.
+The pickles are read by :class:`CifarUnpickler`, which refuses any object the CIFAR format never holds before it is
+created, and their md5 sums are checked unless ``verify_md5: false`` (then a layout check still applies): why and
+how, docs/training.md, "CIFAR files: no code runs, md5 checked".
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
-"""COCO-format instance datasets: an ``instances_*.json`` plus a folder of images, read by pycocotools through
-torchvision's ``CocoDetection`` and ``wrap_dataset_for_transforms_v2``, augmented with ``transforms.v2`` on
-``tv_tensors`` (``BoundingBoxes``, ``Mask``), batched as torchvision's detection models take them (lists).
+"""COCO-format instance datasets (``<data_dir>/annotations/instances_<split>.json`` and ``<data_dir>/<split>/``),
+read by pycocotools through torchvision's ``CocoDetection`` and ``wrap_dataset_for_transforms_v2``, augmented with
+``transforms.v2``, batched as lists for torchvision's detectors; docs/training.md, "Detection and instance
+segmentation", says what is checked (:func:`check_coco`) and how training images are jittered (ViTDet's).
 
-A sample is ``(image, target)``: ``image`` a float tensor (3, H, W) in [0, 1] (torchvision's detector normalises it),
-``target`` a dict of ``boxes`` (N, 4) XYXY pixels, ``labels`` (N,) in 1..K (the json's categories sorted by id;
-label 0 is torchvision's background), ``masks`` (N, H, W) uint8, ``image_id``. Crowd regions (``iscrowd: 1``) are
-left out of the targets (the evaluation still reads them from the json). An image without objects gives empty
-tensors of those shapes, which torchvision trains on.
-
-Training transforms are ViTDet's large-scale jitter: a random flip, ``ScaleJitter`` (the image resized to fit the
-square canvas times a scale drawn from ``jitter``, 0.1 to 2.0 in ViTDet), ``RandomCrop`` of the canvas padded
-where smaller (with the model's mean pixel, which normalises to 0, the value ViTDet pads with), and boxes left
-empty by the crop removed (``SanitizeBoundingBoxes``). Evaluation images stay at their own size: the detector's
-transform resizes them to the canvas and maps its predictions back, so they come out in the json's coordinates.
-
-Layout (COCO's): ``<data_dir>/annotations/instances_<split>.json`` and ``<data_dir>/<split>/`` (e.g. ``train2017``
-and ``val2017``). Everything a run needs is checked when the dataset is built (:func:`check_coco`).
+A sample is ``(image, target)``: ``image`` float (3, H, W) in [0, 1], ``target`` a dict of ``boxes`` (N, 4) XYXY
+pixels, ``labels`` (N,) in 1..K (the json's categories sorted by id; 0 is torchvision's background), ``masks``
+(N, H, W) uint8, ``image_id``; crowd regions are left out (the evaluation reads them from the json), an image
+without objects gives empty tensors. Evaluation images keep their size: the detector's transform resizes them to
+the canvas and maps its predictions back to the json's coordinates.
 """
 
 from __future__ import annotations
@@ -134,8 +126,9 @@ def check_same_categories(train: "CocoInstances", val: "CocoInstances") -> None:
 
 def detection_transforms(train: bool, img_size: int, *, jitter: Sequence[float] = (0.1, 2.0), flip: float = 0.5,
                          mean: Sequence[float] = IMAGENET_MEAN):
-    """transforms.v2 for (image, target) samples: ViTDet's large-scale jitter on train (module docstring), only
-    the float conversion on evaluation."""
+    """transforms.v2 for (image, target) samples: ViTDet's large-scale jitter on train (a flip, ``ScaleJitter`` of
+    the fitted size by ``jitter``, a ``RandomCrop`` of the canvas padded with the mean pixel, emptied boxes removed),
+    only the float conversion on evaluation."""
     from torchvision import tv_tensors
     from torchvision.transforms import v2
 

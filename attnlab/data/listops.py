@@ -8,17 +8,9 @@ An example is a tree of operators over digits; its label is the tree's value (10
 Operators (LRA's four): MAX, MIN, MED (median; for an even count the floor of the mean of the two middle values,
 as LRA's ``int(np.median(...))``), SM (sum modulo 10). The generator follows LRA's: a node below ``max_depth`` is an
 operator with probability 0.25 (else a digit), an operator takes 2 to ``max_args`` arguments, a tree is kept when
-its length (tokens without parentheses) lies strictly between min_length and max_length (LRA's
-``min_length < length < max_length``: both bounds excluded), and duplicates are dropped; LRA's
-defaults are depth 10, 10 arguments, lengths 500 to 2000, 96,000 / 2,000 / 2,000 examples. Generation is seeded
-(``seed``) and written once.
-
-Files (LRA's layout and format): ``<data_dir>/listops/basic_train.tsv``, ``basic_val.tsv``, ``basic_test.tsv``,
-each a header line ``Source\\tTarget`` then one example per line: the tree written with LRA's parentheses
-(``( ( ( [MAX 2 ) 9 ) ] )`` for ``[MAX 2 9 ]``), a tab, the label. ``listops/generator.json`` records the options
-that wrote them; files without it (LRA's own) are read as they are. Reading drops the parentheses, which repeat
-the structure the operator and ``]`` tokens already give, and maps tokens to ids: 0 padding, digits 1-10, [MIN
-11, [MAX 12, [MED 13, [SM 14, ] 15; every sequence is padded to ``max_length``.
+its length (tokens without parentheses) lies strictly between min_length and max_length (LRA's rule), duplicates
+are dropped. The files (``<data_dir>/listops/basic_{train,val,test}.tsv`` in LRA's format, generated once by seed),
+their ``generator.json`` and the token ids: docs/training.md, "Long Range Arena".
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """Token streams for language modelling, and random contiguous blocks of them (nanoGPT's ``get_batch``).
 
-Sources (each a split ``train`` / ``val`` of one 1-D array of token ids):
-
-    text      a text file, or every file of a folder (sorted, hidden ones skipped), as bytes (vocabulary 256), or
-              through a ``tokenizer.json`` the user brings (Hugging Face ``tokenizers``, offline; ``pip install
-              attnlab[lm]``); the last ``val_fraction`` of the stream is the validation split
-    stdlib    the Python standard library's own ``.py`` files, bytes, in sorted path order (tests, site-packages and
-              caches left out): a corpus every machine with Python has. Its :func:`stdlib_manifest` (Python version,
-              files, bytes, sha256) is recorded by a run, so a machine whose Python gives another corpus is told so
-              (:func:`check_manifest`)
-    nanogpt   nanoGPT's prepared ``train.bin`` / ``val.bin`` (uint16 memory maps, read as they are); the vocabulary
-              from its ``meta.pkl`` (read as plain data, never as code) or the ``vocab_size`` option (GPT-2's 50257)
+Sources, each split (``train`` / ``val``) one 1-D array of token ids (docs/methods.md, "Data"): ``text`` (a file or
+folder as bytes, or through a ``tokenizer.json``), ``stdlib`` (the standard library's ``.py`` files as bytes, its
+:func:`stdlib_manifest` recorded by a run and compared by :func:`check_manifest`), ``nanogpt`` (prepared ``.bin``
+memory maps, ``meta.pkl`` read as plain data).
 
 A block at training step ``s`` is a function of (seed, split, rank, s) alone: B start offsets drawn uniformly from
-``numpy.random.default_rng([seed, split, rank, s])``, x = ids[i : i + T], y = ids[i + 1 : i + T + 1]. A resumed run
-at step s draws exactly the blocks the uninterrupted one would; each rank draws its own. Evaluation batch j of the
-validation split is ``batch(j)`` of that split, the same blocks at every evaluation.
+``numpy.random.default_rng([seed, split, rank, s])``, x = ids[i : i + T], y = ids[i + 1 : i + T + 1], so a resumed
+run draws the blocks the uninterrupted one would; evaluation batch j is ``batch(j)``, the same at every evaluation.
 """
 
 from __future__ import annotations

@@ -14,10 +14,8 @@ probabilities proportional to g^(power_a - 1) (g = 1, 2, ...: a power law, short
 in text); filler tokens are uniform over the whole vocabulary (``random_non_queries``; else 0). The loss and the
 accuracy are taken at the query positions only (targets -100 elsewhere, ``ignore_index``).
 
-The examples of a split are generated in chunks of consecutive indices, chunk c from ``numpy.random.default_rng([seed,
-split, c])``, so the train set (``num_train`` examples, Zoology's 100,000) and the test set (``num_test``, Zoology's
-3,000) are fixed by the options without being stored, and a training step's batch (indices drawn from (seed, rank,
-step)) is a function of those alone.
+The train set (``num_train`` examples, Zoology's 100,000) and the test set (``num_test``, Zoology's 3,000) are fixed by
+the options without being stored (:class:`MQAR`), and a training step's batch by (seed, rank, step) as well.
 """
 
 from __future__ import annotations

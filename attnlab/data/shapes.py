@@ -1,17 +1,11 @@
 """Synthetic shapes: a detection and instance-segmentation set generated locally by seed, written as a real COCO
-dataset (``annotations/instances_<split>.json`` plus PNGs), so that the COCO code path runs on it unchanged.
+dataset (``annotations/instances_{train,val}.json`` plus PNGs under ``<root>``, and ``generator.json``, the options
+that wrote them: a set is regenerated when they change), so that the COCO code path runs on it unchanged.
 
-Each image is a noisy background with 0 to ``max_objects`` filled shapes of three categories (square, disk,
-triangle), of several sizes and colours, placed at random and allowed to overlap: later shapes occlude earlier ones,
-and each instance's mask, box and area are what stays visible. A placement that leaves an instance less than half
-visible is drawn again, so every annotated object is recognisable. About one image in twenty has no object (an
-image with no boxes must still train). Masks are stored as COCO RLE.
-
-Layout under ``<root>``::
-
-    annotations/instances_train.json   annotations/instances_val.json
-    train/000001.png ...               val/000001.png ...
-    generator.json                     the options that wrote them (a set is regenerated when they change)
+Each image is a noisy background with 0 to ``max_objects`` filled squares, disks and triangles of several sizes and
+colours, placed at random: later shapes occlude earlier ones, each instance's mask, box and area are what stays
+visible, and a placement that leaves an instance less than half visible is drawn again. About one image in twenty
+has no object (an image with no boxes must still train). Masks are stored as COCO RLE.
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
 """Video clips for action classification: video files (decoded with PyAV) and folders of extracted frames.
 
-Layouts under ``data_dir`` (the ones action datasets ship as):
+Layouts, transforms and what is checked when a dataset is built: docs/training.md, "Video". In short: clips in
+``<data_dir>/train|val/<class>/`` or listed in ``<lists>/train.csv`` and ``val.csv`` ("path label" lines); a clip
+is a video file (``VIDEO_EXTENSIONS``) or a folder of its frames numbered consecutively.
 
-    class per folder   <data_dir>/train/<class>/<clip>  and  <data_dir>/val/<class>/<clip>  (or test/)
-    lists              <data_dir>/<lists>/train.csv and val.csv / test.csv (or .txt): one clip per line,
-                       "path label" or "path,label"; path relative to data_dir, label a class index or a name
-
-A clip is a video file (``VIDEO_EXTENSIONS``) or a folder of its frames, numbered consecutively (``img_00001.jpg``,
-``00002.jpg``, ...: the trailing number of each name orders them; a missing number is an error).
-
-Frame sampling (:func:`sample_indices`), T frames uniformly over the whole clip: the clip's L frames are cut into
-T equal segments [t L/T, (t+1) L/T); evaluation takes the frame at the same fraction (v + 1/2)/V of every segment for
-view v of V temporal clips (V = 1: the segments' centres), training a uniformly random point of each segment
-(temporal jitter). A clip shorter than T frames gets frames repeated by the same rule (each about T/L times, in
-order), as the authors' TimeSformer sampler does; a clip with no frame is an error.
-
-Spatial transforms (torchvision ``transforms.v2`` on the whole clip as one ``tv_tensors.Video`` (T, C, H, W), so
-every frame gets the same crop and flip): the recipe's training transform is TimeSformer's, short side resized to a
-random size in [8/7, 10/7] x image_size (256-320 for 224), a random image_size crop, a horizontal flip with p = 1/2;
-evaluation resizes the short side to image_size and takes ``crops`` crops along the long side (3: left/top, centre,
-right/bottom, as TimeSformer tests; 1: the centre), for each of ``clips`` temporal clips. Pixels are scaled to
-[0, 1] and normalised by TimeSformer's mean 0.45 and std 0.225.
-
-Items: training ``(clip (C, T, H, W) float32, label)``; evaluation with several views ``(views (V, C, T, H, W),
-label)``, V = clips x crops, clip-major (the scores of the views are averaged, :mod:`attnlab.data.video_metrics`).
-
-Everything a run needs is checked when the dataset is built: the layout, every list line, every path, every frame
-folder's numbering, every label against the class list, and (``verify=True``) that PyAV opens every video file and
-finds a video stream in it; a file that fails to decode later raises a DatasetError naming it.
+Frame sampling (:func:`sample_indices`): the clip's L frames are cut into T equal segments [t L/T, (t+1) L/T);
+view v of V takes the point at fraction (v + 1/2)/V of every segment, training a uniformly random point of each (a
+clip shorter than T repeats frames by the same rule, as the authors' TimeSformer sampler does). Items: training
+``(clip (C, T, H, W) float32, label)``; evaluation with several views ``(views (V, C, T, H, W), label)``, V = clips x
+crops, clip-major.
 """
 
 from __future__ import annotations
