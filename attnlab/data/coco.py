@@ -13,6 +13,7 @@ the canvas and maps its predictions back to the json's coordinates.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from torch.utils.data import Dataset
 from torchvision.datasets import CocoDetection, VisionDataset
 
 from attnlab.data.registry import IMAGENET_MEAN, IMAGENET_STD, DatasetInfo
+from attnlab.data.shapes import CATEGORIES, ShapesOptions, generate_shapes, set_dir
 from attnlab.errors import DatasetError, did_you_mean
 
 
@@ -258,8 +260,6 @@ def build_coco(train: bool, *, data_dir, download: bool = False, augment: str = 
 
 
 def info_shapes(data_dir, *, image_size: int, **_options) -> DatasetInfo:
-    from attnlab.data.shapes import CATEGORIES
-
     return _detect_info("shapes", len(CATEGORIES), image_size)
 
 
@@ -268,10 +268,6 @@ def build_shapes(train: bool, *, data_dir, download: bool = False, augment: str 
     """The synthetic shapes set (:mod:`attnlab.data.shapes`), generated under ``<data_dir>/shapes`` on first use
     (``options``: :class:`~attnlab.data.shapes.ShapesOptions` fields; ``image_size`` is both the images' size and
     the canvas) and read as COCO; its images already fill the canvas, so the jitter is milder than ViTDet's."""
-    import dataclasses
-
-    from attnlab.data.shapes import ShapesOptions, generate_shapes, set_dir
-
     valid = [f.name for f in dataclasses.fields(ShapesOptions)]
     bad = next((k for k in options if k not in valid), None)
     if bad is not None:

@@ -27,9 +27,8 @@ Sample order is timm's ``RepeatAugSampler`` (each image ``repeated_aug`` times i
 with ``repeated_aug=1`` a permutation from the same seed, strided by rank. Every random parameter is drawn on the
 host from ``numpy.random.default_rng([seed, epoch, rank])``, so an epoch's images are a function of
 (seed, epoch, rank) alone (what resume and DDP need), and CPU and CUDA draw the same parameters. A chunk's
-parameters (sample indices, crop, flip, erasing boxes, AutoAugment's groups and affine matrices) reach the device
-in one non-blocking copy of one pinned buffer, and nothing in the chunk path reads the device: the host never
-waits for it. Numbers and measurements: ``docs/perf.md``.
+parameters reach the device in one copy (:func:`host_to_device`) and nothing in the chunk path reads the device:
+the host never waits for it. Numbers and measurements: ``docs/perf.md``.
 """
 
 from __future__ import annotations
@@ -237,10 +236,7 @@ def draw_mix(rng: np.random.Generator, height: int, width: int, recipe: AugmentR
     ``cutmix_bbox_and_lam`` (correct_lam=True)."""
     if not recipe.mixing or rng.random() >= recipe.mix_prob:
         return 1.0, None
-    if recipe.mixup > 0 and recipe.cutmix > 0:
-        cutmix = bool(rng.random() < recipe.switch_prob)
-    else:
-        cutmix = recipe.cutmix > 0
+    cutmix = bool(rng.random() < recipe.switch_prob) if recipe.mixup > 0 and recipe.cutmix > 0 else recipe.cutmix > 0
     alpha = recipe.cutmix if cutmix else recipe.mixup
     lam = float(rng.beta(alpha, alpha))
     if not cutmix:
@@ -564,12 +560,8 @@ def build_device_pipeline(name: str, *, device, batch_size: int, seed: int, data
                           mixup: float = 0.8, cutmix: float = 1.0, mix_prob: float = 0.5, switch_prob: float = 0.5,
                           label_smoothing: float = 0.1, chunk: int = 8192, **options) -> DevicePipeline:
     """The train split of a device-resident dataset (its table entry's ``device`` function) on ``device``, with
-    the augmentation ``build_dataset`` would apply: for cifar10 / cifar100, uint8 pixels and, with
-    ``augment="recipe"``, crop, flip, AutoAugment (data option ``auto_augment``) and random erasing
-    (``random_erasing``); digits: the normalised float images shifted by up to ``image_size // 8`` pixels, as
-    ``build_digits``; synthetic: its float images, unaugmented. Mixup/CutMix take ``TrainConfig``'s numbers
-    (``mixup``, ``cutmix``, ``mixup_prob``, ``mixup_switch_prob``, ``label_smoothing``).
-    """
+    the augmentation ``build_dataset`` would apply (docs/training.md, "Device-resident data"); Mixup/CutMix take
+    ``TrainConfig``'s numbers (``mixup``, ``cutmix``, ``mixup_prob``, ``mixup_switch_prob``, ``label_smoothing``)."""
     from attnlab.data.registry import dataset_info, device_data
 
     split = device_data(name, data_dir=data_dir, download=download, augment=augment, **options)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from attnlab.data.registry import resolve_options
 from attnlab.errors import DatasetError
 
 from .video import VideoInfo, video_info_of
@@ -30,8 +31,6 @@ DIGIT = 8  # the side of scikit-learn's digits
 
 def _check(options: dict) -> dict:
     """The table's options (defaults, types, bounds), the direction count and the canvas checked."""
-    from attnlab.data.registry import resolve_options
-
     opts = resolve_options("moving_digits", options)
     if opts["directions"] not in (4, 8):
         raise DatasetError(f"moving_digits option directions={opts['directions']!r} is not valid; use 4 or 8.")

@@ -248,9 +248,7 @@ def describe(name: str) -> str:
     return f"{entry.name} ({entry.task}): {entry.summary}; options: {opts}"
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The table. One entry per dataset.
-# ---------------------------------------------------------------------------------------------------------------
+# ---- the table: one entry per dataset ----------------------------------------------------------------------------
 _CIFAR_OPTIONS = {
     "auto_augment": Option(True, help="CIFAR AutoAugment in the recipe"),
     "random_erasing": Option(0.25, 0.0, 1.0, help="probability of random erasing in the recipe"),

@@ -137,8 +137,7 @@ class SyntheticDataset(Dataset):
         return image, self.labels[index]
 
 
-def info_synthetic(data_dir, *, num_classes: int, image_size: int, in_chans: int, length: int, seed: int
-                   ) -> DatasetInfo:
+def info_synthetic(data_dir, *, num_classes: int, image_size: int, in_chans: int, **_options) -> DatasetInfo:
     return DatasetInfo("synthetic", num_classes, image_size, in_chans, (0.0,) * in_chans, (1.0,) * in_chans)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from attnlab.data.registry import DatasetInfo
+from attnlab.data.registry import DatasetInfo, resolve_options
 from attnlab.errors import DatasetError
 
 VIDEO_EXTENSIONS = (".mp4", ".avi", ".mkv", ".webm", ".mov", ".m4v", ".mpg", ".mpeg")
@@ -251,9 +251,7 @@ def _split_file(folder: Path, train: bool) -> Path | None:
 def _read_list(path: Path) -> list[tuple[int, str, str]]:
     """(line number, clip path, label text) of every non-empty line: "path label" or "path,label"."""
     rows = []
-    with path.open(newline="") as f:
-        lines = f.read().splitlines()
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         parts = next(csv.reader([line])) if "," in line else line.split()
@@ -368,8 +366,6 @@ def scan_clips(data_dir, train: bool, *, lists: str = "", num_classes: int = 0, 
 
 def _check(options: dict) -> dict:
     """The table's options (defaults, types, bounds) with the choices of the two integer options checked."""
-    from attnlab.data.registry import resolve_options
-
     opts = resolve_options("video", options)
     if opts["in_chans"] not in CHANNELS or opts["crops"] not in CROPS:
         raise DatasetError(f"video options in_chans and crops take 1 or 3, not {opts['in_chans']} and "
