@@ -40,52 +40,20 @@ from typing import Iterator, NamedTuple
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torchvision.transforms import AutoAugment, AutoAugmentPolicy
 
 from attnlab.errors import ConfigError, DatasetError
 
-# torchvision.transforms.AutoAugment._get_policies(AutoAugmentPolicy.CIFAR10): (op, probability, magnitude bin).
-CIFAR10_POLICY: tuple[tuple[tuple[str, float, int | None], tuple[str, float, int | None]], ...] = (
-    (("Invert", 0.1, None), ("Contrast", 0.2, 6)),
-    (("Rotate", 0.7, 2), ("TranslateX", 0.3, 9)),
-    (("Sharpness", 0.8, 1), ("Sharpness", 0.9, 3)),
-    (("ShearY", 0.5, 8), ("TranslateY", 0.7, 9)),
-    (("AutoContrast", 0.5, None), ("Equalize", 0.9, None)),
-    (("ShearY", 0.2, 7), ("Posterize", 0.3, 7)),
-    (("Color", 0.4, 3), ("Brightness", 0.6, 7)),
-    (("Sharpness", 0.3, 9), ("Brightness", 0.7, 9)),
-    (("Equalize", 0.6, None), ("Equalize", 0.5, None)),
-    (("Contrast", 0.6, 7), ("Sharpness", 0.6, 5)),
-    (("Color", 0.7, 7), ("TranslateX", 0.5, 8)),
-    (("Equalize", 0.3, None), ("AutoContrast", 0.4, None)),
-    (("TranslateY", 0.4, 3), ("Sharpness", 0.2, 6)),
-    (("Brightness", 0.9, 6), ("Color", 0.2, 8)),
-    (("Solarize", 0.5, 2), ("Invert", 0.0, None)),
-    (("Equalize", 0.2, None), ("AutoContrast", 0.6, None)),
-    (("Equalize", 0.2, None), ("Equalize", 0.6, None)),
-    (("Color", 0.9, 9), ("Equalize", 0.6, None)),
-    (("AutoContrast", 0.8, None), ("Solarize", 0.2, 8)),
-    (("Brightness", 0.1, 3), ("Color", 0.7, 0)),
-    (("Solarize", 0.4, 5), ("AutoContrast", 0.9, None)),
-    (("TranslateY", 0.9, 9), ("TranslateY", 0.7, 9)),
-    (("AutoContrast", 0.9, None), ("Solarize", 0.8, 3)),
-    (("Equalize", 0.8, None), ("Invert", 0.1, None)),
-    (("TranslateY", 0.7, 9), ("AutoContrast", 0.9, None)),
-)
+# torchvision's AutoAugment(CIFAR10) sub-policies: ((op, probability, magnitude bin), (op, probability, bin)) each.
+CIFAR10_POLICY = tuple(AutoAugment(AutoAugmentPolicy.CIFAR10).policies)
 NUM_BINS = 10
 
 
 def magnitudes(op: str, height: int, width: int) -> tuple[list[float], bool]:
-    """(the 10 magnitudes of ``op``, whether its sign is random): torchvision's ``_augmentation_space(10, (H, W))``."""
-    lin = lambda hi: torch.linspace(0.0, hi, NUM_BINS).tolist()  # noqa: E731 (float32, as torchvision's table)
-    table = {
-        "ShearX": (lin(0.3), True), "ShearY": (lin(0.3), True),
-        "TranslateX": (lin(150.0 / 331.0 * width), True), "TranslateY": (lin(150.0 / 331.0 * height), True),
-        "Rotate": (lin(30.0), True), "Brightness": (lin(0.9), True), "Color": (lin(0.9), True),
-        "Contrast": (lin(0.9), True), "Sharpness": (lin(0.9), True),
-        "Posterize": ((8 - (torch.arange(NUM_BINS) / ((NUM_BINS - 1) / 4)).round().int()).tolist(), False),
-        "Solarize": (torch.linspace(255.0, 0.0, NUM_BINS).tolist(), False),
-    }
-    return table.get(op, ([0.0] * NUM_BINS, False))
+    """(the 10 magnitudes of ``op``, whether its sign is random): torchvision's ``_augmentation_space(10, (H, W))``
+    (float32, as torchvision draws them), zeros for the ops without a magnitude."""
+    mags, signed = AutoAugment()._augmentation_space(NUM_BINS, (height, width)).get(op, (torch.tensor(0.0), False))
+    return (mags.tolist() if mags.ndim else [0.0] * NUM_BINS), signed
 
 
 def apply_op(images: torch.Tensor, op: str, magnitude: float) -> torch.Tensor:
