@@ -369,10 +369,9 @@ def mix_batch(images: torch.Tensor, labels: torch.Tensor, lam: float, box: tuple
         else:
             flipped = images.flip(0).mul_(1.0 - lam)
             images.mul_(lam).add_(flipped)
-    off = smoothing / num_classes
-    y1 = torch.full((labels.shape[0], num_classes), off, device=labels.device)
-    y1.scatter_(1, labels.view(-1, 1), 1.0 - smoothing + off)
-    return images, y1 * lam + y1.flip(0) * (1.0 - lam)
+    from timm.data.mixup import mixup_target
+
+    return images, mixup_target(labels, num_classes, lam, smoothing)
 
 
 # ------------------------------------------------------------------------------------------ the pipeline

@@ -181,9 +181,8 @@ def build_text(train: bool, *, data_dir="data", download: bool = False, augment:
     no_augment("text", augment)
     files = text_files(Path(data_dir))
     ids, vocab, per_token = _encoded(tuple(files), tokenizer, _stamp(files, tokenizer))
-    split = "train" if train else "val"
-    return TokenStream(f"text corpus {data_dir}", split, _split(f"text corpus {data_dir}", ids, train, val_fraction),
-                       vocab, per_token)
+    name = f"text corpus {data_dir}"
+    return TokenStream(name, "train" if train else "val", _split(name, ids, train, val_fraction), vocab, per_token)
 
 
 # ---- the standard library's own source ----------------------------------------------------------------------

@@ -216,17 +216,14 @@ class VideoDataset(Dataset):
     def __len__(self) -> int:
         return len(self.clips)
 
-    def _frames(self, clip: Clip, views: int, jitter: bool) -> list[torch.Tensor]:
-        """One (T, C, H, W) uint8 tensor per temporal view."""
-        folder = clip.path.is_dir()
-        frames, read = (frame_files(clip.path), _read_frames) if folder else (decode_video(clip.path), _pick)
-        return [read(frames, sample_indices(len(frames), self.num_frames, train=jitter, view=v, views=views),
-                     self.in_chans) for v in range(views)]
-
     def __getitem__(self, index: int):
         clip = self.clips[index]
         temporal, crops = self.views
-        videos = self._frames(clip, temporal, jitter=self.transform is not None)
+        jitter = self.transform is not None
+        folder = clip.path.is_dir()
+        frames, read = (frame_files(clip.path), _read_frames) if folder else (decode_video(clip.path), _pick)
+        videos = [read(frames, sample_indices(len(frames), self.num_frames, train=jitter, view=v, views=temporal),
+                       self.in_chans) for v in range(temporal)]  # one (T, C, H, W) uint8 clip per temporal view
         if self.transform is not None:
             from torchvision import tv_tensors
 
