@@ -1,10 +1,7 @@
-"""Datasets and the recipes' transforms, as one table (:mod:`attnlab.data.registry`).
+"""Datasets and the recipes' transforms, as one table (:mod:`attnlab.data.registry`; docs/training.md, "Data").
 
-``build_dataset(name, train, ...)`` yields one split as a torch Dataset (for images: (image, label), image a
-normalised float tensor (C, H, W)); ``dataset_info(name, ...)`` gives what a model needs (classes, sizes,
-statistics); ``DATASET_TABLE`` holds every entry (name, task, options with bounds, builder).
-``build_device_pipeline`` keeps a device-resident dataset's train split on a device and augments it there per
-sample. The table's names load without torch; the builders and the pipeline load on first use.
+``build_dataset``, ``dataset_info`` and ``DATASET_TABLE`` load without torch; the builders and
+``build_device_pipeline`` load on first use.
 """
 
 import importlib

@@ -78,11 +78,8 @@ _ALLOWED = {
 
 
 class CifarUnpickler(pickle.Unpickler):
-    """An unpickler for the CIFAR python format: builtin containers, strings, numbers and uint8 ndarrays only.
-
-    Every global a pickle names goes through :meth:`find_class`; anything outside ``_ALLOWED`` is refused before it
-    is imported or called, and the allowed numpy constructors check their dtype.
-    """
+    """An unpickler for the CIFAR python format: every global a pickle names goes through :meth:`find_class`;
+    anything outside ``_ALLOWED`` is refused before it is imported or called."""
 
     def find_class(self, module: str, name: str):
         try:
@@ -98,11 +95,8 @@ def read_cifar_pickle(path: str | os.PathLike):
 
 
 class _SafeCifar:
-    """Mixin for torchvision's CIFAR classes: every file read through :func:`read_cifar_pickle`.
-
-    torchvision's ``__init__`` unpickles with ``pickle.load``; this one keeps its attributes (``data`` as uint8
-    (n, 32, 32, 3), ``targets``, ``classes``) so torchvision's ``__getitem__`` serves the images unchanged.
-    """
+    """Mixin for torchvision's CIFAR classes whose ``__init__`` reads every file through :func:`read_cifar_pickle`
+    (torchvision's uses ``pickle.load``) into torchvision's attributes, which its ``__getitem__`` serves."""
 
     def __init__(self, root, train: bool = True, transform=None, target_transform=None) -> None:
         torchvision.datasets.VisionDataset.__init__(self, root, transform=transform, target_transform=target_transform)
@@ -162,9 +156,8 @@ def cifar_transform(train: bool, augment: str, mean, std, *, auto_augment: bool 
     """The NS-Attn paper's CIFAR pipeline (section 4, "Training setup").
 
     recipe (train split): RandomCrop(32, padding=4), RandomHorizontalFlip, AutoAugment(CIFAR10 policy),
-    ToTensor, Normalize(mean, std), RandomErasing(p=random_erasing). Otherwise ToTensor + Normalize.
-    Mixup, CutMix and repeated augmentation act on batches and samplers and live in ``attnlab.train``.
-    ``image_size != 32`` inserts a Resize before ToTensor (for backbones that expect larger inputs).
+    ToTensor, Normalize(mean, std), RandomErasing(p=random_erasing). Otherwise ToTensor + Normalize; a Resize
+    before ToTensor when ``image_size != 32``. Mixup, CutMix and repeated augmentation live in ``attnlab.train``.
     """
     recipe = train and augment == "recipe"
     ops = []

@@ -263,7 +263,7 @@ register(Dataset("cifar100", "image", "CIFAR-100 (torchvision; --download)", "at
                  "attnlab.data.cifar:transform_cifar100", "attnlab.data.cifar:device_cifar100", download=True,
                  mixing=True))
 register(Dataset("digits", "image", "scikit-learn's 8x8 digits, the embedded default", "attnlab.data.tensor:info_digits",
-                 "attnlab.data.tensor:load_digits", {"image_size": Option(8, 1, help="upsample to this size")},
+                 "attnlab.data.tensor:build_digits", {"image_size": Option(8, 1, help="upsample to this size")},
                  AUGMENTS, device="attnlab.data.tensor:device_digits", mixing=True))
 register(Dataset("synthetic", "image", "random normal images and labels (benchmarks)",
                  "attnlab.data.tensor:info_synthetic", "attnlab.data.tensor:load_synthetic",

@@ -63,8 +63,10 @@ def digits_stats() -> tuple[float, float]:
     return float(x_tr.mean()), float(x_tr.std())
 
 
-def build_digits(train: bool, augment: str, *, image_size: int = 8) -> TensorImageDataset:
-    """Digits as (1, image_size, image_size) images normalised by the train split's mean/std.
+def build_digits(train: bool, *, data_dir=None, download: bool = False, augment: str = "none",
+                 image_size: int = 8) -> TensorImageDataset:
+    """The table's builder (digits need no files): (1, image_size, image_size) images normalised by the train
+    split's mean/std.
 
     ``image_size != 8`` upsamples bilinearly once, in memory. ``augment="recipe"`` on the train split shifts each
     image by up to one original pixel (``image_size // 8`` pixels) in each direction; nothing else.
@@ -84,15 +86,10 @@ def info_digits(data_dir, *, image_size: int) -> DatasetInfo:
     return DatasetInfo("digits", 10, image_size, 1, (mean,), (std,))
 
 
-def load_digits(train: bool, *, data_dir, download: bool, augment: str, image_size: int) -> TensorImageDataset:
-    """The table's builder: :func:`build_digits` (digits need no files)."""
-    return build_digits(train, augment, image_size=image_size)
-
-
 def device_digits(*, data_dir, download: bool, augment: str, image_size: int) -> DeviceData:
     """The train split for the device pipeline; the recipe is build_digits' shift: a crop padded with the
     normalised black."""
-    ds = build_digits(True, "none", image_size=image_size)
+    ds = build_digits(True, image_size=image_size)
     if augment != "recipe":
         return DeviceData(ds.images, ds.labels, None)
     mean, std = digits_stats()
