@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from .figures import save_png
+from .figures import agg_figure, save_png
+from .maps import forward_batches
 
 DEFAULT_K = 10
 DEFAULT_EPS = math.cos(math.pi / 3)
@@ -154,18 +155,8 @@ def branch_instruments(model: nn.Module, images: torch.Tensor, k: int = DEFAULT_
             parts[index]["o"].append(branch_cosine(o_pos, o_neg).cpu())
         return record
 
-    flags = [m.training for m in model.modules()]
-    handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, (_, m) in enumerate(modules)]
-    device = next(model.parameters()).device
-    try:
-        model.eval()
-        for start in range(0, images.shape[0], batch_size):
-            model(images[start:start + batch_size].to(device))
-    finally:
-        for h in handles:
-            h.remove()
-        for m, flag in zip(model.modules(), flags):
-            m.training = flag
+    forward_batches(model, images, batch_size,
+                    [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, (_, m) in enumerate(modules)])
     for p in parts:
         result.intruders.append(torch.cat(p["i"]))
         result.value_similarity.append(torch.cat(p["c"]))
@@ -176,9 +167,6 @@ def branch_instruments(model: nn.Module, images: torch.Tensor, k: int = DEFAULT_
 def plot_branch_instruments(results: dict[str, BranchInstruments], out_dir: str | Path) -> list[Path]:
     """Histograms (intruder counts, C(V+, V-), branch cosine) with one series per model, and alpha statistics per
     layer; one PNG each in ``out_dir``. Returns the paths."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -189,8 +177,7 @@ def plot_branch_instruments(results: dict[str, BranchInstruments], out_dir: str 
         save_png(fig, path, dpi=120)
         paths.append(path)
 
-    fig = Figure(figsize=(6, 4))
-    FigureCanvasAgg(fig)
+    fig = agg_figure(figsize=(6, 4))
     ax = fig.add_subplot()
     k = max(r.k for r in results.values())
     width = 0.8 / max(len(results), 1)
@@ -205,8 +192,7 @@ def plot_branch_instruments(results: dict[str, BranchInstruments], out_dir: str 
     save(fig, "intruders.png")
 
     for key, label in (("value_similarity", "C(V+, V-)"), ("branch_cosine", "cosine(O+, O-)")):
-        fig = Figure(figsize=(6, 4))
-        FigureCanvasAgg(fig)
+        fig = agg_figure(figsize=(6, 4))
         ax = fig.add_subplot()
         for name, r in results.items():
             ax.hist(r.pooled(key).numpy(), bins=50, range=(-1, 1), alpha=0.6, density=True,
@@ -215,8 +201,7 @@ def plot_branch_instruments(results: dict[str, BranchInstruments], out_dir: str 
         ax.legend()
         save(fig, f"{key}.png")
 
-    fig = Figure(figsize=(10, 3))
-    FigureCanvasAgg(fig)
+    fig = agg_figure(figsize=(10, 3))
     for j, stat in enumerate(("mean", "max", "min", "sd")):
         ax = fig.add_subplot(1, 4, j + 1)
         for name, r in results.items():

@@ -37,30 +37,22 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from ..models.convert import attention_modules
+from .maps import forward_batches, measured_modules, unconverted
 
 
 def _is_softmax(module: nn.Module) -> bool:
     return getattr(module, "plain_softmax", False)
 
 
-def _why_unsupported(name: str, module: nn.Module) -> str:
-    if not hasattr(module, "project"):
-        return (f"attention module {name!r} is timm's {type(module).__name__}; convert the model with "
-                f"attnlab.convert(model, 'standard') first (it changes no output).")
-    return (f"attention module {name!r} is {type(module).__name__}, which does not form one softmax per head; "
-            f"attention entropy and logits are measured for the standard kernel (with or without ns).")
-
-
 def _softmax_modules(model: nn.Module, skip_unsupported: bool) -> list[tuple[str, nn.Module]]:
-    found = attention_modules(model)
-    if not found:
-        raise UnsupportedModelError(f"{type(model).__name__} has no attention module attnlab can measure.")
     keep = []
-    for name, module in found:
+    for name, module in measured_modules(model):
         if _is_softmax(module):
             keep.append((name, module))
         elif not skip_unsupported:
-            raise UnsupportedModelError(_why_unsupported(name, module))
+            raise UnsupportedModelError(unconverted(name, module) if not hasattr(module, "project") else (
+                f"attention module {name!r} is {type(module).__name__}, which does not form one softmax per head; "
+                f"attention entropy and logits are measured for the standard kernel (with or without ns)."))
     return keep
 
 
@@ -72,10 +64,6 @@ def _logits(module: nn.Module, args: tuple, kwargs: dict):
     with torch.autocast(x.device.type, enabled=False):  # float32 logits even when called under autocast
         qk = (q.float() @ k.float().transpose(-2, -1)) * module.scale
         return qk, module.add_bias(qk, mask), mask
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next(iter(model.parameters())).device
 
 
 @torch.no_grad()
@@ -109,17 +97,7 @@ def _collect(model: nn.Module, images: torch.Tensor, *, want_entropy: bool, incl
         return hook
 
     handles = [m.register_forward_pre_hook(make_hook(r), with_kwargs=True) for (_, m), r in zip(modules, records)]
-    modes = [(m, m.training) for m in model.modules()]  # restored one by one: a caller may mix modes
-    model.eval()
-    try:
-        device = _device(model)
-        for chunk in images.split(batch_size):
-            model(chunk.to(device))
-    finally:
-        for m, mode in modes:
-            m.training = mode
-        for h in handles:
-            h.remove()
+    forward_batches(model, images, batch_size, handles)  # every module's mode restored after: a caller may mix modes
     return records
 
 

@@ -18,7 +18,8 @@ from torch import nn
 from ..attention.base import AttnlabAttention
 from ..errors import UnsupportedModelError
 from ..ops.spectra import effective_rank, gram_spectrum, leading_fraction
-from .figures import save_png
+from .figures import agg_figure, save_png
+from .maps import forward_batches
 
 
 @dataclass
@@ -75,18 +76,9 @@ def head_output_spectra(model: nn.Module, images: torch.Tensor, batch_size: int 
             chunks[index].append(gram_spectrum(output.detach().mT).cpu())
         return record
 
-    handles = [m.head_transform.register_forward_hook(hook(i)) for i, (_, m) in enumerate(modules)]
-    was_training = model.training
-    device = next(model.parameters()).device
-    try:
-        model.eval()
-        with torch.inference_mode():
-            for start in range(0, len(images), batch_size):
-                model(images[start:start + batch_size].to(device))
-    finally:
-        model.train(was_training)
-        for h in handles:
-            h.remove()
+    with torch.inference_mode():
+        forward_batches(model, images, batch_size,
+                        [m.head_transform.register_forward_hook(hook(i)) for i, (_, m) in enumerate(modules)])
     for parts in chunks:
         p = torch.cat(parts)  # (matrices, H, D)
         result.spectra.append(p)
@@ -105,14 +97,10 @@ def plot_spectra(curves: dict[str, HeadSpectra | list[float]], path, title: str 
                  colors: dict[str, str] | None = None):
     """Figure 2 of the paper: the mean normalised eigenvalue spectrum per variant (log scale), written as PNG;
     ``colors`` {label: colour} (default: :func:`attnlab.analysis.figures.variant_colors` of the labels)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     from .figures import color_of, integer_ticks, variant_colors
 
     colors = colors if colors is not None else variant_colors(curves)
-    fig = Figure(figsize=(5.5, 3.6), dpi=120)
-    FigureCanvasAgg(fig)
+    fig = agg_figure(figsize=(5.5, 3.6), dpi=120)
     ax = fig.add_subplot()
     for i, (label, curve) in enumerate(curves.items()):
         values = curve.mean_spectrum().tolist() if isinstance(curve, HeadSpectra) else list(curve)
