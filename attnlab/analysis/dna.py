@@ -36,7 +36,6 @@ DEFAULT_K = 10
 DEFAULT_EPS = math.cos(math.pi / 3)
 
 
-# ---- the measures, on tensors ------------------------------------------------------------------------------------
 def intruder_dimensions(a: torch.Tensor, b: torch.Tensor, k: int = DEFAULT_K, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """Number of a's top-k left singular vectors whose |cosine| with every one of b's top-k stays below eps.
 
@@ -66,7 +65,6 @@ def branch_cosine(o_pos: torch.Tensor, o_neg: torch.Tensor) -> torch.Tensor:
     return frobenius_cosine(o_pos, o_neg)
 
 
-# ---- the measures, on a model ------------------------------------------------------------------------------------
 def two_branch_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every module with ``branch_outputs`` (DnA, diff), in forward order."""
     found = [(n, m) for n, m in model.named_modules() if callable(getattr(m, "branch_outputs", None))]
@@ -84,10 +82,9 @@ def _branch_values(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def _coefficients(module: nn.Module) -> tuple[str, torch.Tensor]:
-    if callable(getattr(module, "alpha_values", None)):
-        return "alpha", module.alpha_values().detach().double().cpu().reshape(-1)
-    if callable(getattr(module, "lambda_full", None)):
-        return "lambda", module.lambda_full().detach().double().cpu().reshape(-1)
+    for kind, method in (("alpha", "alpha_values"), ("lambda", "lambda_full")):
+        if callable(getattr(module, method, None)):
+            return kind, getattr(module, method)().detach().double().cpu().reshape(-1)
     raise UnsupportedModelError(f"{type(module).__name__} exposes neither alpha_values() nor lambda_full().")
 
 
@@ -172,10 +169,8 @@ def plot_branch_instruments(results: dict[str, BranchInstruments], out_dir: str 
     paths = []
 
     def save(fig, name):
-        path = out_dir / name
         fig.tight_layout()
-        save_png(fig, path, dpi=120)
-        paths.append(path)
+        paths.append(save_png(fig, out_dir / name, dpi=120))
 
     fig = agg_figure(figsize=(6, 4))
     ax = fig.add_subplot()

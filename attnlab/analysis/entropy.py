@@ -19,8 +19,8 @@ key padding, Swin's window mask) has weight 0 and is not in the maximum; the que
 neither in the entropy nor in the maximum, so a padded sequence model (which passes its key-padding mask to its
 blocks) and a causal one are measured on their real positions only. Only softmax kernels are measured
 (``standard``, with or without ``ns``, which acts after the weights): DnA, Diff and Cog do not form one
-row-stochastic softmax per head, and
-those layers raise UnsupportedModelError (or are skipped with ``skip_unsupported=True``).
+row-stochastic softmax per head, and those layers raise UnsupportedModelError (or are skipped with
+``skip_unsupported=True``).
 
 The maximum logit is max over images, i, j of q_h,i . k_h,j / sqrt(D): QK-clip's S_max (bias excluded unless
 ``include_bias``). The spectral norm is that of the bilinear form of the logits, x_i^T (W_q,h^T W_k,h) x_j with
@@ -40,14 +40,10 @@ from ..models.convert import attention_modules
 from .maps import forward_batches, measured_modules, unconverted
 
 
-def _is_softmax(module: nn.Module) -> bool:
-    return getattr(module, "plain_softmax", False)
-
-
 def _softmax_modules(model: nn.Module, skip_unsupported: bool) -> list[tuple[str, nn.Module]]:
     keep = []
     for name, module in measured_modules(model):
-        if _is_softmax(module):
+        if getattr(module, "plain_softmax", False):
             keep.append((name, module))
         elif not skip_unsupported:
             raise UnsupportedModelError(unconverted(name, module) if not hasattr(module, "project") else (
@@ -181,7 +177,7 @@ def training_probe(model: nn.Module, images: torch.Tensor, topk_percent: float =
     out: dict[str, float] = {}
     found = attention_modules(model)
     records = _collect(model, images, want_entropy=True, include_bias=False, batch_size=batch_size,
-                       skip_unsupported=True) if any(_is_softmax(m) for _, m in found) else []
+                       skip_unsupported=True) if any(getattr(m, "plain_softmax", False) for _, m in found) else []
     if records:
         layers = [_summarise(r, topk_percent) for r in records]
         for i, (layer, record) in enumerate(zip(layers, records)):
@@ -190,11 +186,9 @@ def training_probe(model: nn.Module, images: torch.Tensor, topk_percent: float =
         means = torch.cat([layer["mean"] for layer in layers])
         lows = torch.cat([layer["low"] for layer in layers])
         maxima = torch.cat([r["max_logit"] for r in records])
-        out.update({
-            "entropy/mean": float(means.mean()), "entropy/min_head": float(means.min()),
-            "entropy/low": float(lows.mean()),
-            "max_logit/max": float(maxima.max()), "max_logit/mean": float(maxima.mean()),
-        })
+        out.update({"entropy/mean": float(means.mean()), "entropy/min_head": float(means.min()),
+                    "entropy/low": float(lows.mean()), "max_logit/max": float(maxima.max()),
+                    "max_logit/mean": float(maxima.mean())})
     if found and not any(hasattr(m, "qk_head_dim") for _, m in found):
         norms = torch.cat([r["norm"] for r in qk_spectral_norms(model)])
         out.update({"qk_spectral_norm/max": float(norms.max()), "qk_spectral_norm/mean": float(norms.mean())})

@@ -122,10 +122,8 @@ def robustness_summary(result: dict) -> dict[str, float]:
     if result["noisy"]:
         worst = max(result["noisy"], key=lambda r: r["sigma"])
         out["token_distance_noisy"] = sum(worst["distance"]) / len(worst["distance"])
-        if "agreement" in worst:
-            out["agreement_noisy"] = worst["agreement"]
-        if "top1_drop" in worst:
-            out["top1_drop"] = worst["top1_drop"]
+        out.update({key: worst[k] for key, k in (("agreement_noisy", "agreement"), ("top1_drop", "top1_drop"))
+                    if k in worst})
     return out
 
 

@@ -50,12 +50,9 @@ class HeadSpectra:
     def summary(self) -> dict:
         blocks = self.block_means()
         spectrum = self.mean_spectrum()
-        return {
-            "p1": sum(b["p1"] for b in blocks) / len(blocks),
-            "eff_rank": sum(b["eff_rank"] for b in blocks) / len(blocks),
-            "mean_spectrum": spectrum.tolist() if spectrum is not None else None,
-            "blocks": blocks,
-        }
+        return {"p1": sum(b["p1"] for b in blocks) / len(blocks),
+                "eff_rank": sum(b["eff_rank"] for b in blocks) / len(blocks),
+                "mean_spectrum": spectrum.tolist() if spectrum is not None else None, "blocks": blocks}
 
 
 def head_output_spectra(model: nn.Module, images: torch.Tensor, batch_size: int = 32) -> HeadSpectra:
@@ -107,9 +104,7 @@ def plot_spectra(curves: dict[str, HeadSpectra | list[float]], path, title: str 
         ax.plot(range(1, len(values) + 1), values, marker="o", markersize=3, label=label,
                 color=color_of(colors, label, i))
     integer_ticks(ax.xaxis)
-    ax.set_yscale("log")
-    ax.set_xlabel("eigenvalue index i (sorted)")
-    ax.set_ylabel("mean normalised eigenvalue p_i")
+    ax.set(yscale="log", xlabel="eigenvalue index i (sorted)", ylabel="mean normalised eigenvalue p_i")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
