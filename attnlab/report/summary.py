@@ -352,15 +352,9 @@ def accuracy_tables(rows: list[dict]) -> list[Table]:
                 col = row["columns"][c]
                 further += [NO_VALUE if col["mean"] is None else format_top1(col["mean"], col["sd"]),
                             format_gain(col["gain_pp"])]
-            cells.append([
-                label,
-                format_top1(row["mean"], row["sd"]),
-                format_gain(row["gain_pp"]),
-                row["wins"] or NO_VALUE,
-                str(row["n"]),
-                *further,
-                *(_fmt_extra(row.get("extras", {}).get(name)) for name in extra_names),
-            ])
+            cells.append([label, format_top1(row["mean"], row["sd"]), format_gain(row["gain_pp"]),
+                          row["wins"] or NO_VALUE, str(row["n"]), *further,
+                          *(_fmt_extra(row.get("extras", {}).get(name)) for name in extra_names)])
         tables.append(Table(header, cells, title=group_title(key)))
     return tables
 

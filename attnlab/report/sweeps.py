@@ -129,9 +129,7 @@ def sweep_figure(sweep: dict, colors: dict[str, str] | None = None):
         ax.plot(rates, [points[lr]["final"] for lr in rates], marker="o", label=label,
                 color=color_of(colors, variant, variants.index(variant)),
                 linestyle="--" if both and warmup == "none" else "-")
-    ax.set_xscale("log")
-    ax.set_xlabel("peak learning rate")
-    ax.set_ylabel(f"final {metric_title(sweep['metric']).lower()}")
+    ax.set(xscale="log", xlabel="peak learning rate", ylabel=f"final {metric_title(sweep['metric']).lower()}")
     ax.set_title(sweep["title"], fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="x-small", loc="best")

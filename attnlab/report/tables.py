@@ -33,8 +33,6 @@ FIGURE_GROUPS = {**{name: name for name in ("spectra", "redundancy", "robustness
                  **dict.fromkeys(("intruders", "value_similarity", "branch_cosine", "alpha"), "branches")}
 
 
-# ---------------------------------------------------------------------------------------------------------- ablation
-
 def ablation_tables(rows: list[dict], min_variants: int = 3) -> list[Table]:
     """Table 2 form per (model, tag, setting) with at least ``min_variants`` variants: Dataset | variant ...
     (baseline first, then as in ``rows``); cells mean ± SD, the best mean of each row in bold, an em dash where not
@@ -66,8 +64,6 @@ def ablation_tables(rows: list[dict], min_variants: int = 3) -> list[Table]:
         tables.append(Table(header, cells, title=group_title((model, "", tag, setting))))
     return tables
 
-
-# ----------------------------------------------------------------------------------------------------------- latency
 
 def find_bench_files(runs_dir: str | Path) -> list[Path]:
     """``attnlab bench --json`` outputs below ``runs_dir``: JSON files whose name contains "bench" or "latency"."""
@@ -125,8 +121,6 @@ def latency_tables(results: list[dict]) -> list[Table]:
         tables.append(Table(header, cells, align=["l", "l"] + ["r"] * (len(header) - 2)))
     return tables
 
-
-# ----------------------------------------------------------------------------------------------- analysis.json files
 
 def read_analyses(runs_dir: str | Path, runs: list[dict]) -> tuple[dict[str, dict], list[Path], list[dict]]:
     """Every ``analysis.json`` below ``runs_dir``: ``(by_run, dirs, problems)``.
@@ -223,8 +217,6 @@ def analysis_figures(dirs: list[Path], skip: set[Path] = frozenset()) -> dict[st
                 groups[group].append(png)
     return {g: sorted(paths) for g, paths in groups.items()}
 
-
-# ------------------------------------------------------------------------------------------------------------- costs
 
 def run_costs(run_dir: Path) -> dict:
     """Parameters and batch-1 forward multiply-adds of the model a run trains, rebuilt from its config.yaml."""

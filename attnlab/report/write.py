@@ -12,10 +12,13 @@ from collections import Counter
 from pathlib import Path
 
 from attnlab.errors import AttnlabError
-from attnlab.train.files import METRICS, RESULT
-
-from attnlab.report.summary import (NO_VALUE, find_unfinished, format_markdown, group_key, group_title, groups,
+from attnlab.report.page import Figure, Section, render_html, render_markdown
+from attnlab.report.summary import (NO_VALUE, accuracy_tables, find_unfinished, group_key, group_title, groups,
                                     label_settings, metric_title, scan_runs, summarize)
+from attnlab.report.sweeps import lr_sweeps, sensitivity_tables, sweep_figure, sweeps_json
+from attnlab.report.tables import (ablation_tables, analysis_figures, cost_tables, find_bench_files, latency_stats,
+                                   latency_tables, read_analyses, read_bench, spectral_tables)
+from attnlab.train.files import METRICS, RESULT
 
 
 def _slug(text: str) -> str:
@@ -66,8 +69,7 @@ def group_figure(rows: list[dict], title: str, colors: dict[str, str] | None = N
         gx.scatter(range(len(gains)), [r["gain_pp"] for r in gains], zorder=3,
                    c=[color_of(colors, r["variant"], i) for i, r in enumerate(gains)])
         gx.set_xticks(range(len(gains)), [r["variant"] for r in gains], rotation=35, ha="right", fontsize=8)
-        gx.set_xlim(-0.6, len(gains) - 0.4)
-        gx.set_ylabel(f"gain vs {base} (pp)")
+        gx.set(xlim=(-0.6, len(gains) - 0.4), ylabel=f"gain vs {base} (pp)")
         gx.set_title("gain (whiskers: variant's SD)", fontsize=9)
         gx.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -87,12 +89,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     per variant on the CPU). Returns ``{"markdown", "html", "rows", "markdown_path", "html_path", "json", "plots":
     list[Path]}``.
     """
-    from attnlab.report.page import Figure, Section, render_html, render_markdown
-    from attnlab.report.summary import accuracy_tables
-    from attnlab.report.tables import (ablation_tables, analysis_figures, cost_tables, find_bench_files,
-                                       latency_stats, latency_tables, read_analyses, read_bench, spectral_tables)
-
-    from attnlab.analysis.figures import variant_colors
+    from attnlab.analysis.figures import save_png, variant_colors
     from attnlab.train.checkpoint import atomic_write_text
 
     runs_dir = Path(runs_dir)
@@ -127,8 +124,6 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
         sections.append(Section("Ablation (NS-Attn Table 2 form)", paragraphs=[
             "Final-epoch top-1 (%), mean ± sample SD over seeds, one row per dataset; the best mean in bold."],
             tables=ablation))
-
-    from attnlab.report.sweeps import lr_sweeps, sensitivity_tables, sweep_figure, sweeps_json
 
     sweeps = lr_sweeps(runs)
     if sweeps:
@@ -217,8 +212,6 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
                 plot_layer_max_logits(maxima, path, title=label)
                 logits.append(Figure(path, f"Max attention logit per layer over training, {label} (the training "
                                            f"probe, probe_every; mean over seeds)"))
-        from attnlab.analysis.figures import save_png
-
         rates = []
         for sweep in sweeps:
             path = save_png(sweep_figure(sweep, colors), out / f"report_lr_{_slug(sweep['title'])}.png")
