@@ -122,14 +122,9 @@ def training_curves(run_dirs: list[str | Path]) -> dict[str, dict]:
     return aggregate(runs, panels_of(run_dirs[0]))
 
 
-def _split(key: str) -> tuple[str, str]:
-    """(group, variant) of a :func:`training_curves` key: "model/dataset/variant" when the runs span several."""
-    group, _, variant = key.rpartition("/")
-    return group, variant
-
-
 def _variant(key: str) -> str:
-    return _split(key)[1]
+    """The variant of a :func:`training_curves` key ("model/dataset/variant" when the runs span several)."""
+    return key.rpartition("/")[2]
 
 
 def plot_training_curves(curves: dict[str, dict], path: str | Path | None = None, *, baseline: str | None = "standard",
@@ -138,18 +133,14 @@ def plot_training_curves(curves: dict[str, dict], path: str | Path | None = None
     beside the baseline's curves in grey when ``curves`` hold the baseline, axes shared down each column, whole
     epochs on the x axis; colours from ``colors`` (default :func:`attnlab.analysis.figures.variant_colors`). Written
     to ``path`` when given. Returns the matplotlib Figure."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from .figures import BASELINE_COLOR, color_of, integer_ticks, save_png, variant_colors
+    from .figures import BASELINE_COLOR, agg_figure, color_of, integer_ticks, save_png, variant_colors
 
     colors = colors if colors is not None else variant_colors(map(_variant, curves), baseline)
     panels = [tuple(p) for p in next(iter(curves.values()), {}).get("panels", PANELS)]
     base_name = "".join(str(baseline).split()) if baseline is not None else None
     bases = {key: entry for key, entry in curves.items() if _variant(key) == base_name}
     rows = [key for key in curves if key not in bases] or list(bases)
-    fig = Figure(figsize=(11, 0.7 + 2.3 * len(rows)))
-    FigureCanvasAgg(fig)
+    fig = agg_figure(figsize=(11, 0.7 + 2.3 * len(rows)))
     axes = fig.subplots(len(rows), len(panels), sharex=True, sharey="col", squeeze=False)
 
     def draw(ax, entry, metric, color, label, **style):
@@ -159,7 +150,7 @@ def plot_training_curves(curves: dict[str, dict], path: str | Path | None = None
 
     for i, key in enumerate(rows):
         # the baseline of the variant's own model and dataset, when the curves span several
-        base = next((e for k, e in bases.items() if k != key and _split(k)[0] == _split(key)[0]), None)
+        base = next((e for k, e in bases.items() if k != key and k.rpartition("/")[0] == key.rpartition("/")[0]), None)
         for j, (metric, title) in enumerate(panels):
             ax = axes[i][j]
             if base is not None:
@@ -220,13 +211,10 @@ def plot_layer_max_logits(found: dict[str, dict], path: str | Path | None = None
     step, darker for deeper layers (the logit growth of Wortsman et al. 2023, arXiv 2309.14322). Written to
     ``path`` when given."""
     from matplotlib import colormaps
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
 
-    from .figures import save_png
+    from .figures import agg_figure, save_png
 
-    fig = Figure(figsize=(max(4.0, 3.2 * len(found)), 3.2))
-    FigureCanvasAgg(fig)
+    fig = agg_figure(figsize=(max(4.0, 3.2 * len(found)), 3.2))
     axes = fig.subplots(1, len(found), sharey=True, squeeze=False)[0]
     for ax, (variant, entry) in zip(axes, sorted(found.items())):
         depth = len(entry["layers"])

@@ -29,13 +29,13 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from .figures import save_png
+from .figures import agg_figure, save_png
+from .maps import forward_batches
 
 DEFAULT_K = 10
 DEFAULT_EPS = math.cos(math.pi / 3)
 
 
-# ---- the measures, on tensors ------------------------------------------------------------------------------------
 def intruder_dimensions(a: torch.Tensor, b: torch.Tensor, k: int = DEFAULT_K, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """Number of a's top-k left singular vectors whose |cosine| with every one of b's top-k stays below eps.
 
@@ -65,7 +65,6 @@ def branch_cosine(o_pos: torch.Tensor, o_neg: torch.Tensor) -> torch.Tensor:
     return frobenius_cosine(o_pos, o_neg)
 
 
-# ---- the measures, on a model ------------------------------------------------------------------------------------
 def two_branch_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every module with ``branch_outputs`` (DnA, diff), in forward order."""
     found = [(n, m) for n, m in model.named_modules() if callable(getattr(m, "branch_outputs", None))]
@@ -83,10 +82,9 @@ def _branch_values(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def _coefficients(module: nn.Module) -> tuple[str, torch.Tensor]:
-    if callable(getattr(module, "alpha_values", None)):
-        return "alpha", module.alpha_values().detach().double().cpu().reshape(-1)
-    if callable(getattr(module, "lambda_full", None)):
-        return "lambda", module.lambda_full().detach().double().cpu().reshape(-1)
+    for kind, method in (("alpha", "alpha_values"), ("lambda", "lambda_full")):
+        if callable(getattr(module, method, None)):
+            return kind, getattr(module, method)().detach().double().cpu().reshape(-1)
     raise UnsupportedModelError(f"{type(module).__name__} exposes neither alpha_values() nor lambda_full().")
 
 
@@ -154,18 +152,8 @@ def branch_instruments(model: nn.Module, images: torch.Tensor, k: int = DEFAULT_
             parts[index]["o"].append(branch_cosine(o_pos, o_neg).cpu())
         return record
 
-    flags = [m.training for m in model.modules()]
-    handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, (_, m) in enumerate(modules)]
-    device = next(model.parameters()).device
-    try:
-        model.eval()
-        for start in range(0, images.shape[0], batch_size):
-            model(images[start:start + batch_size].to(device))
-    finally:
-        for h in handles:
-            h.remove()
-        for m, flag in zip(model.modules(), flags):
-            m.training = flag
+    forward_batches(model, images, batch_size,
+                    [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, (_, m) in enumerate(modules)])
     for p in parts:
         result.intruders.append(torch.cat(p["i"]))
         result.value_similarity.append(torch.cat(p["c"]))
@@ -176,21 +164,15 @@ def branch_instruments(model: nn.Module, images: torch.Tensor, k: int = DEFAULT_
 def plot_branch_instruments(results: dict[str, BranchInstruments], out_dir: str | Path) -> list[Path]:
     """Histograms (intruder counts, C(V+, V-), branch cosine) with one series per model, and alpha statistics per
     layer; one PNG each in ``out_dir``. Returns the paths."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
 
     def save(fig, name):
-        path = out_dir / name
         fig.tight_layout()
-        save_png(fig, path, dpi=120)
-        paths.append(path)
+        paths.append(save_png(fig, out_dir / name, dpi=120))
 
-    fig = Figure(figsize=(6, 4))
-    FigureCanvasAgg(fig)
+    fig = agg_figure(figsize=(6, 4))
     ax = fig.add_subplot()
     k = max(r.k for r in results.values())
     width = 0.8 / max(len(results), 1)
@@ -205,8 +187,7 @@ def plot_branch_instruments(results: dict[str, BranchInstruments], out_dir: str 
     save(fig, "intruders.png")
 
     for key, label in (("value_similarity", "C(V+, V-)"), ("branch_cosine", "cosine(O+, O-)")):
-        fig = Figure(figsize=(6, 4))
-        FigureCanvasAgg(fig)
+        fig = agg_figure(figsize=(6, 4))
         ax = fig.add_subplot()
         for name, r in results.items():
             ax.hist(r.pooled(key).numpy(), bins=50, range=(-1, 1), alpha=0.6, density=True,
@@ -215,8 +196,7 @@ def plot_branch_instruments(results: dict[str, BranchInstruments], out_dir: str 
         ax.legend()
         save(fig, f"{key}.png")
 
-    fig = Figure(figsize=(10, 3))
-    FigureCanvasAgg(fig)
+    fig = agg_figure(figsize=(10, 3))
     for j, stat in enumerate(("mean", "max", "min", "sd")):
         ax = fig.add_subplot(1, 4, j + 1)
         for name, r in results.items():

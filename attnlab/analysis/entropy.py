@@ -19,8 +19,8 @@ key padding, Swin's window mask) has weight 0 and is not in the maximum; the que
 neither in the entropy nor in the maximum, so a padded sequence model (which passes its key-padding mask to its
 blocks) and a causal one are measured on their real positions only. Only softmax kernels are measured
 (``standard``, with or without ``ns``, which acts after the weights): DnA, Diff and Cog do not form one
-row-stochastic softmax per head, and
-those layers raise UnsupportedModelError (or are skipped with ``skip_unsupported=True``).
+row-stochastic softmax per head, and those layers raise UnsupportedModelError (or are skipped with
+``skip_unsupported=True``).
 
 The maximum logit is max over images, i, j of q_h,i . k_h,j / sqrt(D): QK-clip's S_max (bias excluded unless
 ``include_bias``). The spectral norm is that of the bilinear form of the logits, x_i^T (W_q,h^T W_k,h) x_j with
@@ -37,30 +37,18 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from ..models.convert import attention_modules
-
-
-def _is_softmax(module: nn.Module) -> bool:
-    return getattr(module, "plain_softmax", False)
-
-
-def _why_unsupported(name: str, module: nn.Module) -> str:
-    if not hasattr(module, "project"):
-        return (f"attention module {name!r} is timm's {type(module).__name__}; convert the model with "
-                f"attnlab.convert(model, 'standard') first (it changes no output).")
-    return (f"attention module {name!r} is {type(module).__name__}, which does not form one softmax per head; "
-            f"attention entropy and logits are measured for the standard kernel (with or without ns).")
+from .maps import forward_batches, measured_modules, unconverted
 
 
 def _softmax_modules(model: nn.Module, skip_unsupported: bool) -> list[tuple[str, nn.Module]]:
-    found = attention_modules(model)
-    if not found:
-        raise UnsupportedModelError(f"{type(model).__name__} has no attention module attnlab can measure.")
     keep = []
-    for name, module in found:
-        if _is_softmax(module):
+    for name, module in measured_modules(model):
+        if getattr(module, "plain_softmax", False):
             keep.append((name, module))
         elif not skip_unsupported:
-            raise UnsupportedModelError(_why_unsupported(name, module))
+            raise UnsupportedModelError(unconverted(name, module) if not hasattr(module, "project") else (
+                f"attention module {name!r} is {type(module).__name__}, which does not form one softmax per head; "
+                f"attention entropy and logits are measured for the standard kernel (with or without ns)."))
     return keep
 
 
@@ -72,10 +60,6 @@ def _logits(module: nn.Module, args: tuple, kwargs: dict):
     with torch.autocast(x.device.type, enabled=False):  # float32 logits even when called under autocast
         qk = (q.float() @ k.float().transpose(-2, -1)) * module.scale
         return qk, module.add_bias(qk, mask), mask
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next(iter(model.parameters())).device
 
 
 @torch.no_grad()
@@ -109,17 +93,7 @@ def _collect(model: nn.Module, images: torch.Tensor, *, want_entropy: bool, incl
         return hook
 
     handles = [m.register_forward_pre_hook(make_hook(r), with_kwargs=True) for (_, m), r in zip(modules, records)]
-    modes = [(m, m.training) for m in model.modules()]  # restored one by one: a caller may mix modes
-    model.eval()
-    try:
-        device = _device(model)
-        for chunk in images.split(batch_size):
-            model(chunk.to(device))
-    finally:
-        for m, mode in modes:
-            m.training = mode
-        for h in handles:
-            h.remove()
+    forward_batches(model, images, batch_size, handles)  # every module's mode restored after: a caller may mix modes
     return records
 
 
@@ -203,7 +177,7 @@ def training_probe(model: nn.Module, images: torch.Tensor, topk_percent: float =
     out: dict[str, float] = {}
     found = attention_modules(model)
     records = _collect(model, images, want_entropy=True, include_bias=False, batch_size=batch_size,
-                       skip_unsupported=True) if any(_is_softmax(m) for _, m in found) else []
+                       skip_unsupported=True) if any(getattr(m, "plain_softmax", False) for _, m in found) else []
     if records:
         layers = [_summarise(r, topk_percent) for r in records]
         for i, (layer, record) in enumerate(zip(layers, records)):
@@ -212,11 +186,9 @@ def training_probe(model: nn.Module, images: torch.Tensor, topk_percent: float =
         means = torch.cat([layer["mean"] for layer in layers])
         lows = torch.cat([layer["low"] for layer in layers])
         maxima = torch.cat([r["max_logit"] for r in records])
-        out.update({
-            "entropy/mean": float(means.mean()), "entropy/min_head": float(means.min()),
-            "entropy/low": float(lows.mean()),
-            "max_logit/max": float(maxima.max()), "max_logit/mean": float(maxima.mean()),
-        })
+        out.update({"entropy/mean": float(means.mean()), "entropy/min_head": float(means.min()),
+                    "entropy/low": float(lows.mean()), "max_logit/max": float(maxima.max()),
+                    "max_logit/mean": float(maxima.mean())})
     if found and not any(hasattr(m, "qk_head_dim") for _, m in found):
         norms = torch.cat([r["norm"] for r in qk_spectral_norms(model)])
         out.update({"qk_spectral_norm/max": float(norms.max()), "qk_spectral_norm/mean": float(norms.mean())})

@@ -48,6 +48,16 @@ def integer_ticks(axis) -> None:
     axis.set_major_locator(MaxNLocator(integer=True))
 
 
+def agg_figure(**kwargs):
+    """A matplotlib ``Figure(**kwargs)`` on the Agg canvas: no pyplot state or display is touched."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig
+
+
 def save_png(fig, path: str | Path, **savefig_kwargs) -> Path:
     """Write the matplotlib ``fig`` to ``path`` as PNG (``savefig_kwargs`` go to ``Figure.savefig``); returns it."""
     from ..train.checkpoint import atomic_write_bytes
@@ -58,4 +68,4 @@ def save_png(fig, path: str | Path, **savefig_kwargs) -> Path:
     return Path(path)
 
 
-__all__ = ["BASELINE_COLOR", "PALETTE", "color_of", "integer_ticks", "save_png", "variant_colors"]
+__all__ = ["BASELINE_COLOR", "PALETTE", "agg_figure", "color_of", "integer_ticks", "save_png", "variant_colors"]

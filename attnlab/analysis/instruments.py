@@ -207,14 +207,12 @@ def plot_results(results: dict[str, dict], out_dir: str | Path) -> list[Path]:
         spectrum_colors = {(f"{attn} (D={n})" if mixed else attn): by_variant["".join(attn.split())]
                            for attn, n in curves}
         paths.append(Path(plot_spectra(mean, out_dir / "spectra.png", colors=spectrum_colors)))
-    redundancy = {label: r["redundancy"] for label, r in results.items() if r.get("redundancy")}
-    if redundancy:  # DnA Figure 12: one line per run and branch
-        plot_redundancy(redundancy, out_dir / "redundancy.png", colors=colors)
-        paths.append(out_dir / "redundancy.png")
-    robustness = {label: r["robustness"] for label, r in results.items() if r.get("robustness")}
-    if robustness:  # DnA Figure 9: one panel per sigma
-        plot_robustness(robustness, out_dir / "robustness.png", colors=colors)
-        paths.append(out_dir / "robustness.png")
+    # DnA Figure 12 (one line per run and branch) and Figure 9 (one panel per sigma)
+    for name, plot in (("redundancy", plot_redundancy), ("robustness", plot_robustness)):
+        found = {label: r[name] for label, r in results.items() if r.get(name)}
+        if found:
+            plot(found, out_dir / f"{name}.png", colors=colors)
+            paths.append(out_dir / f"{name}.png")
     return paths
 
 

@@ -150,16 +150,11 @@ def _capture_inputs(model: nn.Module, modules: list[tuple[str, nn.Module]], imag
 def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Sequence[int] | None = None,
                           heads: Sequence[int] | None = None, sequences: Sequence[int] | None = None,
                           dtype: torch.dtype = torch.float64) -> JacobianConditioning:
-    """Condition number of each attention head's Jacobian w.r.t. its W_Q, W_K, W_V at the inputs ``images`` produce.
-
-    Args:
-        model: an attnlab model with softmax attention (``build_model(..., attn="standard" / "sigma" / ...)``).
-        images: (B, C, H, W) batch; one forward pass in eval mode captures every block's input.
-        blocks: indices of the attention modules (forward order) to measure; default all.
-        heads: head indices; default all (of each block).
-        sequences: which rows of a block's input to measure (images for ViT, windows for Swin); default ``[0]``.
-        dtype: precision of the Jacobian and its SVD (float64 by default).
-    """
+    """Condition number of each attention head's Jacobian w.r.t. its W_Q, W_K, W_V at the inputs ``images`` (B, C,
+    H, W) produce, every block's input captured by one eval-mode forward, for a model with softmax attention
+    (``build_model(..., attn="standard" / "sigma" / ...)``). ``blocks``: the attention modules (indices in forward
+    order) to measure, default all; ``heads``: default all of each block; ``sequences``: the rows of a block's input
+    to measure (images for ViT, windows for Swin), default ``[0]``; ``dtype``: of the Jacobian and its SVD."""
     found = attention_modules(model)
     chosen = [found[i] for i in (range(len(found)) if blocks is None else blocks)]
     for name, module in chosen:
@@ -195,16 +190,15 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
                     one = None if mask is None else mask.for_sample(s)
                     real = None if one is None or one.key_padding is None else one.key_padding[0]
                     if hasattr(module, "head_output"):  # channel maps, Nyström, FAVOR+: the module's own formula
-                        j = attention_jacobian(x_all[s].to(dtype), w_q, w_k, w_v, b_q=b_q, b_k=b_k, b_v=b_v,
-                                               head_fn=_own_head(module, h, transform, one), rows=real)
+                        head = {"head_fn": _own_head(module, h, transform, one)}
                     else:
                         with torch.no_grad():
                             like = x_all.new_empty(1, module.num_heads, N, D, dtype=dtype)
                             bias = module.attn_bias(one, like)
                         bias = None if bias is None else bias.expand(1, module.num_heads, N, N)[0, h].to(dtype)
-                        j = attention_jacobian(x_all[s].to(dtype), w_q, w_k, w_v, b_q=b_q, b_k=b_k, b_v=b_v,
-                                               scale=module.scale, bias=bias, head_transform=transform, rows=real,
-                                               real=real, **norms)
+                        head = dict(scale=module.scale, bias=bias, head_transform=transform, real=real, **norms)
+                    j = attention_jacobian(x_all[s].to(dtype), w_q, w_k, w_v, b_q=b_q, b_k=b_k, b_v=b_v, rows=real,
+                                           **head)
                     per_seq.append(torch.stack(condition_number(j)))
                 per_head.append(torch.stack(per_seq))
             results.append((head_list, torch.stack(per_head)))  # (heads, sequences, 3)

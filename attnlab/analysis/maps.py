@@ -29,17 +29,27 @@ from ..errors import UnsupportedModelError
 from ..models.convert import attention_modules
 
 
-def map_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every attention module, in forward order; UnsupportedModelError naming the first whose
-    attention maps cannot be read."""
+def measured_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every attention module, in forward order; UnsupportedModelError when there is none."""
     found = attention_modules(model)
     if not found:
         raise UnsupportedModelError(f"{type(model).__name__} has no attention module attnlab can measure.")
+    return found
+
+
+def unconverted(name: str, module: nn.Module) -> str:
+    """Why timm's own attention module ``name`` cannot be measured, and what to do."""
+    return (f"attention module {name!r} is timm's {type(module).__name__}; convert the model with "
+            f"attnlab.convert(model, 'standard') first (it changes no output).")
+
+
+def map_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every attention module, in forward order; UnsupportedModelError naming the first whose
+    attention maps cannot be read."""
+    found = measured_modules(model)
     for name, module in found:
         if not hasattr(module, "project"):
-            raise UnsupportedModelError(
-                f"attention module {name!r} is timm's {type(module).__name__}; convert the model with "
-                f"attnlab.convert(model, 'standard') first (it changes no output).")
+            raise UnsupportedModelError(unconverted(name, module))
         if getattr(module, "explicit_maps", None) is None:
             raise UnsupportedModelError(
                 f"attention module {name!r} is {type(module).__name__}, which has no explicit attention maps "
@@ -87,4 +97,16 @@ def eval_mode(model: nn.Module) -> Iterator[torch.device]:
             m.training = mode
 
 
-__all__ = ["Branch", "capture_maps", "eval_mode", "map_modules"]
+def forward_batches(model: nn.Module, images: torch.Tensor, batch_size: int, handles=()) -> None:
+    """``images`` through ``model`` in chunks of ``batch_size`` under :func:`eval_mode`; the hooks ``handles`` (what
+    measures the forwards) are removed after, whatever happens."""
+    try:
+        with eval_mode(model) as device:
+            for chunk in images.split(batch_size):
+                model(chunk.to(device))
+    finally:
+        for h in handles:
+            h.remove()
+
+
+__all__ = ["Branch", "capture_maps", "eval_mode", "forward_batches", "map_modules", "measured_modules", "unconverted"]

@@ -16,13 +16,6 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
            "#17becf")
 
 
-def _to_uint8(image: torch.Tensor) -> torch.Tensor:
-    image = image.detach().cpu()
-    if image.dtype != torch.uint8:
-        image = (image.float().clamp(0, 1) * 255).round().to(torch.uint8)
-    return image
-
-
 def draw_instances(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor, masks: torch.Tensor | None = None,
                    scores: torch.Tensor | None = None, names: Sequence[str] | None = None,
                    alpha: float = 0.45) -> torch.Tensor:
@@ -30,7 +23,9 @@ def draw_instances(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tenso
     (N, 4, XYXY) outlined, each in its label's colour and captioned by ``names[label]`` and the score; uint8."""
     from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
-    out = _to_uint8(image)
+    out = image.detach().cpu()
+    if out.dtype != torch.uint8:
+        out = (out.float().clamp(0, 1) * 255).round().to(torch.uint8)
     labels = [int(v) for v in labels]
     colours = [PALETTE[label % len(PALETTE)] for label in labels]
     if masks is not None and len(masks):

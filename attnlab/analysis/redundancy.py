@@ -18,26 +18,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .maps import capture_maps, eval_mode
-from .figures import save_png
+from .maps import capture_maps, forward_batches
+from .figures import agg_figure, save_png
+
+
+def _cosines(maps: torch.Tensor) -> torch.Tensor:
+    """(..., H, H) cos(W_i, W_j) of maps (..., H, N, M), each map one vector; float64."""
+    flat = maps.double().flatten(-2)
+    unit = flat / flat.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    return unit @ unit.transpose(-2, -1)
 
 
 def head_distance(maps: torch.Tensor) -> torch.Tensor:
     """Mean over head pairs i < j of 1 - cos(W_i, W_j) for maps (..., H, N, M); returns (...) float64 (nan for
     one head)."""
-    flat = maps.double().flatten(-2)
-    unit = flat / flat.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
-    cos = unit @ unit.transpose(-2, -1)  # (..., H, H)
     H = maps.shape[-3]
     i, j = torch.triu_indices(H, H, offset=1, device=maps.device)
-    return (1 - cos[..., i, j]).mean(dim=-1)
+    return (1 - _cosines(maps)[..., i, j]).mean(dim=-1)
 
 
 def pair_distances(maps: torch.Tensor) -> torch.Tensor:
     """(H, H) matrix of 1 - cos(W_i, W_j) averaged over the leading dimensions of maps (..., H, N, M); float64."""
-    flat = maps.double().flatten(-2)
-    unit = flat / flat.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
-    return (1 - unit @ unit.transpose(-2, -1)).reshape(-1, maps.shape[-3], maps.shape[-3]).mean(dim=0)
+    return (1 - _cosines(maps)).reshape(-1, maps.shape[-3], maps.shape[-3]).mean(dim=0)
 
 
 @torch.no_grad()
@@ -55,9 +57,8 @@ def head_redundancy(model: nn.Module, images: torch.Tensor, batch_size: int = 32
             acc[2] += b.weights.shape[0]
             acc[3] = acc[3] + pair_distances(b.weights).cpu() * b.weights.shape[0]
 
-    with capture_maps(model, record), eval_mode(model) as device:
-        for chunk in images.split(batch_size):
-            model(chunk.to(device))
+    with capture_maps(model, record):
+        forward_batches(model, images, batch_size)
     layers: dict[int, dict] = {}
     for (index, branch), (name, total, count, pairs) in sorted(sums.items()):
         layer = layers.setdefault(index, {"layer": name, "branches": {}})
@@ -78,13 +79,9 @@ def redundancy_summary(layers: list[dict]) -> dict[str, float]:
 def plot_redundancy(results: dict[str, list[dict]], path, colors: dict[str, str] | None = None) -> None:
     """Figure 12: mean head distance per layer, one line per model (label; ``colors`` {label: colour}) and branch
     (one line style per branch); written to ``path``."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     from .figures import color_of, integer_ticks
 
-    fig = Figure(figsize=(9, 4))
-    FigureCanvasAgg(fig)
+    fig = agg_figure(figsize=(9, 4))
     ax = fig.add_subplot()
     for n, (label, layers) in enumerate(results.items()):
         branches = sorted({b for layer in layers for b in layer["branches"]}, key=lambda b: (b != "attn", b))

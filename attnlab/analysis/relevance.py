@@ -28,7 +28,7 @@ from torch import nn
 
 from ..errors import ConfigError, UnsupportedModelError
 from .maps import capture_maps, eval_mode, map_modules
-from .figures import save_png
+from .figures import agg_figure, save_png
 
 
 def layer_relevance(effective: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -56,14 +56,6 @@ class Relevance:
     prefix: int
 
 
-def _check_global(model: nn.Module) -> None:
-    for name, module in map_modules(model):
-        if getattr(module, "window_size", None) is not None:
-            raise UnsupportedModelError(
-                f"relevance rollout needs one token set through every layer, but {name!r} attends within shifted "
-                f"windows and patch merging changes the tokens between stages (Swin); use a ViT-style model.")
-
-
 def relevance_matrices(model: nn.Module, images: torch.Tensor, classes: torch.Tensor | None = None
                        ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """({branch: R (B, N, N)}, target classes (B,)) for ``images`` (B, C, H, W), eval mode, float32."""
@@ -71,7 +63,11 @@ def relevance_matrices(model: nn.Module, images: torch.Tensor, classes: torch.Te
         raise UnsupportedModelError("relevance explains a classifier's class logits over image patches; this model "
                                     "reads token ids (a language model), whose output is a next-token distribution "
                                     "per position.")
-    _check_global(model)
+    for name, module in map_modules(model):
+        if getattr(module, "window_size", None) is not None:
+            raise UnsupportedModelError(
+                f"relevance rollout needs one token set through every layer, but {name!r} attends within shifted "
+                f"windows and patch merging changes the tokens between stages (Swin); use a ViT-style model.")
     maps: dict[int, dict] = {}
 
     def record(index, name, module, branches):
@@ -132,13 +128,10 @@ def plot_relevance(images: torch.Tensor, relevance: Relevance, path, title: str 
     """One row per image: the input, then each branch's relevance (red positive, blue negative, zero white,
     one colour scale per image) over the greyed input; written to ``path``."""
     import torch.nn.functional as F
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
 
     branches = sorted(relevance.maps)
     n = images.shape[0]
-    fig = Figure(figsize=(2.2 * (1 + len(branches)), 2.2 * n))
-    FigureCanvasAgg(fig)
+    fig = agg_figure(figsize=(2.2 * (1 + len(branches)), 2.2 * n))
     for i in range(n):
         img = images[i].detach().cpu().float()
         img = (img - img.min()) / (img.max() - img.min()).clamp_min(1e-12)

@@ -23,9 +23,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, UnsupportedModelError
-from ..models.convert import attention_modules
-from .maps import eval_mode
-from .figures import save_png
+from .figures import agg_figure, save_png
+from .maps import forward_batches, measured_modules
 
 DEFAULT_SIGMAS = (0.1, 0.2, 0.5)
 
@@ -50,11 +49,8 @@ def psnr(clean: torch.Tensor, noisy: torch.Tensor, data_range: float) -> float:
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The blocks holding the attention modules (each attention module's parent), in forward order."""
-    found = attention_modules(model)
-    if not found:
-        raise UnsupportedModelError(f"{type(model).__name__} has no attention module attnlab can measure.")
     named = dict(model.named_modules())
-    return [(name.rpartition(".")[0], named[name.rpartition(".")[0]]) for name, _ in found]
+    return [(name.rpartition(".")[0], named[name.rpartition(".")[0]]) for name, _ in measured_modules(model)]
 
 
 @torch.no_grad()
@@ -71,16 +67,11 @@ def _pass(model: nn.Module, images: torch.Tensor, batch_size: int, prefix: int
             sums[index] += token_distance(tokens).sum().item()
         return run
 
-    handles = [m.register_forward_hook(hook(i)) for i, (_, m) in enumerate(blocks)]
     preds = []
-    try:
-        with eval_mode(model) as device:
-            for chunk in images.split(batch_size):
-                out = model(chunk.to(device))
-                preds.append(out.argmax(dim=-1).cpu() if out.dim() == 2 else None)
-    finally:
-        for h in handles:
-            h.remove()
+    handles = [m.register_forward_hook(hook(i)) for i, (_, m) in enumerate(blocks)]
+    handles.append(model.register_forward_hook(
+        lambda module, args, out: preds.append(out.argmax(dim=-1).cpu() if out.dim() == 2 else None)))
+    forward_batches(model, images, batch_size, handles)
     return [s / images.shape[0] for s in sums], None if preds[0] is None else torch.cat(preds)
 
 
@@ -131,24 +122,18 @@ def robustness_summary(result: dict) -> dict[str, float]:
     if result["noisy"]:
         worst = max(result["noisy"], key=lambda r: r["sigma"])
         out["token_distance_noisy"] = sum(worst["distance"]) / len(worst["distance"])
-        if "agreement" in worst:
-            out["agreement_noisy"] = worst["agreement"]
-        if "top1_drop" in worst:
-            out["top1_drop"] = worst["top1_drop"]
+        out.update({key: worst[k] for key, k in (("agreement_noisy", "agreement"), ("top1_drop", "top1_drop"))
+                    if k in worst})
     return out
 
 
 def plot_robustness(results: dict[str, dict], path, colors: dict[str, str] | None = None) -> None:
     """Figure 9: Delta per block, one panel per sigma (PSNR and top-1 drop in the title), clean solid and noisy
     dashed, one colour per model (label; ``colors`` {label: colour}); written to ``path``."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     from .figures import color_of, integer_ticks
 
     sigmas = sorted({r["sigma"] for res in results.values() for r in res["noisy"]})
-    fig = Figure(figsize=(4 * max(len(sigmas), 1), 3.5))
-    FigureCanvasAgg(fig)
+    fig = agg_figure(figsize=(4 * max(len(sigmas), 1), 3.5))
     for j, sigma in enumerate(sigmas or [None]):
         ax = fig.add_subplot(1, max(len(sigmas), 1), j + 1)
         title = []

@@ -18,7 +18,8 @@ from torch import nn
 from ..attention.base import AttnlabAttention
 from ..errors import UnsupportedModelError
 from ..ops.spectra import effective_rank, gram_spectrum, leading_fraction
-from .figures import save_png
+from .figures import agg_figure, save_png
+from .maps import forward_batches
 
 
 @dataclass
@@ -49,12 +50,9 @@ class HeadSpectra:
     def summary(self) -> dict:
         blocks = self.block_means()
         spectrum = self.mean_spectrum()
-        return {
-            "p1": sum(b["p1"] for b in blocks) / len(blocks),
-            "eff_rank": sum(b["eff_rank"] for b in blocks) / len(blocks),
-            "mean_spectrum": spectrum.tolist() if spectrum is not None else None,
-            "blocks": blocks,
-        }
+        return {"p1": sum(b["p1"] for b in blocks) / len(blocks),
+                "eff_rank": sum(b["eff_rank"] for b in blocks) / len(blocks),
+                "mean_spectrum": spectrum.tolist() if spectrum is not None else None, "blocks": blocks}
 
 
 def head_output_spectra(model: nn.Module, images: torch.Tensor, batch_size: int = 32) -> HeadSpectra:
@@ -75,18 +73,9 @@ def head_output_spectra(model: nn.Module, images: torch.Tensor, batch_size: int 
             chunks[index].append(gram_spectrum(output.detach().mT).cpu())
         return record
 
-    handles = [m.head_transform.register_forward_hook(hook(i)) for i, (_, m) in enumerate(modules)]
-    was_training = model.training
-    device = next(model.parameters()).device
-    try:
-        model.eval()
-        with torch.inference_mode():
-            for start in range(0, len(images), batch_size):
-                model(images[start:start + batch_size].to(device))
-    finally:
-        model.train(was_training)
-        for h in handles:
-            h.remove()
+    with torch.inference_mode():
+        forward_batches(model, images, batch_size,
+                        [m.head_transform.register_forward_hook(hook(i)) for i, (_, m) in enumerate(modules)])
     for parts in chunks:
         p = torch.cat(parts)  # (matrices, H, D)
         result.spectra.append(p)
@@ -105,23 +94,17 @@ def plot_spectra(curves: dict[str, HeadSpectra | list[float]], path, title: str 
                  colors: dict[str, str] | None = None):
     """Figure 2 of the paper: the mean normalised eigenvalue spectrum per variant (log scale), written as PNG;
     ``colors`` {label: colour} (default: :func:`attnlab.analysis.figures.variant_colors` of the labels)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     from .figures import color_of, integer_ticks, variant_colors
 
     colors = colors if colors is not None else variant_colors(curves)
-    fig = Figure(figsize=(5.5, 3.6), dpi=120)
-    FigureCanvasAgg(fig)
+    fig = agg_figure(figsize=(5.5, 3.6), dpi=120)
     ax = fig.add_subplot()
     for i, (label, curve) in enumerate(curves.items()):
         values = curve.mean_spectrum().tolist() if isinstance(curve, HeadSpectra) else list(curve)
         ax.plot(range(1, len(values) + 1), values, marker="o", markersize=3, label=label,
                 color=color_of(colors, label, i))
     integer_ticks(ax.xaxis)
-    ax.set_yscale("log")
-    ax.set_xlabel("eigenvalue index i (sorted)")
-    ax.set_ylabel("mean normalised eigenvalue p_i")
+    ax.set(yscale="log", xlabel="eigenvalue index i (sorted)", ylabel="mean normalised eigenvalue p_i")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

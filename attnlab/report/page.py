@@ -49,6 +49,13 @@ class Section:
     subsections: list["Section"] = field(default_factory=list)
 
 
+def _walk(sections: list[Section], level: int = 2):
+    """(section, heading level) of every section and, after each, its subsections, depth first."""
+    for section in sections:
+        yield section, level
+        yield from _walk(section.subsections, level + 1)
+
+
 def table_markdown(table: Table) -> str:
     """``### title`` (if any), a blank line, then the pipe table; no trailing newline."""
     lines = [f"### {table.title}", ""] if table.title else []
@@ -61,8 +68,7 @@ def table_markdown(table: Table) -> str:
 def render_markdown(title: str, intro: str, sections: list[Section], out_dir: Path) -> str:
     """The whole report as Markdown; figures are linked relative to ``out_dir`` (where report.md goes)."""
     parts = [f"# {title}", intro]
-
-    def emit(section: Section, level: int) -> None:
+    for section, level in _walk(sections):
         parts.append(f"{'#' * level} {section.title}")
         parts.extend(section.paragraphs)
         if section.items:
@@ -71,11 +77,6 @@ def render_markdown(title: str, intro: str, sections: list[Section], out_dir: Pa
         for fig in section.figures:
             ref = Path(os.path.relpath(fig.path, out_dir)).as_posix()
             parts.append(f"![{fig.caption}]({ref})")
-        for sub in section.subsections:
-            emit(sub, level + 1)
-
-    for section in sections:
-        emit(section, 2)
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
@@ -124,19 +125,14 @@ def render_html(title: str, intro: str, sections: list[Section]) -> str:
     parts = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
              f"<title>{html.escape(title)}</title>", f"<style>{_CSS}</style>", "</head>", "<body>",
              f"<h1>{html.escape(title)}</h1>", f"<p>{_inline(intro)}</p>"]
-
-    def emit(section: Section, level: int) -> None:
+    for section, level in _walk(sections):
+        level = min(level, 6)  # HTML has no <h7>
         parts.append(f"<h{level}>{_inline(section.title)}</h{level}>")
         parts.extend(f"<p>{_inline(p)}</p>" for p in section.paragraphs)
         if section.items:
             parts.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in section.items) + "</ul>")
         parts.extend(table_html(t) for t in section.tables)
         parts.extend(figure_html(f) for f in section.figures)
-        for sub in section.subsections:
-            emit(sub, min(level + 1, 6))
-
-    for section in sections:
-        emit(section, 2)
     parts += ["</body>", "</html>"]
     return "\n".join(parts) + "\n"
 

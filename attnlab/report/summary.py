@@ -179,16 +179,10 @@ def label_settings(runs: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def scan_runs(runs_dir: str | Path) -> tuple[list[dict], list[dict]]:
-    """Every ``result.json`` below ``runs_dir`` (recursively, sorted by path), split into readable and unreadable.
-
-    Returns ``(runs, unreadable)``: runs as from :func:`load_runs` (with ``settings``, :func:`run_settings` of the
-    run's directory); ``unreadable`` one ``{"run_dir", "problem"}``
-    (problem: "result.json is not valid JSON (...)...") per result.json that cannot be read or lacks what a
-    report needs, so that one damaged run does not hide the others.
-
-    Raises:
-        AttnlabError: ``runs_dir`` does not exist or holds no ``result.json``.
-    """
+    """Every ``result.json`` below ``runs_dir`` (recursively, sorted by path) as ``(runs, unreadable)``: runs as
+    from :func:`load_runs` plus ``settings`` (:func:`run_settings`), and one ``{"run_dir", "problem"}`` per
+    result.json that cannot be read or lacks what a report needs, so that one damaged run does not hide the others.
+    AttnlabError when ``runs_dir`` does not exist or holds no ``result.json``."""
     root = Path(runs_dir)
     if not root.is_dir():
         raise AttnlabError(f"runs directory '{root}' does not exist; pass the folder that holds the runs/<name>/ directories.")
@@ -209,15 +203,9 @@ def scan_runs(runs_dir: str | Path) -> tuple[list[dict], list[dict]]:
 
 
 def load_runs(runs_dir: str | Path) -> list[dict]:
-    """Read every ``result.json`` below ``runs_dir`` (recursively), sorted by path.
-
-    Each returned dict is the file's content plus ``run_dir`` (the run's directory relative to ``runs_dir``).
-    Runs that have not finished (no ``result.json``) are not returned; see :func:`find_unfinished`.
-
-    Raises:
-        AttnlabError: ``runs_dir`` does not exist, holds no ``result.json``, or one is malformed
-        (:func:`scan_runs` lists those instead).
-    """
+    """Every ``result.json`` below ``runs_dir`` (recursively, sorted by path): its content plus ``run_dir`` (relative
+    to ``runs_dir``); unfinished runs (no result.json) are not returned (:func:`find_unfinished`). AttnlabError when
+    ``runs_dir`` does not exist, holds no ``result.json``, or one is malformed (:func:`scan_runs` lists those)."""
     runs, unreadable = scan_runs(runs_dir)
     if unreadable:
         bad = unreadable[0]
@@ -245,25 +233,15 @@ def _sd(xs: list[float]) -> float | None:
 
 
 def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
-    """Summarise runs per (model, dataset) and attention variant.
-
-    Args:
-        runs: dicts as returned by :func:`load_runs` (at least ``model``, ``dataset``, ``attn``, ``seed``, ``top1``).
-        baseline: the variant spec that gains and wins are measured against.
-
-    Returns:
-        One row per (model, dataset, tag, setting, variant) (``setting``: see :func:`label_settings`; runs trained
-        differently are never one group); groups sorted by that key; within a group the baseline row first, then
-        the other variants sorted by name. Each row holds ``model, dataset, tag, setting, variant, baseline`` (bool),
-        ``n, seeds`` (sorted), ``metric`` (the headline's key), ``by_seed`` {seed: headline} (``top1_by_seed`` too
-        for classification), ``mean, sd`` (the headline, percent), ``top5_mean`` (None if absent), ``gain_pp`` and
-        ``wins`` (``"k/m"``; with ``wins_k, wins_n``), None for the baseline row and in groups without the
-        baseline, ``columns`` {name: {"mean", "sd", "gain_pp"}} for the task's further report columns, and
-        ``extras`` {name: mean}.
-
-    Raises:
-        AttnlabError: two runs share model, dataset, variant and seed (matched-seed pairing would be ambiguous).
-    """
+    """One row per (model, dataset, tag, setting, variant) of ``runs`` (dicts as from :func:`load_runs`; ``setting``:
+    :func:`label_settings`, so runs trained differently are never one group), groups sorted by that key, within a
+    group the baseline row first, then the other variants by name. Each row holds ``model, dataset, tag, setting,
+    variant, baseline`` (bool), ``n, seeds`` (sorted), ``metric`` (the headline's key), ``by_seed`` {seed: headline}
+    (``top1_by_seed`` too for classification), ``mean, sd`` (the headline), ``top5_mean`` (None if absent),
+    ``gain_pp`` and ``wins`` (``"k/m"``; with ``wins_k, wins_n``) against ``baseline``, None for the baseline row and
+    in groups without it, ``columns`` {name: {"mean", "sd", "gain_pp"}} for the task's further report columns, and
+    ``extras`` {name: mean}. AttnlabError when two runs share model, dataset, variant and seed (matched-seed pairing
+    would be ambiguous)."""
     baseline = _variant_label(baseline)
     if not all("setting" in run for run in runs):
         runs = label_settings(runs)[0]
@@ -303,25 +281,12 @@ def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
                     if _is_number(value):
                         extras.setdefault(name, []).append(float(value))
             row = {
-                "model": model,
-                "dataset": dataset,
-                "tag": tag,
-                "setting": setting,
-                "variant": variant,
-                "baseline": variant == baseline,
-                "n": len(seeds),
-                "seeds": seeds,
-                "metric": metric,
-                "percent": getattr(task, "percent", True),
-                "by_seed": {str(s): by_seed[s][metric] for s in seeds},
+                "model": model, "dataset": dataset, "tag": tag, "setting": setting, "variant": variant,
+                "baseline": variant == baseline, "n": len(seeds), "seeds": seeds, "metric": metric,
+                "percent": getattr(task, "percent", True), "by_seed": {str(s): by_seed[s][metric] for s in seeds},
                 **({"top1_by_seed": {str(s): by_seed[s]["top1"] for s in seeds}} if metric == "top1" else {}),
-                "mean": mean,
-                "sd": _sd(top1),
-                "top5_mean": _mean(top5) if top5 else None,
-                "gain_pp": None,
-                "wins": None,
-                "wins_k": None,
-                "wins_n": None,
+                "mean": mean, "sd": _sd(top1), "top5_mean": _mean(top5) if top5 else None,
+                "gain_pp": None, "wins": None, "wins_k": None, "wins_n": None,
                 "columns": {name: _column(by_seed, base_runs if variant != baseline else None, name)
                             for name in columns},
                 "extras": {name: _mean(vals) for name, vals in sorted(extras.items())},
@@ -387,15 +352,9 @@ def accuracy_tables(rows: list[dict]) -> list[Table]:
                 col = row["columns"][c]
                 further += [NO_VALUE if col["mean"] is None else format_top1(col["mean"], col["sd"]),
                             format_gain(col["gain_pp"])]
-            cells.append([
-                label,
-                format_top1(row["mean"], row["sd"]),
-                format_gain(row["gain_pp"]),
-                row["wins"] or NO_VALUE,
-                str(row["n"]),
-                *further,
-                *(_fmt_extra(row.get("extras", {}).get(name)) for name in extra_names),
-            ])
+            cells.append([label, format_top1(row["mean"], row["sd"]), format_gain(row["gain_pp"]),
+                          row["wins"] or NO_VALUE, str(row["n"]), *further,
+                          *(_fmt_extra(row.get("extras", {}).get(name)) for name in extra_names)])
         tables.append(Table(header, cells, title=group_title(key)))
     return tables
 

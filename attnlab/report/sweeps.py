@@ -19,11 +19,10 @@ as L_0).
 
 from __future__ import annotations
 
-import math
 import statistics
 
 from attnlab.report.page import Table
-from attnlab.report.summary import NO_VALUE, _task, _variant_label, headline, label_settings, metric_title
+from attnlab.report.summary import NO_VALUE, _is_number, _task, _variant_label, headline, label_settings, metric_title
 
 # the keys a learning-rate variation changes; runs differing in others are different sweeps
 LR_KEYS = frozenset({"lr", "min_lr", "warmup_lr", "warmup_steps", "warmup_epochs", "tag"})
@@ -76,15 +75,11 @@ def lr_sweeps(runs: list[dict]) -> list[dict]:
             for lr, at in sorted(points[key].items()):
                 inits = [(r.get("init") or {}).get(metric) for r in at]
                 lines[key][lr] = {"final": statistics.fmean(float(r[metric]) for r in at), "n": len(at),
-                                  "init": statistics.fmean(inits) if all(_finite(v) for v in inits) else None}
+                                  "init": statistics.fmean(inits) if all(_is_number(v) for v in inits) else None}
         sweeps.append({"title": f"{model} / {dataset}" + (f" ({setting})" if setting else ""), "metric": metric,
                        "rates": {w: sorted(swept[w]) for w in sorted({w for _, w in lines})}, "lines": lines,
                        "mixed_warmup": len({w == "none" for _, w in lines}) > 1})
     return sweeps
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def lr_sensitivity(points: dict[float, dict]) -> float | None:
@@ -120,16 +115,12 @@ def sensitivity_tables(sweeps: list[dict]) -> list[Table]:
 def sweep_figure(sweep: dict, colors: dict[str, str] | None = None):
     """Final loss against the peak rate (log axis), one line per variant (its report colour), warm-up solid and no
     warm-up dashed when the sweep has both; a matplotlib Figure on the Agg canvas."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from attnlab.analysis.figures import color_of, variant_colors
+    from attnlab.analysis.figures import agg_figure, color_of, variant_colors
 
     variants = sorted({v for v, _ in sweep["lines"]})
     colors = colors if colors is not None else variant_colors(variants)
     both = sweep["mixed_warmup"]
-    fig = Figure(figsize=(6.0, 3.8), dpi=120)
-    FigureCanvasAgg(fig)
+    fig = agg_figure(figsize=(6.0, 3.8), dpi=120)
     ax = fig.add_subplot()
     for (variant, warmup), points in sweep["lines"].items():
         rates = sorted(points)
@@ -138,9 +129,7 @@ def sweep_figure(sweep: dict, colors: dict[str, str] | None = None):
         ax.plot(rates, [points[lr]["final"] for lr in rates], marker="o", label=label,
                 color=color_of(colors, variant, variants.index(variant)),
                 linestyle="--" if both and warmup == "none" else "-")
-    ax.set_xscale("log")
-    ax.set_xlabel("peak learning rate")
-    ax.set_ylabel(f"final {metric_title(sweep['metric']).lower()}")
+    ax.set(xscale="log", xlabel="peak learning rate", ylabel=f"final {metric_title(sweep['metric']).lower()}")
     ax.set_title(sweep["title"], fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="x-small", loc="best")

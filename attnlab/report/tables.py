@@ -20,28 +20,18 @@ and one batch-1 forward counted by ``FlopCounterMode`` (GMACs = the DnA paper's 
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from pathlib import Path
 
 from attnlab.errors import AttnlabError
 from attnlab.report.page import Table
-from attnlab.report.summary import NO_VALUE, format_top1, group_key, group_title, groups
+from attnlab.report.summary import NO_VALUE, _is_number, format_top1, group_key, group_title, groups
 
 BENCH_PATTERNS = ("*bench*.json", "*latency*.json")  # where `attnlab bench --json` output is looked for
 # analyze's figure names (file stem, after any "<run>-" prefix) -> the instrument they belong to
-FIGURE_GROUPS = {
-    "spectra": "spectra", "redundancy": "redundancy", "robustness": "robustness", "relevance": "relevance",
-    "curves": "curves", "intruders": "branches", "value_similarity": "branches", "branch_cosine": "branches",
-    "alpha": "branches",
-}
+FIGURE_GROUPS = {**{name: name for name in ("spectra", "redundancy", "robustness", "relevance", "curves")},
+                 **dict.fromkeys(("intruders", "value_similarity", "branch_cosine", "alpha"), "branches")}
 
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-# ---------------------------------------------------------------------------------------------------------- ablation
 
 def ablation_tables(rows: list[dict], min_variants: int = 3) -> list[Table]:
     """Table 2 form per (model, tag, setting) with at least ``min_variants`` variants: Dataset | variant ...
@@ -71,12 +61,9 @@ def ablation_tables(rows: list[dict], min_variants: int = 3) -> list[Table]:
                 line.append(f"**{text}**" if r is not None and r["mean"] == best and len(found) > 1 else text)
             cells.append(line)
         header = ["Dataset", *(f"{v} (baseline)" if v in baselines else v for v in variants)]
-        tables.append(Table(header, cells, title=model + (f" / {tag}" if tag else "") + (f" ({setting})" if setting
-                                                                                     else "")))
+        tables.append(Table(header, cells, title=group_title((model, "", tag, setting))))
     return tables
 
-
-# ----------------------------------------------------------------------------------------------------------- latency
 
 def find_bench_files(runs_dir: str | Path) -> list[Path]:
     """``attnlab bench --json`` outputs below ``runs_dir``: JSON files whose name contains "bench" or "latency"."""
@@ -98,7 +85,7 @@ def read_bench(path: str | Path) -> dict:
                            "'baseline' among them); rerun attnlab bench --json.")
     for name, entry in models.items():
         rounds = entry.get("round_ms") if isinstance(entry, dict) else None
-        if not isinstance(rounds, list) or not rounds or not all(_number(t) and t > 0 for t in rounds):
+        if not isinstance(rounds, list) or not rounds or not all(_is_number(t) and t > 0 for t in rounds):
             raise AttnlabError(f"{path.name}: model {name!r} has no list of positive round means 'round_ms'; "
                                "rerun attnlab bench --json.")
     return data
@@ -107,10 +94,6 @@ def read_bench(path: str | Path) -> dict:
 def latency_stats(round_ms: list[float]) -> tuple[float, float | None]:
     """(mean, sample SD) across round means; SD None for one round."""
     return statistics.fmean(round_ms), (statistics.stdev(round_ms) if len(round_ms) >= 2 else None)
-
-
-def _ms(mean: float, sd: float | None) -> str:
-    return f"{mean:.2f}" if sd is None else f"{mean:.2f} ± {sd:.2f}"
 
 
 def latency_tables(results: list[dict]) -> list[Table]:
@@ -133,13 +116,11 @@ def latency_tables(results: list[dict]) -> list[Table]:
                 res.get("device"), res.get("dtype"), "compiled" if res.get("compiled") else "eager",
                 f"batch {res.get('batch_size', '?')}", f"{rounds} x ({res.get('warmup', '?')} + {res.get('iters', '?')})"
             ) if x is not None)
-            cells.append([str(res.get("model", "?")), setting, *(_ms(*stats[n]) for n in names),
+            cells.append([str(res.get("model", "?")), setting, *(format_top1(*stats[n]) for n in names),
                           *(f"{100.0 * (stats[n][0] / base - 1.0):+.1f}%" for n in names[1:])])
         tables.append(Table(header, cells, align=["l", "l"] + ["r"] * (len(header) - 2)))
     return tables
 
-
-# ----------------------------------------------------------------------------------------------- analysis.json files
 
 def read_analyses(runs_dir: str | Path, runs: list[dict]) -> tuple[dict[str, dict], list[Path], list[dict]]:
     """Every ``analysis.json`` below ``runs_dir``: ``(by_run, dirs, problems)``.
@@ -173,12 +154,12 @@ def read_analyses(runs_dir: str | Path, runs: list[dict]) -> tuple[dict[str, dic
 
 def _run_spectra(run: dict, analysis: dict | None) -> dict | None:
     spectra = (analysis or {}).get("spectra")
-    if isinstance(spectra, dict) and _number(spectra.get("p1")) and _number(spectra.get("eff_rank")):
-        blocks = [b for b in spectra.get("blocks") or [] if isinstance(b, dict) and _number(b.get("p1"))
-                  and _number(b.get("eff_rank")) and "layer" in b]
+    if isinstance(spectra, dict) and _is_number(spectra.get("p1")) and _is_number(spectra.get("eff_rank")):
+        blocks = [b for b in spectra.get("blocks") or [] if isinstance(b, dict) and _is_number(b.get("p1"))
+                  and _is_number(b.get("eff_rank")) and "layer" in b]
         return {"p1": spectra["p1"], "eff_rank": spectra["eff_rank"], "blocks": blocks}
     extra = run.get("extra") or {}
-    if _number(extra.get("p1")) and _number(extra.get("eff_rank")):
+    if _is_number(extra.get("p1")) and _is_number(extra.get("eff_rank")):
         return {"p1": extra["p1"], "eff_rank": extra["eff_rank"], "blocks": []}
     return None
 
@@ -237,8 +218,6 @@ def analysis_figures(dirs: list[Path], skip: set[Path] = frozenset()) -> dict[st
     return {g: sorted(paths) for g, paths in groups.items()}
 
 
-# ------------------------------------------------------------------------------------------------------------- costs
-
 def run_costs(run_dir: Path) -> dict:
     """Parameters and batch-1 forward multiply-adds of the model a run trains, rebuilt from its config.yaml."""
     import torch
@@ -256,12 +235,6 @@ def run_costs(run_dir: Path) -> dict:
             model = run.build_model().eval()
         macs = count_macs(model, run.task.example_input(1))
     return {"params": sum(p.numel() for p in model.parameters()), "macs": macs}
-
-
-def _macs_unit(macs: list[float]) -> tuple[str, float]:
-    """("GMACs", 1e9) when the smallest count is at least a giga, else ("MMACs", 1e6): a small model reads 0.6425
-    MMACs rather than 0.0006425 GMACs."""
-    return ("GMACs", 1e9) if min(macs) >= 1e9 else ("MMACs", 1e6)
 
 
 def cost_tables(rows: list[dict], runs: list[dict], runs_dir: Path) -> tuple[list[Table], list[dict]]:
@@ -283,7 +256,8 @@ def cost_tables(rows: list[dict], runs: list[dict], runs_dir: Path) -> tuple[lis
         if not costs:
             continue
         base = costs[0][1]
-        unit, scale = _macs_unit([c["macs"] for _, c in costs])
+        # a small model reads 0.6425 MMACs rather than 0.0006425 GMACs
+        unit, scale = ("GMACs", 1e9) if min(c["macs"] for _, c in costs) >= 1e9 else ("MMACs", 1e6)
         cells = [[v, f"{c['params'] / 1e6:.3f}", f"{c['macs'] / scale:.4g}", f"{2 * c['macs'] / scale:.4g}",
                   f"{c['params'] / base['params']:.3f}", f"{c['macs'] / base['macs']:.3f}"] for v, c in costs]
         tables.append(Table(["Variant", "Params (M)", unit, unit.replace("MACs", "FLOPs"), "x params", "x MACs"],

@@ -12,10 +12,13 @@ from collections import Counter
 from pathlib import Path
 
 from attnlab.errors import AttnlabError
-from attnlab.train.files import METRICS, RESULT
-
-from attnlab.report.summary import (NO_VALUE, find_unfinished, format_markdown, group_key, group_title, groups,
+from attnlab.report.page import Figure, Section, render_html, render_markdown
+from attnlab.report.summary import (NO_VALUE, accuracy_tables, find_unfinished, group_key, group_title, groups,
                                     label_settings, metric_title, scan_runs, summarize)
+from attnlab.report.sweeps import lr_sweeps, sensitivity_tables, sweep_figure, sweeps_json
+from attnlab.report.tables import (ablation_tables, analysis_figures, cost_tables, find_bench_files, latency_stats,
+                                   latency_tables, read_analyses, read_bench, spectral_tables)
+from attnlab.train.files import METRICS, RESULT
 
 
 def _slug(text: str) -> str:
@@ -38,17 +41,13 @@ def group_figure(rows: list[dict], title: str, colors: dict[str, str] | None = N
     ``colors``: {variant: colour} (default :func:`attnlab.analysis.figures.variant_colors` of these rows). Uses
     matplotlib's object API with the Agg canvas, so no pyplot state or display is touched.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from attnlab.analysis.figures import color_of, variant_colors
+    from attnlab.analysis.figures import agg_figure, color_of, variant_colors
 
     base = next((r["variant"] for r in rows if r.get("baseline")), None)
     colors = colors if colors is not None else variant_colors([r["variant"] for r in rows], base)
     gains = [r for r in rows if r.get("gain_pp") is not None]
     width = max(3.0, 1.0 + 0.55 * len(rows))
-    fig = Figure(figsize=(width + (1.0 + 0.55 * len(gains) if gains else 0.0), 3.4), dpi=120)
-    FigureCanvasAgg(fig)
+    fig = agg_figure(figsize=(width + (1.0 + 0.55 * len(gains) if gains else 0.0), 3.4), dpi=120)
     panels = fig.subplots(1, 2, width_ratios=[len(rows), max(len(gains), 1)]) if gains else [fig.add_subplot()]
     ax = panels[0]
     x = range(len(rows))
@@ -70,54 +69,27 @@ def group_figure(rows: list[dict], title: str, colors: dict[str, str] | None = N
         gx.scatter(range(len(gains)), [r["gain_pp"] for r in gains], zorder=3,
                    c=[color_of(colors, r["variant"], i) for i, r in enumerate(gains)])
         gx.set_xticks(range(len(gains)), [r["variant"] for r in gains], rotation=35, ha="right", fontsize=8)
-        gx.set_xlim(-0.6, len(gains) - 0.4)
-        gx.set_ylabel(f"gain vs {base} (pp)")
+        gx.set(xlim=(-0.6, len(gains) - 0.4), ylabel=f"gain vs {base} (pp)")
         gx.set_title("gain (whiskers: variant's SD)", fontsize=9)
         gx.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return fig
 
 
-def _problem_items(problems: list[dict]) -> list[str]:
-    return [f"{p['path']}: {p['problem']}" for p in problems]
-
-
 def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, baseline: str = "standard",
                  plots: bool = True, bench: list[str | Path] = (), costs: bool = True) -> dict:
-    """Summarise every finished run below ``runs_dir`` and write the report files into ``out_dir``.
+    """Summarise every finished run below ``runs_dir`` and write ``report.md``, ``report.html`` (the same sections,
+    figures embedded: one file that opens offline) and ``report.json`` into ``out_dir`` (default ``runs_dir``); the
+    sections are listed in docs/reporting.md. Runs are compared only when trained alike (:func:`~attnlab.report.
+    summary.label_settings`). The output depends only on the run files, so running it twice gives identical files;
+    each is written atomically, and a symlink in the way is replaced, not followed.
 
-    Writes ``report.md``, ``report.html`` (the same sections, figures embedded: one file that opens offline) and
-    ``report.json``. Sections: accuracy (:func:`format_markdown`), ablation in NS-Attn Table 2 form (models with
-    three or more variants), latency in Table 3 form (``attnlab bench --json`` files named ``*bench*.json`` or
-    ``*latency*.json`` below ``runs_dir``, plus ``bench``), head-output spectra (``analysis.json`` files or the
-    runs' ``extra``), parameters and GFLOPs per variant (``costs``), figures (with ``plots``: a top-1 bar plot
-    ``report_<model>_<dataset>.png`` and training curves ``report_curves_<model>_<dataset>.png`` per group, then
-    every PNG in a folder holding an analysis.json, grouped by instrument), and last what was not included:
-    unfinished runs, runs whose result.json cannot be read, files that cannot be read. It opens with what was
-    trained (:func:`provenance`). Runs are compared only when trained alike (:func:`~attnlab.report.summary.
-    label_settings`): runs that differ in more than variant and seed form separate groups, named by the differing
-    keys. The output depends only on the run files (their content and the times their result.json were written;
-    no absolute paths), so running it twice gives identical files. Every file is written to a temporary file
-    beside it and renamed over the old one, so a reader never sees a half-written report and a symlink in the
-    way is replaced, not followed.
-
-    Args:
-        runs_dir: folder holding ``<name>/result.json`` (searched recursively).
-        out_dir: where to write; defaults to ``runs_dir``.
-        baseline: the variant that gains and wins refer to.
-        plots: also write the PNG plots (bars and training curves).
-        bench: further ``attnlab bench --json`` files for the latency table.
-        costs: count parameters and GFLOPs (rebuilds one model per variant on the CPU).
-
-    Returns:
-        ``{"markdown", "html", "rows", "markdown_path", "html_path", "json", "plots": list[Path]}``.
+    ``baseline``: the variant gains and wins refer to; ``plots``: also write the PNG figures; ``bench``: further
+    ``attnlab bench --json`` files for the latency table; ``costs``: count parameters and GFLOPs (rebuilds one model
+    per variant on the CPU). Returns ``{"markdown", "html", "rows", "markdown_path", "html_path", "json", "plots":
+    list[Path]}``.
     """
-    from attnlab.report.page import Figure, Section, render_html, render_markdown
-    from attnlab.report.summary import accuracy_tables
-    from attnlab.report.tables import (ablation_tables, analysis_figures, cost_tables, find_bench_files,
-                                       latency_stats, latency_tables, read_analyses, read_bench, spectral_tables)
-
-    from attnlab.analysis.figures import variant_colors
+    from attnlab.analysis.figures import save_png, variant_colors
     from attnlab.train.checkpoint import atomic_write_text
 
     runs_dir = Path(runs_dir)
@@ -152,8 +124,6 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
         sections.append(Section("Ablation (NS-Attn Table 2 form)", paragraphs=[
             "Final-epoch top-1 (%), mean ± sample SD over seeds, one row per dataset; the best mean in bold."],
             tables=ablation))
-
-    from attnlab.report.sweeps import lr_sweeps, sensitivity_tables, sweep_figure, sweeps_json
 
     sweeps = lr_sweeps(runs)
     if sweeps:
@@ -242,8 +212,6 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
                 plot_layer_max_logits(maxima, path, title=label)
                 logits.append(Figure(path, f"Max attention logit per layer over training, {label} (the training "
                                            f"probe, probe_every; mean over seeds)"))
-        from attnlab.analysis.figures import save_png
-
         rates = []
         for sweep in sweeps:
             path = save_png(sweep_figure(sweep, colors), out / f"report_lr_{_slug(sweep['title'])}.png")
@@ -274,7 +242,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
                                 items=[f"{bad['run_dir']}: {bad['problem']}" for bad in unreadable]))
     if problems:
         left_out.append(Section("Unreadable files", paragraphs=["Files that could not be read, left out:"],
-                                items=_problem_items(problems)))
+                                items=[f"{p['path']}: {p['problem']}" for p in problems]))
     if left_out:
         sections.append(Section("Not included", subsections=left_out))
 
@@ -293,10 +261,6 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     atomic_write_text(json_path, json.dumps(data, indent=2) + "\n")
     return {"markdown": markdown, "html": page, "rows": rows, "markdown_path": md_path, "html_path": html_path,
             "json": json_path, "plots": plot_paths}
-
-
-def _utc_day(seconds: float) -> str:
-    return time.strftime("%Y-%m-%d", time.gmtime(seconds))
 
 
 def _counted(values: list[str], of: int | None = None) -> str:
@@ -328,9 +292,10 @@ def provenance(runs_dir: Path, runs: list[dict], rows: list[dict], *, unfinished
             days.append(finished[:10])
         else:
             try:
-                days.append(_utc_day((runs_dir / run["run_dir"] / RESULT).stat().st_mtime))
+                written = (runs_dir / run["run_dir"] / RESULT).stat().st_mtime
             except OSError:
-                pass
+                continue
+            days.append(time.strftime("%Y-%m-%d", time.gmtime(written)))
     seeds = sorted({r["seed"] for r in runs}, key=lambda s: (str(type(s)), s))
     left = [f"{len(unfinished)} unfinished"] * bool(unfinished) + [f"{len(unreadable)} unreadable"] * bool(unreadable)
     recorded = [str(r["machine"]) for r in runs if r.get("machine")]
