@@ -111,7 +111,8 @@ def run(args) -> int:
     from ..train import load_run
     from ..train.run import Run
 
-    inputs = {}  # label -> (images, labels) from the run's task, for tasks whose instruments read their backbone
+    # (images, labels) by (dataset, data_dir), or by label for a run whose task gives its own inputs
+    image_cache = {}
     drawn = []  # detection runs' Figure-10 panels
     for path in runs if model_what or "predictions" in what else []:
         model, cfg = load_run(path, map_location=device)
@@ -121,25 +122,21 @@ def run(args) -> int:
             drawn += _predictions(label, model, task, out, device, len(runs) > 1)
         if not model_what:
             continue
-        if hasattr(task, "instrument_model"):  # e.g. a detector: its transformer, on the task's own inputs
-            inputs[label] = (task.inputs(args.images).to(device), None)
+        # a detector (its transformer measured) or a language model (its first validation blocks, token ids)
+        if hasattr(task, "instrument_model") or not task.labelled_inputs:
+            image_cache[label] = (task.inputs(args.images).to(device), None)
+        if hasattr(task, "instrument_model"):
             model = task.instrument_model(model)
-        elif not task.labelled_inputs:  # e.g. a language model: the first validation blocks, token ids
-            inputs[label] = (task.inputs(args.images).to(device), None)
         targets.append((label, cfg.attn, model, cfg.dataset, args.data_dir or cfg.data_dir))
     if "predictions" in what and not drawn:
         print("predictions: no detection run given; it draws a detector's boxes and masks.", file=sys.stderr)
 
     results = {}
-    image_cache = {}
     progress = sys.stderr.isatty()
     skipped = []  # (label, instrument, reason)
     for label, attn, model, dataset, data_dir in targets:
-        key = (dataset, data_dir)
-        if label in inputs:
-            image_cache[label] = inputs[label]
-            key = label
-        elif key not in image_cache:
+        key = label if label in image_cache else (dataset, data_dir)
+        if key not in image_cache:
             test = build_dataset(dataset, False, data_dir=data_dir)
             n = min(args.images, len(test))
             samples = [test[i] for i in range(n)]

@@ -181,6 +181,7 @@ def run(args) -> int:
 
     from ..analysis.evaluation import evaluate, image_folder
     from ..data import build_dataset, dataset_info
+    from ..data.folder import folder_transform
     from ..train.run import resolve_device
 
     device = resolve_device(args.device)
@@ -204,9 +205,7 @@ def run(args) -> int:
 
         dataset, data_dir, data_opts, trained_on = args.dataset or "digits", args.data_dir or "data", {}, None
         info = dataset_info(dataset, data_dir=data_dir) if not folder or args.dataset else None
-        kwargs = {}
-        if info is not None:
-            kwargs = dict(in_chans=info.in_chans, img_size=info.image_size)
+        kwargs = {} if info is None else dict(in_chans=info.in_chans, img_size=info.image_size)
         if args.image_size:
             kwargs["img_size"] = args.image_size
         from_file = args.pretrained or args.pretrained_file
@@ -229,8 +228,6 @@ def run(args) -> int:
         raise ConfigError(f"--image-size {args.image_size} does not fit the run's model, which takes "
                           f"{_shape_words(shape[0], tuple(shape[1:]))} images; drop --image-size.")
     if folder is not None:
-        from ..data.folder import folder_transform
-
         info = dataset_info(dataset, data_dir=data_dir, **data_opts) if args.run_dir or args.dataset else None
         chans = shape[0] if shape else 3
         size = args.image_size or (shape[1] if shape else 224)  # the model's own input size
@@ -246,8 +243,6 @@ def run(args) -> int:
         data = build_dataset(dataset, args.split == "train", data_dir=data_dir, augment="none", **data_opts)
         ood_data = None
         if ood:  # read like the dataset's own images (channels, size, normalisation): only the content differs
-            from ..data.folder import folder_transform
-
             transform = folder_transform(False, "none", image_size=info.image_size, mean=info.mean, std=info.std)
             ood_data = image_folder(ood, transform, channels=info.in_chans, what="--ood")
         label.update(dataset=dataset, split=args.split)
@@ -264,6 +259,7 @@ def _task_eval(args, task, device) -> int:
 
     from ..errors import ConfigError
     from ..train import load_run
+    from ..train.run import resolve_amp
 
     given = [flag for flag, value in (("--folder", args.folder), ("--ood", args.ood), ("--classes", args.classes),
                                       ("--noise", args.noise), ("--images", args.images),
@@ -272,12 +268,9 @@ def _task_eval(args, task, device) -> int:
                                       ("--data-dir", args.data_dir)) if value]
     if given:
         raise ConfigError(f"{given[0]} applies to image and sequence classification runs; a {task.name} run is "
-                          f"evaluated on its own "
-                          f"evaluation split as in training, so drop it.")
+                          "evaluated on its own evaluation split as in training, so drop it.")
     model, cfg = load_run(args.run_dir, map_location=device)
     task.prepare_eval()
-    from ..train.run import resolve_amp
-
     metrics = task.evaluate(model, device=device, amp_dtype=resolve_amp(cfg.amp, device))
     print(json.dumps({"run": str(args.run_dir), "attn": cfg.attn, "dataset": cfg.dataset, "task": task.name,
                       **metrics}))

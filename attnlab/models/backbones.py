@@ -213,17 +213,13 @@ def _build(name: str, num_classes: int | None, overrides: dict, pretrained: bool
                 preset.load_file(model, pretrained_file)
             else:
                 load_strict(model, read_state_dict(pretrained_file, model), f"pretrained file {pretrained_file}")
-    elif pretrained or pretrained_file is not None:
-        if num_classes is not None:
-            overrides = {**overrides, "num_classes": num_classes}
-        model = create_pretrained(name, overrides, pretrained_file)
-    elif timm.is_model(name):
-        kwargs = dict(overrides)
-        if num_classes is not None:
-            kwargs["num_classes"] = num_classes
-        model = timm.create_model(name, pretrained=False, **kwargs)
     else:
-        raise ModelNotFoundError(
-            f"unknown model {name!r}: use a preset ({', '.join(PRESETS)}) or a timm model name "
-            f"(see timm.list_models()).")
+        kwargs = overrides if num_classes is None else {**overrides, "num_classes": num_classes}
+        if pretrained or pretrained_file is not None:
+            model = create_pretrained(name, kwargs, pretrained_file)
+        elif timm.is_model(name):
+            model = timm.create_model(name, pretrained=False, **kwargs)
+        else:
+            raise ModelNotFoundError(f"unknown model {name!r}: use a preset ({', '.join(PRESETS)}) or a timm model "
+                                     f"name (see timm.list_models()).")
     return model

@@ -12,6 +12,7 @@ from ..attention.base import AttnlabAttention, is_supported
 from ..attention.channel import channel_mechanism
 from ..errors import ConfigError, SpecError, UnsupportedModelError
 from ..spec import Spec, parse_spec
+from ..variants import VARIANTS
 
 
 def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -128,8 +129,6 @@ def term_support(model: nn.Module) -> list[dict]:
     ``applies`` (term names) and ``refused`` ({term: reason}); attention-like modules convert leaves alone (XCiT's
     class-attention layers) are one last group with ``family`` "left as built" and no terms.
     """
-    from ..variants import VARIANTS
-
     groups: dict[str, dict] = {}
     found = attention_modules(model)
     if not found:

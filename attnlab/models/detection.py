@@ -243,20 +243,13 @@ class BackboneProbe(nn.Module):
 
     def __init__(self, detector: nn.Module) -> None:
         super().__init__()
-        detection_backbone(detector)  # refuses a model without one
+        if getattr(getattr(detector, "backbone", None), "trunk", None) is None:
+            raise UnsupportedModelError(f"{type(detector).__name__} is not a detector built by attnlab.build_detector.")
         self.detector = detector
 
     def forward(self, x):
         return self.detector.backbone.trunk(self.detector.transform.normalize(x))
 
 
-def detection_backbone(model: nn.Module) -> nn.Module:
-    """The transformer inside a detector built by :func:`build_detector` (what the backbone instruments read)."""
-    trunk = getattr(getattr(model, "backbone", None), "trunk", None)
-    if trunk is None:
-        raise UnsupportedModelError(f"{type(model).__name__} is not a detector built by attnlab.build_detector.")
-    return trunk
-
-
-__all__ = ["BackboneProbe", "DETECTOR_PRESETS", "DetectorConfig", "HEADS", "SwinFPNBackbone", "build_detector", "detection_backbone",
+__all__ = ["BackboneProbe", "DETECTOR_PRESETS", "DetectorConfig", "HEADS", "SwinFPNBackbone", "build_detector",
            "detector_config"]

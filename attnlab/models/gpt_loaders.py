@@ -125,15 +125,14 @@ def _check_geometry(model: nn.Module, args: Mapping, source: str) -> None:
     if not isinstance(model, GPT):
         raise ConfigError(f"{source} holds GPT weights; load them into a GPT (build_model('gpt2_small', ...)), not "
                           f"{type(model).__name__}.")
-    own = {"n_head": model.blocks[0].attn.num_heads, "n_layer": len(model.blocks), "n_embd": model.embed_dim,
-           "block_size": model.block_size, "vocab_size": model.vocab_size}
-    option = {"n_head": "num_heads", "n_layer": "depth", "n_embd": "embed_dim", "block_size": "block_size",
-              "vocab_size": "vocab_size"}
-    for key, value in own.items():
+    own = {"n_head": ("num_heads", model.blocks[0].attn.num_heads), "n_layer": ("depth", len(model.blocks)),
+           "n_embd": ("embed_dim", model.embed_dim), "block_size": ("block_size", model.block_size),
+           "vocab_size": ("vocab_size", model.vocab_size)}
+    for key, (option, value) in own.items():
         theirs = args.get(key)
         if theirs is not None and int(theirs) != value:
             raise ConfigError(f"the model recorded with {source} has {key}={int(theirs)} where this one has {value}; "
-                              f"build it with {option[key]}={int(theirs)}.")
+                              f"build it with {option}={int(theirs)}.")
 
 
 def _load(model: nn.Module, converted: tuple[dict[str, torch.Tensor], dict[str, str]], source: str) -> nn.Module:

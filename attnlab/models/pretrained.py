@@ -29,10 +29,12 @@ import zipfile
 from pathlib import Path
 from typing import Any, Mapping
 
+import timm
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from ..attention.dna import DnAAttention
 from ..errors import ConfigError, ModelNotFoundError
 
 DNA_LAYOUTS = ("auto", "forward", "legacy", "separate")
@@ -134,8 +136,6 @@ def _model_name(model: nn.Module) -> str:
 def create_pretrained(name: str, kwargs: dict[str, Any], file: str | Path | None = None) -> nn.Module:
     """timm's ``create_model(name, pretrained=True, **kwargs)``: its own loading (checkpoint filter, input-channel
     adaptation, a new classifier when ``num_classes`` differs), from the hub cache or from ``file``."""
-    import timm
-
     if not timm.is_model(name):
         raise ModelNotFoundError(f"--pretrained needs a timm model name with weights, not {name!r}; see "
                                  f"timm.list_pretrained(), or give a preset with --pretrained-file alone.")
@@ -184,8 +184,6 @@ def dna_authors_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tens
     ``layout``: ``forward``, ``legacy``, ``separate``, or ``auto`` (``separate`` when ``q_neg`` / ``v_neg`` keys
     exist, else ``forward``; ``legacy`` has the same shapes as ``forward`` and is never inferred).
     """
-    from ..attention.dna import DnAAttention
-
     if layout not in DNA_LAYOUTS:
         raise ConfigError(f"DnA authors' layout {layout!r} is not valid; use one of: {', '.join(DNA_LAYOUTS)}.")
     if sign not in ("+", "-"):

@@ -49,7 +49,9 @@ from timm.layers import Attention, DropPath, LayerNorm, Mlp, PatchEmbed, resampl
 from timm.models.vision_transformer import Block
 from torch import nn
 
+from ..attention.dna import DnAAttention
 from ..errors import ConfigError
+from .pretrained import dna_authors_state_dict, load_strict, read_state_dict
 
 ATTENTIONS = ("divided", "joint", "space_only")
 WEIGHT_INITS = ("trunc_normal", "xavier")
@@ -249,8 +251,6 @@ def init_from_image(model: TimeSformer, state_dict: Mapping[str, torch.Tensor],
     if extra is not None:
         raise ConfigError(f"{source} holds {extra!r}, which TimeSformer has no place for; give the weights of a "
                           f"plain ViT (class token, no register or distillation tokens).")
-    from .pretrained import load_strict
-
     return load_strict(model, out, source)
 
 
@@ -264,9 +264,6 @@ def timesformer_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tens
     label set). A model converted to ``dna`` reads the DnA authors' video layout (``qkv`` + ``q_neg`` + ``v_neg`` +
     ``neg_scalers``) through :func:`attnlab.models.pretrained.dna_authors_state_dict`.
     """
-    from ..attention.dna import DnAAttention
-    from .pretrained import dna_authors_state_dict
-
     state = {re.sub(r"^(module\.)?(model\.)?", "", k): v for k, v in state_dict.items()}
     own = model.state_dict()
     has_temporal = any(".temporal_attn." in k for k in state)
@@ -291,8 +288,6 @@ def timesformer_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tens
 def load_timesformer(model: nn.Module, source: str | Path | Mapping[str, torch.Tensor]) -> nn.Module:
     """Load a checkpoint in the layout of the authors' released TimeSformer models (a path, read without running
     code, or a state dict) into ``model`` by meaning (:func:`timesformer_state_dict`), strictly, and return it."""
-    from .pretrained import load_strict, read_state_dict
-
     name = f"checkpoint {source}" if isinstance(source, (str, Path)) else "the checkpoint"
     state = read_state_dict(source) if isinstance(source, (str, Path)) else source
     return load_strict(model, timesformer_state_dict(model, state), name)
@@ -306,8 +301,6 @@ def init_timesformer(model: TimeSformer, state_dict: Mapping[str, torch.Tensor],
         raise ConfigError(f"{source} holds DnA attention (q_neg, v_neg); build the model with attn='dna' and load "
                           f"it with attnlab.models.load_timesformer(model, path).")
     if "time_embed" in plain or any(".temporal_attn." in k for k in plain):
-        from .pretrained import load_strict
-
         return load_strict(model, timesformer_state_dict(model, plain), source)
     return init_from_image(model, plain, source)
 
