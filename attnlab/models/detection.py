@@ -1,20 +1,12 @@
 """Detection and instance segmentation: torchvision's ``MaskRCNN`` (``FasterRCNN`` for boxes only) around a timm
-backbone carrying any attention spec.
+backbone carrying any attention spec: a ViT / DeiT through ViTDet's simple feature pyramid
+(:mod:`attnlab.models.vitdet`; Li et al., arXiv 2203.16527), or Swin's four stages, a LayerNorm each, through
+torchvision's FPN with ``LastLevelMaxPool`` (docs/methods.md, Detection backbones).
 
-- ViT / DeiT: ViTDet's simple feature pyramid (:mod:`attnlab.models.vitdet`; Li et al., arXiv 2203.16527), window
-  attention in most blocks and a few global ones as an option, the position embedding resampled to the input.
-- Swin: its four stages (timm's ``forward_intermediates``), a LayerNorm per stage output (as Swin's detection
-  backbone adds), torchvision's ``FeaturePyramidNetwork`` with ``LastLevelMaxPool``.
-
-The spec is applied to the backbone's transformer (``model.backbone.trunk``) with :func:`attnlab.convert`, so every
-term ``attnlab variants --support`` lists for the plain backbone applies, with the same refusals; weight terms
-(``sigma``, ``speccond``) reparametrise the transformer's layers, not the pyramid or the heads (``convert`` on the
-whole detector finds the same attention modules, but ``sigma(targets=all)`` would then reach the heads' layers
-too). Pretrained weights (timm's, a file, or the DnA authors' layouts through :mod:`attnlab.models.pretrained`)
-initialise the transformer before the conversion, so ``dna(init=copy)`` warm-starts from them.
-
-``num_classes`` counts object categories; the detector's predictors have one more output, label 0 being torchvision's
-background, so a dataset's labels are 1..num_classes.
+The spec is applied to the backbone's transformer (``model.backbone.trunk``) alone, so weight terms (``sigma``,
+``speccond``) reparametrise its layers, not the pyramid's or the heads'; pretrained weights (timm's, a file, or the
+DnA authors' layouts) initialise it before the conversion, so ``dna(init=copy)`` warm-starts from them.
+``num_classes`` counts object categories: label 0 is torchvision's background, so a dataset's labels are 1..num_classes.
 """
 
 from __future__ import annotations

@@ -4,19 +4,11 @@ Multitask Learners"), laid out as nanoGPT's ``model.py`` writes it, and its samp
     tokens (B, N) --wte + wpe--> dropout --depth x Block--> LayerNorm --x wte^T (tied head)--> logits (B, N, vocab)
     Block (pre-LN):  x = x + attn(LN1(x), causal);   x = x + mlp(LN2(x))      mlp = Linear, GELU, Linear (4x)
 
-Attention is timm's ``Attention`` (one fused ``qkv`` Linear, output ``proj``), called with ``is_causal=True``, so
-:func:`attnlab.convert` finds every one and every spec term replaces it with the same parameter names. Initialisation
-is nanoGPT's: every Linear and embedding N(0, 0.02), biases 0, and the two residual projections of each block (the
-attention's ``proj`` and the MLP's ``fc2``) N(0, 0.02 / sqrt(2 depth)), so the residual stream's variance does not
-grow with depth. The head is the token embedding itself (``logits = h wte^T``), not a module: the matrix is one
-parameter under one name, and weight terms that act on ``nn.Linear`` (``sigma``, ``specnorm``, ``speccond``) leave
-it as it is, an embedding table.
-
-Generation (:func:`generate`) is nanoGPT's loop (temperature, top-k, sampling) with a key/value cache where the
-attention allows it: a module whose class declares ``kv_cache = True`` computes, for a new token, its query
-against the keys and values of every earlier token (softmax-like kernels: ``standard``, ``dna``, ``diff``,
-``cog``), and has no head transform that mixes tokens (``ns``); otherwise every step recomputes the whole context.
-Past ``block_size`` tokens the context is the last ``block_size`` (recomputed, as nanoGPT crops it).
+Attention is timm's ``Attention`` called with ``is_causal=True``, so :func:`attnlab.convert` finds every one.
+Initialisation is nanoGPT's: N(0, 0.02), biases 0, the residual projections (``attn.proj``, ``mlp.fc2``)
+N(0, 0.02 / sqrt(2 depth)). The head is ``wte`` itself, one parameter, which weight terms on ``nn.Linear`` leave
+alone. :func:`generate` uses a key/value cache where every attention module allows it (:func:`supports_kv_cache`);
+docs/methods.md (Language models) gives the details.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """GPT-2-shaped weights from elsewhere, loaded by meaning into :class:`attnlab.models.gpt.GPT`: checkpoints written
 by nanoGPT's ``train.py`` and Hugging Face GPT-2 state dicts.
 
-Both name the same modules the same way; attnlab keeps timm's names (so that ``convert`` and every spec term see the
-attention modules they know):
-
-    nanoGPT / GPT-2                     attnlab
-    [transformer.]wte.weight            wte.weight             token embedding, also the head
-    [transformer.]wpe.weight            wpe.weight             learned positions
-    [transformer.]h.{i}.ln_1.*          blocks.{i}.norm1.*
-    [transformer.]h.{i}.attn.c_attn.*   blocks.{i}.attn.qkv.*  fused q, k, v (rows q, k, v in both)
-    [transformer.]h.{i}.attn.c_proj.*   blocks.{i}.attn.proj.*
-    [transformer.]h.{i}.ln_2.*          blocks.{i}.norm2.*
-    [transformer.]h.{i}.mlp.c_fc.*      blocks.{i}.mlp.fc1.*
-    [transformer.]h.{i}.mlp.c_proj.*    blocks.{i}.mlp.fc2.*
-    [transformer.]ln_f.*                norm.*
-    lm_head.weight                      (tied to wte.weight: checked equal, not stored twice)
-
-nanoGPT's checkpoint is a dict whose ``model`` entry is the state dict (keys prefixed ``_orig_mod.`` when it was
-saved from ``torch.compile``), next to ``model_args`` (n_layer, n_head, n_embd, block_size, bias, vocab_size), whose
-head count is checked (the weights' shapes cannot tell it). Hugging Face's GPT-2 stores the four Linears of a block
-as ``Conv1D`` with (in, out) weights: they are transposed; its causal-mask buffers (``attn.bias``,
-``attn.masked_bias``) and nanoGPT's (``attn.bias`` without flash attention) are dropped. Hugging Face GPT-2 computes
-GELU by its tanh approximation: build the model with ``gelu="tanh"`` for the same outputs (nanoGPT's GELU is exact).
-
-Load into a model before converting it to a variant with other shapes (``dna``'s wider projection), or let
-``build_model(name, attn="dna(init=copy)", pretrained_file=path)`` do both in that order.
+Both name the same modules the same way; ``_NAMES`` maps them to attnlab's, which are timm's (so that ``convert``
+and every spec term see the attention modules they know); ``lm_head.weight`` must equal ``wte.weight`` (tied).
+nanoGPT's ``model_args`` are checked against the model (the head count cannot be read from the shapes); Hugging
+Face's ``Conv1D`` weights are transposed, and its GELU is ``gelu="tanh"``. docs/methods.md (Weights from nanoGPT and
+Hugging Face) has the rest. Load before converting to a variant with other shapes (``dna``'s wider projection), or
+let ``build_model(name, attn="dna(init=copy)", pretrained_file=path)`` do both in that order.
 """
 
 from __future__ import annotations
@@ -91,7 +73,7 @@ def _strip(key: str) -> str:
 
 def _convert(state_dict: Mapping[str, torch.Tensor], layout: str, source: str
              ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """``state_dict`` of ``layout`` (``nanogpt`` or ``hf``) in attnlab's names (module docstring), and the source
+    """``state_dict`` of ``layout`` (``nanogpt`` or ``hf``) in attnlab's names (``_NAMES``), and the source
     key of each."""
     out: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}

@@ -6,18 +6,9 @@ containers only; a pickle that would construct anything else is refused). A safe
 any tensor is read: at most ``MAX_HEADER_BYTES``, and, given the model, the same names and shapes as its state
 dict, so a file of a million tiny tensors or of another model costs nothing to refuse.
 
-The DnA authors' formats (per attention module, ``H`` heads, ``dim`` features):
-
-    forward   ``qqkvv`` (5*dim, dim): rows Q+, Q-, K, V+, V-, the order their forward splits them (their
-              registered ViT's own state dict); ``neg_scalers``: alpha, H values
-    legacy    ``qqkvv`` (5*dim, dim): rows Q+, K, V+, Q-, V-, what their legacy-checkpoint converter writes (it
-              concatenates a 3*dim ``qkv`` with Q-, V-); their forward reads it as Q+, Q-, K, V+, V- and so
-              scrambles it. Same shape as ``forward``: it is never guessed, name it
-    separate  ``qkv`` (3*dim: Q+, K, V+) plus ``q_neg`` and ``v_neg`` Linears (their video transformer)
-
-attnlab's own DnA layout is one ``qkv`` with rows Q+, Q-, K, V+, V- and ``alpha`` (H,). ``sign="-"`` reads files
-whose forward subtracts the softmin branch (their ``vit/dna.py``): that equals the "+" form with V- negated (alpha
-negated when V is shared).
+The DnA authors' three layouts (``forward``, ``legacy``, ``separate``) and ``sign`` are tabled in docs/methods.md
+(Loading the DnA authors' checkpoints); attnlab's own DnA layout is one ``qkv`` with rows Q+, Q-, K, V+, V- and
+``alpha`` (H,).
 """
 
 from __future__ import annotations
@@ -177,12 +168,13 @@ def create_pretrained(name: str, kwargs: dict[str, Any], file: str | Path | None
 # ---- the DnA authors' state dicts ----------------------------------------------------------------------------------
 def dna_authors_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], layout: str = "auto",
                            sign: str = "+") -> dict[str, torch.Tensor]:
-    """``state_dict`` in one of the DnA authors' formats (module docstring) rewritten in attnlab's names for
+    """``state_dict`` in one of the DnA authors' layouts (docs/methods.md) rewritten in attnlab's names for
     ``model``, a model converted to ``dna``: their fused ``qqkvv`` (or ``qkv`` + ``q_neg`` + ``v_neg``) becomes
     ``qkv`` with rows in this module's order, ``neg_scalers`` becomes ``alpha``; every other key is kept.
 
     ``layout``: ``forward``, ``legacy``, ``separate``, or ``auto`` (``separate`` when ``q_neg`` / ``v_neg`` keys
-    exist, else ``forward``; ``legacy`` has the same shapes as ``forward`` and is never inferred).
+    exist, else ``forward``; ``legacy`` has the same shapes as ``forward`` and is never inferred). ``sign="-"``:
+    a file whose forward subtracts the softmin branch (V- negated, or alpha when V is shared).
     """
     if layout not in DNA_LAYOUTS:
         raise ConfigError(f"DnA authors' layout {layout!r} is not valid; use one of: {', '.join(DNA_LAYOUTS)}.")
@@ -262,8 +254,8 @@ def dna_authors_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tens
 
 def load_dna_authors(model: nn.Module, source: str | Path | Mapping[str, torch.Tensor], layout: str = "auto",
                      sign: str = "+") -> nn.Module:
-    """Load a DnA authors' checkpoint (a path or a state dict, module docstring for ``layout`` and ``sign``) into
-    ``model`` (built with ``attn="dna"`` of the checkpoint's variant) by meaning, and return it."""
+    """Load a DnA authors' checkpoint (a path or a state dict; ``layout``, ``sign``: :func:`dna_authors_state_dict`)
+    into ``model`` (built with ``attn="dna"`` of the checkpoint's variant) by meaning, and return it."""
     name = f"checkpoint {source}" if isinstance(source, (str, Path)) else "the checkpoint"
     state = read_state_dict(source) if isinstance(source, (str, Path)) else source
     return load_strict(model, dna_authors_state_dict(model, state, layout, sign), name)

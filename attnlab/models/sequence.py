@@ -4,17 +4,10 @@
         --mean over real tokens | class token--> head (one Linear, or the Nyströmformer authors' two-layer MLP)
 
 Built from timm's ``Block`` and ``Attention``, so :func:`attnlab.convert` finds every attention module and every
-spec term applies (``nystrom``, ``performer``, ``speccond``...). ``norm_layer=nn.Identity`` (``build_model(...,
-norm="none")``) removes every LayerNorm: the spectral-conditioning paper's Nyströmformer ablation (its Appendix A.3,
-Table 8) of conditioning without LayerNorm.
-
-Padding. With ``pad_id`` set, the positions holding it are padding: the blocks get their key-padding mask (an
-:class:`~attnlab.attention.mask.AttentionMask`, which every attention term honours or refuses with its reason), so
-no token attends to padding and the padded outputs are zero, and pooling reads the real tokens only.
-``pad_multiple`` pads every batch at the end with ``pad_id`` to a multiple of it (masked, so an exact kernel's output
-does not change): the Nyströmformer authors pad ListOps' 2000 tokens to 2048 so that 64 landmarks divide it (with
-uneven segments attnlab's Nyström would otherwise average segments of two lengths). Without ``pad_id`` (the presets
-``seq_listops`` and ``seq_text``, as they were) padding is attended like any token.
+spec term applies. ``norm_layer=nn.Identity`` (``build_model(..., norm="none")``) is the spectral-conditioning
+paper's no-LayerNorm ablation (its Appendix A.3, Table 8). With ``pad_id`` set the padding is masked in every block
+and in the pooling, and ``pad_multiple`` pads each batch at the end (the Nyströmformer authors' 2000 -> 2048 for 64
+landmarks); docs/methods.md (Low-rank kernels) compares this with the authors' code.
 """
 
 from __future__ import annotations

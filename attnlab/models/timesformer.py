@@ -14,27 +14,14 @@ Each divided block (``attention="divided"``, the paper's default) runs, with its
                z'_(p,t) = a_(p,t) + s_(p,t),  z'_cls = z_cls + mean_t s_(cls,t)
     MLP        z'' = z' + MLP(LN(z'))
 
-``temporal_fc`` starts at zero, so a fresh block (its temporal branch silent) computes exactly the image model's block
-on every frame; started from an image model (time embedding zero, as the authors' code keeps it), a clip of one
-repeated frame gets the image model's logits. A model trained from scratch draws its time embedding as the position
-embedding (truncated normal, std 0.02): at zero, such a model would be exactly blind to frame order at step 0.
-
-``joint`` runs one attention over all 1 + T*N tokens per block (the paper's "Joint Space-Time"); ``space_only`` runs
-the image ViT on every frame independently and averages the frames' tokens before the final norm ("Space", no time
-embedding). The class token's final state, after LayerNorm, goes to the linear head.
+``temporal_fc`` starts at zero, so a fresh block computes exactly the image model's block on every frame. ``joint``
+runs one attention over all 1 + T*N tokens per block; ``space_only`` runs the image ViT on every frame and averages
+the frames' tokens before the final norm. The class token's final state, after LayerNorm, goes to the linear head.
 
 Both attentions of a block are timm ``Attention`` modules (``attn`` spatial, ``temporal_attn`` temporal), so
-``attnlab.convert`` replaces both (the DnA paper's setting) or one of them (``only="spatial"`` / ``"temporal"``);
-the parameter names are those of the authors' ``timesformer/models/vit.py`` (``temporal_norm1``, ``temporal_attn``,
-``temporal_fc``, ``time_embed``), which are timm's ViT names plus the temporal ones. Where the authors' code and this
-module differ (none changes a forward in eval mode): tokens are held frame-major ``(t, p)`` here, position-major
-``(p, t)`` there (attention does not see the order); stochastic depth drops a residual branch per clip here, per
-(clip, position) and per (clip, frame) there, and the temporal branch's ``temporal_fc`` inside the dropped branch.
-
-Weights: :func:`init_from_image` starts a TimeSformer from an image ViT's state dict (timm's layout) as the authors'
-loader does (spatial attention, norms, MLP, patch and position embeddings, class token, final norm from the image
-model; ``temporal_attn`` and ``temporal_norm1`` copies of each block's ``attn`` and ``norm1``; ``temporal_fc`` and the
-time embedding zero); :func:`load_timesformer` reads a checkpoint in the layout of the authors' released models.
+``attnlab.convert`` replaces both or one group (``only="spatial"`` / ``"temporal"``); parameter names are the authors'
+(``timesformer/models/vit.py``). docs/methods.md (TimeSformer) gives the initialisation, where this module differs
+from the authors' code, and how :func:`init_from_image` and :func:`load_timesformer` read weights.
 """
 
 from __future__ import annotations
@@ -110,10 +97,8 @@ class TimeSformer(nn.Module):
         attn_drop_rate: dropout on attention weights. drop_path_rate: stochastic depth, rising linearly to it.
         norm_layer: LayerNorm (eps 1e-6, as timm's ViT and the authors' model).
         weight_init: the Linears' weights: ``trunc_normal`` (std 0.02, the authors' and timm's default) or
-            ``xavier`` (uniform, scaled to each layer's width, as timm's ``jax`` ViT init); ``temporal_fc`` starts
-            at zero either way. At width 64, std 0.02 gives attention logits near zero: uniform attention over the
-            frames, which is blind to their order, and a model trained from scratch stalls there
-            (``timesformer_tiny`` uses ``xavier``).
+            ``xavier`` (timm's ``jax`` ViT init; ``timesformer_tiny``: std 0.02 at width 64 leaves attention over
+            the frames uniform, blind to their order); ``temporal_fc`` starts at zero either way.
     """
 
     def __init__(self, img_size: int = 224, patch_size: int = 16, in_chans: int = 3, num_classes: int = 400,
@@ -155,7 +140,7 @@ class TimeSformer(nn.Module):
         trunc_normal_(self.pos_embed, std=0.02)
         trunc_normal_(self.cls_token, std=0.02)
         if self.attention != "space_only":
-            trunc_normal_(self.time_embed, std=0.02)  # zeroed by init_from_image (module docstring)
+            trunc_normal_(self.time_embed, std=0.02)  # zeroed by init_from_image (docs/methods.md)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 if weight_init == "xavier":
@@ -215,12 +200,10 @@ _TEMPORAL_COPIES = (("temporal_attn.", "attn."), ("temporal_norm1.", "norm1."))
 
 def init_from_image(model: TimeSformer, state_dict: Mapping[str, torch.Tensor],
                     source: str = "the image model's weights") -> TimeSformer:
-    """Start ``model`` from an image ViT's state dict in timm's layout, as the authors' loader does (module docstring).
-
-    The image model must have a class token and the same width, depth and heads; its position embedding is resampled
-    (timm's ``resample_abs_pos_embed``) when the patch grid differs; its head is taken when it has ``num_classes``
-    outputs, else the model keeps its fresh head. Anything else that does not fit is a ConfigError naming the key.
-    """
+    """Start ``model`` from an image ViT's state dict in timm's layout, as the authors' loader does (docs/methods.md):
+    ``temporal_attn`` and ``temporal_norm1`` copies of each block's ``attn`` and ``norm1``, ``temporal_fc`` and the
+    time embedding zero. The position embedding is resampled to another patch grid; the head is taken when it has
+    ``num_classes`` outputs, else kept fresh; anything else that does not fit is a ConfigError naming the key."""
     state = {re.sub(r"^module\.", "", k): v for k, v in state_dict.items()}
     if "cls_token" not in state:
         raise ConfigError(f"{source} has no class token (cls_token); TimeSformer's head reads one, so start it "
@@ -255,15 +238,10 @@ def init_from_image(model: TimeSformer, state_dict: Mapping[str, torch.Tensor],
 
 
 def timesformer_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A checkpoint of the authors' released TimeSformer models rewritten for ``model``, read by meaning.
-
-    Their files (``torch.save`` of ``{"epoch", "model_state", "optimizer_state", "cfg"}``) name every parameter
-    ``model.<name>`` (their wrapper holds the ViT as ``self.model``), a DDP copy ``module.model.<name>``; the names
-    after the prefix are this module's. The time embedding is resampled (nearest, as their loader) when the file was
-    trained for another number of frames; a head of another size is left as ``model`` has it (fine-tuning on another
-    label set). A model converted to ``dna`` reads the DnA authors' video layout (``qkv`` + ``q_neg`` + ``v_neg`` +
-    ``neg_scalers``) through :func:`attnlab.models.pretrained.dna_authors_state_dict`.
-    """
+    """A checkpoint of the authors' released TimeSformer models (every parameter ``model.<name>``, or
+    ``module.model.<name>``) rewritten for ``model``: the time embedding resampled to its frames, a head of another
+    size left as ``model`` has it, and, for a model converted to ``dna``, the DnA authors' video layout read through
+    :func:`attnlab.models.pretrained.dna_authors_state_dict` (docs/methods.md, TimeSformer)."""
     state = {re.sub(r"^(module\.)?(model\.)?", "", k): v for k, v in state_dict.items()}
     own = model.state_dict()
     has_temporal = any(".temporal_attn." in k for k in state)

@@ -4,18 +4,11 @@ for Object Detection", arXiv 2203.16527).
     image --patch_embed--> (B, H/p, W/p, C) + pos --blocks (windowed or global)--> stride-p map
           --SimpleFeaturePyramid--> {'0': 1/4, '1': 1/8, '2': 1/16, '3': 1/32, 'pool': 1/64}  (for p = 16)
 
-The trunk keeps the timm ViT's own submodules and state-dict names (``patch_embed``, ``pos_embed``, ``blocks.N``):
-each block's attention is still the timm ``Attention`` (or whatever ``attnlab.convert`` put there), called on
-windows of the token grid (window blocks) or on the whole grid (global blocks), so every kernel term converts it.
-The class token goes (ViTDet has none) and the position embedding is resampled to the detection grid once, and
-again in a forward whose grid differs (ViTDet's ``get_abs_pos``). ViTDet's decomposed relative-position bias is not
-built: it is no part of timm's ``Attention`` and would not reach every kernel.
-
-The pyramid (Section 3 of the paper, its Figure 2): from the last stride-16 map, two stride-2 deconvolutions (a
-LayerNorm and GELU between) to 1/4, one to 1/8, the map itself at 1/16, a 2x2 max-pool to 1/32; each followed by a
-1x1 and a 3x3 convolution without bias, each with a LayerNorm, to ``out_channels``; and torchvision's
-``LastLevelMaxPool`` for the 1/64 level the RPN also reads (p6). Output names follow torchvision's FPN, so its
-default anchor generator and RoI pools apply.
+The trunk keeps the timm ViT's submodules and state-dict names, each block's attention (timm's, or whatever
+``attnlab.convert`` put there) called on windows of the token grid or on the whole grid, so every kernel term
+converts it; the class token goes and the position embedding is resampled to the grid. The pyramid is the paper's
+(Section 3, Figure 2), its output names torchvision's FPN's; docs/methods.md (Detection backbones) describes both
+and where they differ from the authors' detectron2 code.
 """
 
 from __future__ import annotations
