@@ -29,9 +29,12 @@ relevance, which perturb or explain image inputs, do not apply."""
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from .checks import count
+from ..errors import ConfigError, UnsupportedModelError, did_you_mean
 from ..train.files import CONFIG
+from .checks import count, output_dir, run_dir
 
 # attnlab.analysis.instruments.INSTRUMENTS by name: that module imports torch, which --help must not wait for
 INSTRUMENTS = ("spectra", "entropy", "qk", "branches", "jacobian", "redundancy", "robustness", "relevance",
@@ -55,12 +58,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    import sys
-    from pathlib import Path
-
-    from ..errors import ConfigError, did_you_mean
-    from .checks import output_dir, run_dir
-
     what = [w.strip() for w in args.what.split(",") if w.strip()]
     what = list(INSTRUMENTS) if what == ["all"] else what
     bad = next((w for w in what if w not in INSTRUMENTS), None) if what else args.what
@@ -87,7 +84,6 @@ def run(args) -> int:
 
     from ..analysis.instruments import analyze_model, plot_results
     from ..data import build_dataset, dataset_info
-    from ..errors import UnsupportedModelError
     from ..spec import parse_spec
     from ..train.checkpoint import atomic_write_json
     from ..train.run import resolve_device
@@ -171,8 +167,6 @@ def run(args) -> int:
 
 def _predictions(label, model, task, out, device, prefixed: bool) -> list:
     """Figure-10 panels of a detection run (its first evaluation images), or [] with a note for other runs."""
-    import sys
-
     from ..data.coco import CocoInstances
 
     if not isinstance(getattr(task, "val_set", lambda: None)(), CocoInstances):

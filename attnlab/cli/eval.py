@@ -26,8 +26,11 @@ A run of another task family (detection) prints the metrics its training logs, o
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
-from .checks import count
+from ..errors import ConfigError, DatasetError
+from .checks import count, run_dir
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -67,10 +70,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def _folder(path: str, what: str):
-    from pathlib import Path
-
-    from ..errors import DatasetError
-
     root = Path(path)
     if not root.is_dir():
         raise DatasetError(f"{what} {root} is not a directory; give a folder with one subfolder of images per class.")
@@ -80,10 +79,6 @@ def _folder(path: str, what: str):
 
 
 def _class_indices(classes_file: str, folder_classes: list[str], outputs: int | None) -> list[int]:
-    from pathlib import Path
-
-    from ..errors import ConfigError
-
     path = Path(classes_file)
     if not path.is_file():
         raise ConfigError(f"--classes {path} is not a file; give a text file of class names, one per line.")
@@ -118,8 +113,6 @@ def _shape_words(chans: int, size) -> str:
 
 def _check_dataset(model, info, trained_on: str | None) -> None:
     """ConfigError unless ``info``'s images (channels, size) and classes fit ``model`` (trained on ``trained_on``)."""
-    from ..errors import ConfigError
-
     shape, outputs = _input_shape(model), getattr(model, "num_classes", None)
     wanted = None if shape is None else (shape[0], tuple(shape[1:]))
     size = (info.image_size,) * 2 if isinstance(info.image_size, int) else tuple(info.image_size)
@@ -145,11 +138,6 @@ def _folder_norm(info, chans: int) -> dict:
 
 
 def run(args) -> int:
-    import json
-
-    from ..errors import ConfigError
-    from .checks import run_dir
-
     if bool(args.run_dir) == bool(args.model):
         raise ConfigError("give a run directory, or --model (with --checkpoint, --pretrained or --pretrained-file), "
                           "not both.")
@@ -255,9 +243,6 @@ def run(args) -> int:
 def _task_eval(args, task, device) -> int:
     """A run of a family that is not classification, evaluated as its training evaluates it (``Task.evaluate``
     on its evaluation split), printed as one JSON line; the classification-only flags are refused."""
-    import json
-
-    from ..errors import ConfigError
     from ..train import load_run
     from ..train.run import resolve_amp
 
