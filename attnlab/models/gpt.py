@@ -40,10 +40,8 @@ GPT_PRESETS: dict[str, tuple[dict, str]] = {
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block with causal self-attention (timm's ``Attention``) and a GELU MLP.
-
-    ``cache`` (a :class:`LayerCache`) makes the attention read and extend the earlier tokens' keys and values.
-    """
+    """Pre-LN transformer block with causal self-attention (timm's ``Attention``) and a GELU MLP; ``cache`` (a
+    :class:`LayerCache`) makes the attention read and extend the earlier tokens' keys and values."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, bias: bool = True, drop: float = 0.0,
                  attn_drop: float = 0.0, act_layer: type[nn.Module] = nn.GELU,
@@ -70,8 +68,8 @@ class GPT(nn.Module):
         block_size: the longest sequence (learned positions).
         embed_dim, depth, num_heads, mlp_ratio: the blocks' geometry (GPT-2: MLP 4x).
         bias: biases in every Linear and LayerNorm (GPT-2: yes; nanoGPT's ``bias=False`` drops them).
-        drop_rate: dropout on the embeddings and after each residual projection (nanoGPT's ``dropout``).
-        attn_drop_rate: dropout on the attention weights.
+        drop_rate, attn_drop_rate: dropout on the embeddings and after each residual projection (nanoGPT's
+            ``dropout``), on the attention weights.
         gelu: ``exact`` (nanoGPT's ``nn.GELU()``) or ``tanh`` (Hugging Face GPT-2's ``gelu_new``).
         norm_layer: the normalisation (default LayerNorm, eps 1e-5; ``nn.Identity``: none).
     """
