@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shutil
 import sys
 import typing
@@ -37,8 +38,8 @@ def _converter(key: str):
     return convert
 
 
-def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, only: typing.Iterable[str] | None = None,
-                     ) -> None:
+def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                     only: typing.Iterable[str] | None = None) -> None:
     """One --flag per TrainConfig field (help from the field's metadata); unset flags leave the config alone."""
     from attnlab.data.registry import DATASET_TABLE, describe
     from attnlab.train.config import RECIPES, TrainConfig
@@ -141,8 +142,7 @@ def run(args: argparse.Namespace) -> int:
                                   f"{overrides[key]} would train another; drop --{key.replace('_', '-')}.")
         config_path = run_dir / CONFIG
         overrides.update(runs_dir=str(run_dir.parent), name=run_dir.name)
-    cfg = load_config(config_path, **overrides)
-    cfg = dataclasses.replace(cfg, resume=bool(args.resume))
+    cfg = dataclasses.replace(load_config(config_path, **overrides), resume=bool(args.resume))
     output_dir(cfg.runs_dir, "runs_dir")
     notes = _notes(cfg)
 
@@ -176,8 +176,6 @@ def run(args: argparse.Namespace) -> int:
 def _notes(cfg) -> list[str]:
     """Lines for stderr on settings that are valid but probably not meant: more threads than cores, and a dataset
     trained with a recipe made for another when one exists for it."""
-    import os
-
     from attnlab.train.config import RECIPES
 
     notes = []

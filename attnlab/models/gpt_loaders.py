@@ -11,6 +11,7 @@ let ``build_model(name, attn="dna(init=copy)", pretrained_file=path)`` do both i
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 from pathlib import Path
@@ -67,8 +68,7 @@ def _strip_wrappers(key: str) -> str:
 
 def _strip(key: str) -> str:
     """The key without wrappers and without GPT-2's ``transformer.`` container."""
-    key = _strip_wrappers(key)
-    return key[len("transformer."):] if key.startswith("transformer.") else key
+    return _strip_wrappers(key).removeprefix("transformer.")
 
 
 def _convert(state_dict: Mapping[str, torch.Tensor], layout: str, source: str
@@ -141,11 +141,8 @@ def _load(model: nn.Module, converted: tuple[dict[str, torch.Tensor], dict[str, 
 
 
 def load_nanogpt(model: nn.Module, state_dict: Mapping, *, source: str = "the nanoGPT checkpoint") -> nn.Module:
-    """Load a nanoGPT ``train.py`` checkpoint into ``model`` (a :class:`~attnlab.models.gpt.GPT`) and return it.
-
-    ``state_dict``: the checkpoint dict (its ``model`` entry is read and its ``model_args`` checked) or that entry
-    itself; ``_orig_mod.`` prefixes are stripped.
-    """
+    """Load a nanoGPT ``train.py`` checkpoint into ``model`` (a :class:`~attnlab.models.gpt.GPT`) and return it;
+    ``state_dict`` is the checkpoint dict (its ``model`` entry read, its ``model_args`` checked) or that entry."""
     args = state_dict.get("model_args") if isinstance(state_dict.get("model_args"), Mapping) else {}
     if isinstance(state_dict.get("model"), Mapping):
         state_dict = state_dict["model"]
@@ -182,8 +179,6 @@ def _nanogpt_args(path: Path) -> dict:
 
 def _hf_config(path: Path) -> dict:
     """The ``config.json`` next to a Hugging Face weights file, or {}."""
-    import json
-
     config = path.parent / "config.json"
     try:
         data = json.loads(config.read_text())
@@ -236,8 +231,7 @@ def gpt_from_file(path: str | Path, **overrides) -> GPT:
     else:
         raise ConfigError(f"{path} is neither a nanoGPT checkpoint nor Hugging Face GPT-2 weights; for attnlab's own "
                           f"weights use build_model(preset, pretrained_file=...).")
-    model = GPT(**{**geo, **overrides})
-    return load_gpt_file(model, path)
+    return load_gpt_file(GPT(**{**geo, **overrides}), path)
 
 
 __all__ = ["gpt_from_file", "gpt_layout", "load_gpt2_hf", "load_gpt_file", "load_nanogpt"]

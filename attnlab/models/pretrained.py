@@ -99,11 +99,8 @@ def read_state_dict(path: str | Path, model: nn.Module | None = None) -> dict[st
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ConfigError(f"pretrained file {path} cannot be read as safetensors or a weights-only torch file "
                           f"({why[:120]}); give a state dict saved with safetensors or torch.save.") from None
-    if isinstance(state, Mapping):
-        for key in _CONTAINER_KEYS:
-            if isinstance(state.get(key), Mapping):
-                state = state[key]
-                break
+    if isinstance(state, Mapping):  # the first container key that holds a mapping
+        state = next((state[key] for key in _CONTAINER_KEYS if isinstance(state.get(key), Mapping)), state)
     if not isinstance(state, Mapping) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"pretrained file {path} holds no state dict of tensors; give a file written from "
                           f"model.state_dict().")

@@ -47,11 +47,8 @@ ATTENTION_GROUPS = {"spatial": "blocks.*.attn", "temporal": "blocks.*.temporal_a
 
 
 class DividedBlock(nn.Module):
-    """One divided space-time block (module docstring): temporal attention, spatial attention, MLP, pre-norm.
-
-    Args:
-        dim, num_heads, mlp_ratio, qkv_bias, proj_drop, attn_drop, drop_path, norm_layer: as timm's ViT ``Block``.
-    """
+    """One divided space-time block (module docstring): temporal attention, spatial attention, MLP, pre-norm; the
+    arguments are timm's ViT ``Block``'s."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  proj_drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0,
@@ -93,9 +90,8 @@ class TimeSformer(nn.Module):
             ``VisionTransformer`` (a class token is always used: the head reads it).
         num_frames: T the time embedding is learned for (a clip of other length gets it resampled, nearest).
         attention: ``divided`` (temporal then spatial attention per block), ``joint`` or ``space_only``.
-        drop_rate: dropout after the position (and time) embedding and in the MLPs.
-        attn_drop_rate: dropout on attention weights. drop_path_rate: stochastic depth, rising linearly to it.
-        norm_layer: LayerNorm (eps 1e-6, as timm's ViT and the authors' model).
+        drop_rate, attn_drop_rate, drop_path_rate: dropout after the embeddings and in the MLPs, on attention
+            weights, stochastic depth (rising linearly); norm_layer: LayerNorm (eps 1e-6, timm's and the authors').
         weight_init: the Linears' weights: ``trunc_normal`` (std 0.02, the authors' and timm's default) or
             ``xavier`` (timm's ``jax`` ViT init; ``timesformer_tiny``: std 0.02 at width 64 leaves attention over
             the frames uniform, blind to their order); ``temporal_fc`` starts at zero either way.
@@ -114,11 +110,8 @@ class TimeSformer(nn.Module):
             raise ConfigError(f"weight_init={weight_init!r} is not valid; use one of: {', '.join(WEIGHT_INITS)}.")
         if num_frames < 1:
             raise ConfigError(f"num_frames={num_frames} is not valid; a clip has at least 1 frame.")
-        self.attention = attention
-        self.num_frames = num_frames
-        self.num_classes = num_classes
+        self.attention, self.num_frames, self.num_classes, self.in_chans = attention, num_frames, num_classes, in_chans
         self.num_features = self.embed_dim = embed_dim
-        self.in_chans = in_chans
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
@@ -254,8 +247,7 @@ def timesformer_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tens
         frames = own["time_embed"].shape[1]
         state["time_embed"] = F.interpolate(state["time_embed"].transpose(1, 2), size=frames,
                                             mode="nearest").transpose(1, 2)
-    for part in ("weight", "bias"):
-        key = f"head.{part}"
+    for key in ("head.weight", "head.bias"):
         if key in own and key in state and state[key].shape != own[key].shape:
             state[key] = own[key]
     if any(isinstance(m, DnAAttention) for m in model.modules()):

@@ -28,6 +28,7 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 from ..errors import UnsupportedModelError
 from .blocks import PostNormBlock
 
+_DECONVOLUTIONS = {4.0: 2, 2.0: 1, 1.0: 0, 0.5: 0}  # per pyramid scale factor (0.5: a max-pool instead)
 _BLOCK_PARTS = ("norm1", "attn", "ls1", "drop_path1", "norm2", "mlp", "ls2", "drop_path2")
 
 
@@ -133,14 +134,9 @@ class ViTDetTrunk(nn.Module):
 
 
 class SimpleFeaturePyramid(nn.Module):
-    """ViTDet's simple feature pyramid: one map at stride s -> maps at s/f for each scale factor f, then p6.
-
-    Args:
-        in_channels: channels of the input map (the ViT width).
-        out_channels: channels of every output level (256 in the paper).
-        scale_factors: 4, 2, 1, 0.5 in the paper (strides 4, 8, 16, 32 from a stride-16 map).
-        norm_layer: LayerNorm over channels (the paper's "LN").
-    """
+    """ViTDet's simple feature pyramid: one map of ``in_channels`` (the ViT width) at stride s -> maps of
+    ``out_channels`` (the paper: 256) at s/f for each scale factor f (the paper: 4, 2, 1, 0.5), then p6;
+    ``norm_layer`` is the paper's "LN" over channels."""
 
     def __init__(self, in_channels: int, out_channels: int = 256,
                  scale_factors: Sequence[float] = (4.0, 2.0, 1.0, 0.5), norm_layer=LayerNorm2d) -> None:
@@ -149,19 +145,14 @@ class SimpleFeaturePyramid(nn.Module):
         self.out_channels = out_channels
         stages = []
         for scale in self.scale_factors:
-            dim = in_channels
-            if scale == 4.0:
-                layers = [nn.ConvTranspose2d(dim, dim // 2, 2, stride=2), norm_layer(dim // 2), nn.GELU(),
-                          nn.ConvTranspose2d(dim // 2, dim // 4, 2, stride=2)]
-                dim //= 4
-            elif scale == 2.0:
-                layers, dim = [nn.ConvTranspose2d(dim, dim // 2, 2, stride=2)], dim // 2
-            elif scale == 1.0:
-                layers = []
-            elif scale == 0.5:
-                layers = [nn.MaxPool2d(2, stride=2)]
-            else:
+            if scale not in _DECONVOLUTIONS:
                 raise UnsupportedModelError(f"scale factor {scale} is not one of ViTDet's 4, 2, 1, 0.5.")
+            dim, layers = in_channels, [nn.MaxPool2d(2, stride=2)] if scale == 0.5 else []
+            for _ in range(_DECONVOLUTIONS[scale]):  # stride-2 deconvolutions, a LayerNorm and GELU between two
+                if layers:
+                    layers += [norm_layer(dim), nn.GELU()]
+                layers.append(nn.ConvTranspose2d(dim, dim // 2, 2, stride=2))
+                dim //= 2
             layers += [Conv2dNormActivation(dim, out_channels, 1, norm_layer=norm_layer, activation_layer=None,
                                             bias=False),
                        Conv2dNormActivation(out_channels, out_channels, 3, norm_layer=norm_layer,
