@@ -17,6 +17,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import NoReturn
 
@@ -135,8 +136,6 @@ def _quiet(err: BaseException) -> bool:
     first. An error of one rank in the middle of the steps (marked by attnlab.train.distributed) is printed by it."""
     if current_rank() == 0 or getattr(err, "attnlab_local", False):
         return False
-    import time
-
     time.sleep(10)
     return True
 

@@ -29,9 +29,12 @@ relevance, which perturb or explain image inputs, do not apply."""
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from .checks import count
+from ..errors import ConfigError, UnsupportedModelError, did_you_mean
 from ..train.files import CONFIG
+from .checks import count, output_dir, run_dir
 
 # attnlab.analysis.instruments.INSTRUMENTS by name: that module imports torch, which --help must not wait for
 INSTRUMENTS = ("spectra", "entropy", "qk", "branches", "jacobian", "redundancy", "robustness", "relevance",
@@ -55,12 +58,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    import sys
-    from pathlib import Path
-
-    from ..errors import ConfigError, did_you_mean
-    from .checks import output_dir, run_dir
-
     what = [w.strip() for w in args.what.split(",") if w.strip()]
     what = list(INSTRUMENTS) if what == ["all"] else what
     bad = next((w for w in what if w not in INSTRUMENTS), None) if what else args.what
@@ -87,7 +84,6 @@ def run(args) -> int:
 
     from ..analysis.instruments import analyze_model, plot_results
     from ..data import build_dataset, dataset_info
-    from ..errors import UnsupportedModelError
     from ..spec import parse_spec
     from ..train.checkpoint import atomic_write_json
     from ..train.run import resolve_device
@@ -111,7 +107,8 @@ def run(args) -> int:
     from ..train import load_run
     from ..train.run import Run
 
-    inputs = {}  # label -> (images, labels) from the run's task, for tasks whose instruments read their backbone
+    # (images, labels) by (dataset, data_dir), or by label for a run whose task gives its own inputs
+    image_cache = {}
     drawn = []  # detection runs' Figure-10 panels
     for path in runs if model_what or "predictions" in what else []:
         model, cfg = load_run(path, map_location=device)
@@ -121,25 +118,21 @@ def run(args) -> int:
             drawn += _predictions(label, model, task, out, device, len(runs) > 1)
         if not model_what:
             continue
-        if hasattr(task, "instrument_model"):  # e.g. a detector: its transformer, on the task's own inputs
-            inputs[label] = (task.inputs(args.images).to(device), None)
+        # a detector (its transformer measured) or a language model (its first validation blocks, token ids)
+        if hasattr(task, "instrument_model") or not task.labelled_inputs:
+            image_cache[label] = (task.inputs(args.images).to(device), None)
+        if hasattr(task, "instrument_model"):
             model = task.instrument_model(model)
-        elif not task.labelled_inputs:  # e.g. a language model: the first validation blocks, token ids
-            inputs[label] = (task.inputs(args.images).to(device), None)
         targets.append((label, cfg.attn, model, cfg.dataset, args.data_dir or cfg.data_dir))
     if "predictions" in what and not drawn:
         print("predictions: no detection run given; it draws a detector's boxes and masks.", file=sys.stderr)
 
     results = {}
-    image_cache = {}
     progress = sys.stderr.isatty()
     skipped = []  # (label, instrument, reason)
     for label, attn, model, dataset, data_dir in targets:
-        key = (dataset, data_dir)
-        if label in inputs:
-            image_cache[label] = inputs[label]
-            key = label
-        elif key not in image_cache:
+        key = label if label in image_cache else (dataset, data_dir)
+        if key not in image_cache:
             test = build_dataset(dataset, False, data_dir=data_dir)
             n = min(args.images, len(test))
             samples = [test[i] for i in range(n)]
@@ -174,8 +167,6 @@ def run(args) -> int:
 
 def _predictions(label, model, task, out, device, prefixed: bool) -> list:
     """Figure-10 panels of a detection run (its first evaluation images), or [] with a note for other runs."""
-    import sys
-
     from ..data.coco import CocoInstances
 
     if not isinstance(getattr(task, "val_set", lambda: None)(), CocoInstances):

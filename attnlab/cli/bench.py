@@ -8,8 +8,13 @@ Example: attnlab bench --model vit_cifar --attn standard,ns --batch-size 128"""
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import re
+from pathlib import Path
 
-from .checks import count
+from ..errors import ConfigError
+from .checks import count, output_file
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -38,8 +43,6 @@ def _out_of_memory(err: BaseException) -> bool:
 
 def _what_failed(text: str) -> str:
     """The allocation an out-of-memory message reports, in a few words."""
-    import re
-
     cpu = re.search(r"allocate (\d+) bytes", text)
     cuda = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
     if cpu:
@@ -53,7 +56,7 @@ def _memory_budget(device) -> int:
     """Bytes a probe forward may take: on CUDA the device's free memory; on the CPU half of what the system has
     available (MemAvailable) and of what this process may still map (RLIMIT_AS), so that no probe can bring in
     the kernel's OOM killer, which would end the process (and maybe another) without a word."""
-    import resource
+    import resource  # POSIX only: imported where it is used
 
     import torch
 
@@ -99,8 +102,6 @@ def _bytes_per_image(models: dict, shape, device) -> int:
 def largest_fitting_batch(args, specs: list[str], device) -> int | None:
     """The largest of batch/2, batch/4, ... for which one forward of every variant in ``specs`` runs on ``device``
     (probes beyond the memory budget are not tried), or None when not even batch 1 does."""
-    import gc
-
     import torch
 
     from ..bench import input_shape, matched_models
@@ -131,20 +132,13 @@ def largest_fitting_batch(args, specs: list[str], device) -> int | None:
 
 
 def run(args) -> int:
-    from pathlib import Path
-
-    from ..errors import ConfigError
     from ..spec import split_specs
-    from .checks import output_file
 
     if args.json:
         output_file(args.json, "--json")  # checked now rather than after minutes of timing
     specs = split_specs(args.attn)
     if not specs:
         raise ConfigError("--attn names no variant; give comma-separated specs such as 'standard,ns'.")
-
-    import gc
-    import json
 
     from ..bench import bench_variants, format_latency
     from ..train.checkpoint import atomic_write_text

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from attnlab.cli.checks import count
 from attnlab.cli.train import add_config_flags
+from attnlab.errors import ConfigError
 
 _GRID_FLAGS = ("attn", "seeds", "datasets", "models")
 LAUNCHERS = ("local", "submitit", "submitit-local")  # attnlab.train.launch.LAUNCHERS, without importing torch
@@ -69,12 +72,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
     from attnlab.analysis import training_probe  # for runs with probe_every
     from attnlab.analysis.instruments import INSTRUMENTS
-    from attnlab.errors import ConfigError
     from attnlab.train import load_grid, run_grid
     from attnlab.train.files import RESULT
     from attnlab.train.grid import format_plan, plan_grid

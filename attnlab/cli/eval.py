@@ -26,8 +26,11 @@ A run of another task family (detection) prints the metrics its training logs, o
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
-from .checks import count
+from ..errors import ConfigError, DatasetError
+from .checks import count, run_dir
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -67,10 +70,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def _folder(path: str, what: str):
-    from pathlib import Path
-
-    from ..errors import DatasetError
-
     root = Path(path)
     if not root.is_dir():
         raise DatasetError(f"{what} {root} is not a directory; give a folder with one subfolder of images per class.")
@@ -80,10 +79,6 @@ def _folder(path: str, what: str):
 
 
 def _class_indices(classes_file: str, folder_classes: list[str], outputs: int | None) -> list[int]:
-    from pathlib import Path
-
-    from ..errors import ConfigError
-
     path = Path(classes_file)
     if not path.is_file():
         raise ConfigError(f"--classes {path} is not a file; give a text file of class names, one per line.")
@@ -118,8 +113,6 @@ def _shape_words(chans: int, size) -> str:
 
 def _check_dataset(model, info, trained_on: str | None) -> None:
     """ConfigError unless ``info``'s images (channels, size) and classes fit ``model`` (trained on ``trained_on``)."""
-    from ..errors import ConfigError
-
     shape, outputs = _input_shape(model), getattr(model, "num_classes", None)
     wanted = None if shape is None else (shape[0], tuple(shape[1:]))
     size = (info.image_size,) * 2 if isinstance(info.image_size, int) else tuple(info.image_size)
@@ -145,11 +138,6 @@ def _folder_norm(info, chans: int) -> dict:
 
 
 def run(args) -> int:
-    import json
-
-    from ..errors import ConfigError
-    from .checks import run_dir
-
     if bool(args.run_dir) == bool(args.model):
         raise ConfigError("give a run directory, or --model (with --checkpoint, --pretrained or --pretrained-file), "
                           "not both.")
@@ -181,6 +169,7 @@ def run(args) -> int:
 
     from ..analysis.evaluation import evaluate, image_folder
     from ..data import build_dataset, dataset_info
+    from ..data.folder import folder_transform
     from ..train.run import resolve_device
 
     device = resolve_device(args.device)
@@ -204,9 +193,7 @@ def run(args) -> int:
 
         dataset, data_dir, data_opts, trained_on = args.dataset or "digits", args.data_dir or "data", {}, None
         info = dataset_info(dataset, data_dir=data_dir) if not folder or args.dataset else None
-        kwargs = {}
-        if info is not None:
-            kwargs = dict(in_chans=info.in_chans, img_size=info.image_size)
+        kwargs = {} if info is None else dict(in_chans=info.in_chans, img_size=info.image_size)
         if args.image_size:
             kwargs["img_size"] = args.image_size
         from_file = args.pretrained or args.pretrained_file
@@ -229,8 +216,6 @@ def run(args) -> int:
         raise ConfigError(f"--image-size {args.image_size} does not fit the run's model, which takes "
                           f"{_shape_words(shape[0], tuple(shape[1:]))} images; drop --image-size.")
     if folder is not None:
-        from ..data.folder import folder_transform
-
         info = dataset_info(dataset, data_dir=data_dir, **data_opts) if args.run_dir or args.dataset else None
         chans = shape[0] if shape else 3
         size = args.image_size or (shape[1] if shape else 224)  # the model's own input size
@@ -246,8 +231,6 @@ def run(args) -> int:
         data = build_dataset(dataset, args.split == "train", data_dir=data_dir, augment="none", **data_opts)
         ood_data = None
         if ood:  # read like the dataset's own images (channels, size, normalisation): only the content differs
-            from ..data.folder import folder_transform
-
             transform = folder_transform(False, "none", image_size=info.image_size, mean=info.mean, std=info.std)
             ood_data = image_folder(ood, transform, channels=info.in_chans, what="--ood")
         label.update(dataset=dataset, split=args.split)
@@ -260,10 +243,8 @@ def run(args) -> int:
 def _task_eval(args, task, device) -> int:
     """A run of a family that is not classification, evaluated as its training evaluates it (``Task.evaluate``
     on its evaluation split), printed as one JSON line; the classification-only flags are refused."""
-    import json
-
-    from ..errors import ConfigError
     from ..train import load_run
+    from ..train.run import resolve_amp
 
     given = [flag for flag, value in (("--folder", args.folder), ("--ood", args.ood), ("--classes", args.classes),
                                       ("--noise", args.noise), ("--images", args.images),
@@ -272,12 +253,9 @@ def _task_eval(args, task, device) -> int:
                                       ("--data-dir", args.data_dir)) if value]
     if given:
         raise ConfigError(f"{given[0]} applies to image and sequence classification runs; a {task.name} run is "
-                          f"evaluated on its own "
-                          f"evaluation split as in training, so drop it.")
+                          "evaluated on its own evaluation split as in training, so drop it.")
     model, cfg = load_run(args.run_dir, map_location=device)
     task.prepare_eval()
-    from ..train.run import resolve_amp
-
     metrics = task.evaluate(model, device=device, amp_dtype=resolve_amp(cfg.amp, device))
     print(json.dumps({"run": str(args.run_dir), "attn": cfg.attn, "dataset": cfg.dataset, "task": task.name,
                       **metrics}))

@@ -14,6 +14,9 @@ import json
 import struct
 from pathlib import Path
 
+from ..errors import ConfigError
+from .checks import output_file, run_dir
+
 DEFAULT_NAME = "folded.safetensors"
 
 
@@ -40,8 +43,6 @@ def _is_export(path: Path) -> bool:
 def check_out(out: Path, run_dir: Path, own_names: frozenset[str]) -> None:
     """ConfigError if ``out`` (symlinks and '..' resolved) lies in ``run_dir`` and would replace a file of the
     run: an existing file that no export wrote, or one of the names the run writes (``own_names``)."""
-    from ..errors import ConfigError
-
     target, root = out.resolve(), run_dir.resolve()
     if not target.is_relative_to(root):
         return
@@ -52,8 +53,6 @@ def check_out(out: Path, run_dir: Path, own_names: frozenset[str]) -> None:
 
 
 def run(args) -> int:
-    from .checks import output_file, run_dir
-
     run_dir(args.run_dir)
     out = output_file(args.out or Path(args.run_dir) / DEFAULT_NAME, "--out")
 

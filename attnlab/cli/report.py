@@ -8,6 +8,10 @@ cannot be read are listed on the page."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from ..errors import AttnlabError, ConfigError, did_you_mean
+from .checks import output_dir
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -22,12 +26,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from pathlib import Path
-
-    from ..errors import ConfigError, did_you_mean
     from ..report import write_report
     from ..report.summary import load_runs
-    from .checks import output_dir
 
     if Path(args.runs_dir).exists() and not Path(args.runs_dir).is_dir():
         raise ConfigError(f"RUNS_DIR {args.runs_dir} is a file; give the folder that holds the run directories.")
@@ -39,7 +39,6 @@ def run(args) -> int:
                               f"{did_you_mean(args.baseline, variants)}; the runs' variants are: "
                               f"{', '.join(variants)}.")
 
-    from ..errors import AttnlabError
     from ..report.tables import read_bench
 
     for path in args.bench:  # a file named on the command line must be one; those found below RUNS_DIR are listed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shutil
 import sys
 import typing
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from attnlab.errors import AttnlabError, ConfigError, NonFiniteLossError
+from attnlab.train.files import CONFIG, METRICS, TB_DIR
 
 from . import current_rank
 
@@ -36,8 +38,8 @@ def _converter(key: str):
     return convert
 
 
-def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, only: typing.Iterable[str] | None = None,
-                     ) -> None:
+def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                     only: typing.Iterable[str] | None = None) -> None:
     """One --flag per TrainConfig field (help from the field's metadata); unset flags leave the config alone."""
     from attnlab.data.registry import DATASET_TABLE, describe
     from attnlab.train.config import RECIPES, TrainConfig
@@ -84,29 +86,16 @@ def _missing_dirs(run_dir: Path) -> list[Path]:
     return missing
 
 
-def _set_up_files() -> tuple[str, str, str]:
-    """The names set-up writes into a run directory: config.yaml, metrics.jsonl and the TensorBoard folder."""
-    from attnlab.train.files import CONFIG, METRICS, TB_DIR
-
-    return CONFIG, METRICS, TB_DIR
-
-
-def _unstarted(run_dir: Path) -> bool:
-    config, metrics, log_dir = _set_up_files()
-    return ({p.name for p in run_dir.iterdir()} <= {config, metrics, log_dir}
-            and (not (run_dir / metrics).exists() or (run_dir / metrics).stat().st_size == 0))
-
-
 def _remove_unstarted(made: list[Path]) -> None:
     """Undo a run that failed before its first epoch: remove the directories it created, if they hold no more than
     set-up writes (config.yaml, an empty metrics.jsonl, TensorBoard's first events); a run with a checkpoint or a
     logged epoch stays, to be resumed."""
     run_dir = made[0] if made else None
-    if run_dir is not None and run_dir.is_dir() and _unstarted(run_dir):
-        config, metrics, log_dir = _set_up_files()
-        for name in (config, metrics):
+    if (run_dir is not None and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {CONFIG, METRICS, TB_DIR}
+            and (not (run_dir / METRICS).exists() or (run_dir / METRICS).stat().st_size == 0)):
+        for name in (CONFIG, METRICS):
             (run_dir / name).unlink(missing_ok=True)
-        shutil.rmtree(run_dir / log_dir, ignore_errors=True)
+        shutil.rmtree(run_dir / TB_DIR, ignore_errors=True)
     for directory in made:
         try:
             directory.rmdir()
@@ -138,7 +127,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from attnlab.cli.checks import output_dir
     from attnlab.train.config import load_config
-    from attnlab.train.files import CONFIG
 
     overrides = config_overrides(args)
     config_path = args.config
@@ -154,8 +142,7 @@ def run(args: argparse.Namespace) -> int:
                                   f"{overrides[key]} would train another; drop --{key.replace('_', '-')}.")
         config_path = run_dir / CONFIG
         overrides.update(runs_dir=str(run_dir.parent), name=run_dir.name)
-    cfg = load_config(config_path, **overrides)
-    cfg = dataclasses.replace(cfg, resume=bool(args.resume))
+    cfg = dataclasses.replace(load_config(config_path, **overrides), resume=bool(args.resume))
     output_dir(cfg.runs_dir, "runs_dir")
     notes = _notes(cfg)
 
@@ -189,8 +176,6 @@ def run(args: argparse.Namespace) -> int:
 def _notes(cfg) -> list[str]:
     """Lines for stderr on settings that are valid but probably not meant: more threads than cores, and a dataset
     trained with a recipe made for another when one exists for it."""
-    import os
-
     from attnlab.train.config import RECIPES
 
     notes = []

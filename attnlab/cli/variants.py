@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..spec import format_value, split_specs
+from ..variants import list_variants
+
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the table as JSON")
@@ -23,8 +26,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def _options(options: dict) -> str:
-    from ..spec import format_value
-
     parts = []
     for key, opt in options.items():
         text = f"{key}={format_value(opt['default'])}"
@@ -35,8 +36,6 @@ def _options(options: dict) -> str:
 
 
 def run(args) -> int:
-    from ..variants import list_variants
-
     table = list_variants()
     if args.support:
         from ..models import build_model
@@ -47,7 +46,6 @@ def run(args) -> int:
         return 0
     if args.cost:
         from ..analysis.cost import format_costs, variant_costs
-        from ..spec import split_specs
 
         specs = split_specs(args.attn) if args.attn else [v["name"] for v in table if v["kind"] == "kernel"]
         rows = variant_costs(args.cost, specs)

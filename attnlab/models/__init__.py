@@ -7,7 +7,6 @@ from .gpt_loaders import gpt_from_file, load_gpt2_hf, load_gpt_file, load_nanogp
 from .timesformer import TimeSformer, init_from_image, load_timesformer
 
 
-
 def __getattr__(name: str):
     # torchvision's detection models load on first use
     if name in ("DETECTOR_PRESETS", "build_detector"):

@@ -64,8 +64,7 @@ PRESETS: dict[str, Preset] = {
         doc="tiny ViT for scikit-learn's 8x8 digits (the embedded demo): patch 2 (16 tokens), dim 48, depth 2, "
             "3 heads (D=16), mean-pooled (learns in fewer steps than a class token here)",
     ),
-    # Long Range Arena: the small configuration of the Nystromformer authors' LRA code (dim 64, MLP 128, 2 layers,
-    # 2 heads of 32, mean pooling); the trainer sizes length and vocabulary from the dataset
+    # Long Range Arena (the Nystromformer authors' small configuration); the trainer sizes length and vocabulary
     "seq_listops": Preset(
         SequenceClassifier,
         dict(vocab_size=16, max_length=2000, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0, pool="mean",
@@ -75,9 +74,7 @@ PRESETS: dict[str, Preset] = {
             "(D=32), MLP 128, mean pooling over every position, padding attended (model option pool=token: class "
             "token; the lra preset masks the padding)",
     ),
-    # The Nyströmformer authors' LRA model (mlpen/Nystromformer, LRA/code): their small configuration with padding
-    # masked (id 0), ListOps' 2000 tokens padded to 2048 (a multiple of 64 landmarks), LayerNorm eps 1e-5 and their
-    # two-layer MLP head; their Nyströmformer is this preset with attn="nystrom(conv=35)"
+    # the Nyströmformer authors' LRA model as their code builds it (mlpen/Nystromformer, LRA/code)
     "lra": Preset(
         SequenceClassifier,
         dict(vocab_size=16, max_length=2000, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0, pool="mean",
@@ -139,11 +136,10 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
     Attention modules run fused SDPA (timm's Swin leaves it off by default); the model's weights are drawn before the
     conversion, so the same seed gives the same shared weights whatever the variant.
     ``pretrained=True`` loads timm's weights (hub cache, or ``pretrained_file``: safetensors or a weights-only torch
-    file) before the conversion, so ``attn="dna(init=copy)"`` warm-starts from them; a preset takes
-    ``pretrained_file`` alone (its own state dict, loaded strictly), except the GPT presets (nanoGPT checkpoints and
-    Hugging Face GPT-2 weights, :func:`attnlab.models.gpt_loaders.load_gpt_file`) and the TimeSformer presets (an image
-    ViT's or a TimeSformer checkpoint's weights by meaning; ``timesformer_base`` also takes ``pretrained=True``:
-    timm's ``vit_base_patch16_224``), which read them by meaning.
+    file) before the conversion, so ``attn="dna(init=copy)"`` warm-starts from them. A preset takes ``pretrained_file``
+    alone, loaded strictly, or by meaning for the GPT presets (:func:`~attnlab.models.gpt_loaders.load_gpt_file`) and
+    the TimeSformer presets (an image ViT or a TimeSformer checkpoint; ``timesformer_base`` also takes
+    ``pretrained=True``: timm's ``vit_base_patch16_224``).
     """
     if norm not in ("pre", "post", "none"):
         raise ConfigError(f"norm must be 'pre', 'post' or 'none', not {norm!r}.")
@@ -158,9 +154,12 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
         overrides["norm_layer"] = nn.Identity
     try:
         model = _build(name, num_classes, overrides, pretrained, pretrained_file)
-    except TypeError as err:
-        if norm == "none" and "norm_layer" in str(err):
+    except (TypeError, AttributeError) as err:  # AttributeError: timm's Swin reads its norms' weights as it builds
+        typed = isinstance(err, TypeError)
+        if norm == "none" and ("norm_layer" if typed else "'Identity' object") in str(err):
             raise ConfigError(f"norm='none' is available for ViT-family and sequence models, not {name!r}.") from None
+        if not typed:
+            raise
         if norm == "post" and "block_fn" in str(err):
             raise ConfigError(f"norm='post' is available for ViT-family models (timm's VisionTransformer), "
                               f"not {name!r}.") from None
@@ -170,10 +169,6 @@ def build_model(name: str, num_classes: int | None = None, attn: str | None = "s
             valid = inspect.signature(cls).parameters if cls else ()
             raise ConfigError(f"model option {bad[1]!r} is not an argument of {name}{did_you_mean(bad[1], valid)}; "
                               f"give keyword arguments of timm's {cls.__name__ if cls else name}.") from None
-        raise
-    except AttributeError as err:  # timm's Swin reads its norms' weights while it builds
-        if norm == "none" and "'Identity' object" in str(err):
-            raise ConfigError(f"norm='none' is available for ViT-family and sequence models, not {name!r}.") from None
         raise
     for module in model.modules():
         if type(module) in SUPPORTED_TYPES:
@@ -213,17 +208,13 @@ def _build(name: str, num_classes: int | None, overrides: dict, pretrained: bool
                 preset.load_file(model, pretrained_file)
             else:
                 load_strict(model, read_state_dict(pretrained_file, model), f"pretrained file {pretrained_file}")
-    elif pretrained or pretrained_file is not None:
-        if num_classes is not None:
-            overrides = {**overrides, "num_classes": num_classes}
-        model = create_pretrained(name, overrides, pretrained_file)
-    elif timm.is_model(name):
-        kwargs = dict(overrides)
-        if num_classes is not None:
-            kwargs["num_classes"] = num_classes
-        model = timm.create_model(name, pretrained=False, **kwargs)
     else:
-        raise ModelNotFoundError(
-            f"unknown model {name!r}: use a preset ({', '.join(PRESETS)}) or a timm model name "
-            f"(see timm.list_models()).")
+        kwargs = overrides if num_classes is None else {**overrides, "num_classes": num_classes}
+        if pretrained or pretrained_file is not None:
+            model = create_pretrained(name, kwargs, pretrained_file)
+        elif timm.is_model(name):
+            model = timm.create_model(name, pretrained=False, **kwargs)
+        else:
+            raise ModelNotFoundError(f"unknown model {name!r}: use a preset ({', '.join(PRESETS)}) or a timm model "
+                                     f"name (see timm.list_models()).")
     return model

@@ -12,6 +12,7 @@ from ..attention.base import AttnlabAttention, is_supported
 from ..attention.channel import channel_mechanism
 from ..errors import ConfigError, SpecError, UnsupportedModelError
 from ..spec import Spec, parse_spec
+from ..variants import VARIANTS
 
 
 def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -76,9 +77,8 @@ def convert(model: nn.Module, spec: str | Spec, only: str | None = None) -> nn.M
     Every timm ``Attention`` / ``WindowAttention`` (or attnlab module from an earlier conversion) is replaced by the
     spec's kernel built from it, keeping its parameters and their state-dict names; head terms (``ns``) become the
     module's ``head_transform``; q/k and weight terms are applied last. ``convert(model, "standard")`` leaves every
-    output bit unchanged. ``only`` converts just the attention modules whose names match a glob
-    (``"blocks.*.temporal_attn"``) or a group the model declares in ``attention_groups`` (TimeSformer: ``"spatial"``,
-    ``"temporal"``); the others stay as they are, and each module keeps the layer index it has in the whole model.
+    output bit unchanged. ``only`` converts just the modules whose names match a glob or a group the model declares
+    in ``attention_groups`` (:func:`_select`); each keeps the layer index it has in the whole model.
     """
     spec = parse_spec(spec)
     previous = getattr(model, "attnlab_spec", None)
@@ -100,9 +100,7 @@ def convert(model: nn.Module, spec: str | Spec, only: str | None = None) -> nn.M
         reason = refusal(old, spec, name)
         if reason:
             raise SpecError(f"{reason}; `attnlab variants --support MODEL` lists the terms each module takes.")
-    kernel = spec.kernel
-    cls = kernel.variant.load()
-    options = kernel.resolved()
+    cls, options = spec.kernel.variant.load(), spec.kernel.resolved()
     modules = []
     for index, (name, old) in zip(layers, found):
         # a channel map keeps its own formula under the standard kernel (the only kernel it takes)
@@ -128,8 +126,6 @@ def term_support(model: nn.Module) -> list[dict]:
     ``applies`` (term names) and ``refused`` ({term: reason}); attention-like modules convert leaves alone (XCiT's
     class-attention layers) are one last group with ``family`` "left as built" and no terms.
     """
-    from ..variants import VARIANTS
-
     groups: dict[str, dict] = {}
     found = attention_modules(model)
     if not found:
@@ -143,12 +139,11 @@ def term_support(model: nn.Module) -> list[dict]:
         group["modules"].append(name)
         if len(group["modules"]) == 1:
             for term, variant in VARIANTS.items():
+                reason = None
                 if mechanism:
                     reason = mechanism.refusal(term, variant.kind)
                 elif variant.kind == "kernel":  # the mechanism's own constructor check, on this module's geometry
                     reason = variant.load().geometry_refusal(AttnlabAttention.geometry(module))
-                else:
-                    reason = None
                 if reason:
                     group["refused"][term] = reason
                 else:

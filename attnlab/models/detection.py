@@ -1,20 +1,12 @@
 """Detection and instance segmentation: torchvision's ``MaskRCNN`` (``FasterRCNN`` for boxes only) around a timm
-backbone carrying any attention spec.
+backbone carrying any attention spec: a ViT / DeiT through ViTDet's simple feature pyramid
+(:mod:`attnlab.models.vitdet`; Li et al., arXiv 2203.16527), or Swin's four stages, a LayerNorm each, through
+torchvision's FPN with ``LastLevelMaxPool`` (docs/methods.md, Detection backbones).
 
-- ViT / DeiT: ViTDet's simple feature pyramid (:mod:`attnlab.models.vitdet`; Li et al., arXiv 2203.16527), window
-  attention in most blocks and a few global ones as an option, the position embedding resampled to the input.
-- Swin: its four stages (timm's ``forward_intermediates``), a LayerNorm per stage output (as Swin's detection
-  backbone adds), torchvision's ``FeaturePyramidNetwork`` with ``LastLevelMaxPool``.
-
-The spec is applied to the backbone's transformer (``model.backbone.trunk``) with :func:`attnlab.convert`, so every
-term ``attnlab variants --support`` lists for the plain backbone applies, with the same refusals; weight terms
-(``sigma``, ``speccond``) reparametrise the transformer's layers, not the pyramid or the heads (``convert`` on the
-whole detector finds the same attention modules, but ``sigma(targets=all)`` would then reach the heads' layers
-too). Pretrained weights (timm's, a file, or the DnA authors' layouts through :mod:`attnlab.models.pretrained`)
-initialise the transformer before the conversion, so ``dna(init=copy)`` warm-starts from them.
-
-``num_classes`` counts object categories; the detector's predictors have one more output, label 0 being torchvision's
-background, so a dataset's labels are 1..num_classes.
+The spec is applied to the backbone's transformer (``model.backbone.trunk``) alone, so weight terms (``sigma``,
+``speccond``) reparametrise its layers, not the pyramid's or the heads'; pretrained weights (timm's, a file, or the
+DnA authors' layouts) initialise it before the conversion, so ``dna(init=copy)`` warm-starts from them.
+``num_classes`` counts object categories: label 0 is torchvision's background, so a dataset's labels are 1..num_classes.
 """
 
 from __future__ import annotations
@@ -59,10 +51,9 @@ class DetectorConfig:
         global_blocks: ViT blocks that stay global when ``window_size`` > 0 (ViTDet-B: 2, 5, 8, 11).
         scale_factors: the simple feature pyramid's levels (ViT).
         fpn_channels: channels of every pyramid level.
-        heads: ``vitdet`` (RPN with 2 convs, box head of 4 convs + 1 fc and mask head of 4 convs, each conv with a
-            LayerNorm: ViTDet's heads, torchvision's ``*_v2`` layout), ``classic`` (Mask R-CNN's FPN heads: 1-conv
-            RPN, 2-fc box head, 4-conv mask head; torchvision's defaults) or ``light`` (1-conv RPN, one 256-wide fc,
-            2-conv mask head at ``fpn_channels``: the CPU preset).
+        heads: ``vitdet`` (ViTDet's, each conv with a LayerNorm, torchvision's ``*_v2`` layout: docs/methods.md),
+            ``classic`` (torchvision's Mask R-CNN defaults) or ``light`` (the CPU preset's: 1-conv RPN, one 256-wide
+            fc, 2-conv mask head at ``fpn_channels``).
         anchor_sizes: one anchor size per level (p2..p6), aspect ratios 0.5, 1, 2.
         drop_path_rate: the backbone's stochastic depth (timm's linear rise over the blocks).
         rpn_post_nms_top_n_train, rpn_post_nms_top_n_test: proposals kept per image after the RPN's NMS, in
@@ -92,8 +83,7 @@ class DetectorConfig:
 
 #: named detectors (``attnlab.build_model(name)`` and ``build_detector(name)``): DetectorConfig fields
 DETECTOR_PRESETS: dict[str, dict[str, Any]] = {
-    # for 2 CPU cores and the synthetic shapes set: 128x128, patch 16 (8x8 tokens), dim 96, depth 4, 3 heads,
-    # windows of 4 with blocks 1 and 3 global, 64-channel pyramid, light heads, 300 proposals, 20 detections
+    # for 2 CPU cores and the synthetic shapes set (128x128, patch 16: 8x8 tokens)
     "vitdet_tiny": dict(
         backbone="vit_tiny_patch16_224", num_classes=3, img_size=128, window_size=4, global_blocks=(1, 3),
         fpn_channels=64, heads="light", anchor_sizes=(8, 16, 32, 64, 128), drop_path_rate=0.0,
@@ -179,13 +169,12 @@ def build_detector(backbone: str = "vitdet_tiny", num_classes: int | None = None
                    norm: str = "pre", pretrained: bool = False, pretrained_file: str | None = None,
                    dna_layout: str | None = None, dna_sign: str = "+", **options) -> MaskRCNN | FasterRCNN:
     """A torchvision ``MaskRCNN`` (``masks=False``: ``FasterRCNN``) whose backbone is ``backbone`` with the attention
-    spec ``attn`` (``None`` leaves timm's modules).
+    spec ``attn`` (``None`` leaves timm's modules); ``backbone`` and ``options`` as :func:`detector_config`.
 
-    ``backbone``: a preset (``DETECTOR_PRESETS``) or a timm ViT/DeiT/Swin name; ``options``: :class:`DetectorConfig`
-    fields over the preset, other keys go to the timm constructor. ``pretrained`` / ``pretrained_file`` load timm's
-    weights (or a file of them) into the transformer before the conversion; with ``dna_layout`` (``auto``,
-    ``forward``, ``legacy``, ``separate``; ``dna_sign``) ``pretrained_file`` is a DnA authors' checkpoint, loaded
-    after the transformer is converted to ``attn`` (a ``dna`` spec of the checkpoint's variant).
+    ``pretrained`` / ``pretrained_file`` load timm's weights (or a file of them) into the transformer before the
+    conversion; with ``dna_layout`` (and ``dna_sign``, as :func:`~attnlab.models.pretrained.dna_authors_state_dict`)
+    ``pretrained_file`` is a DnA authors' checkpoint, loaded after the transformer is converted to ``attn`` (a ``dna``
+    spec of the checkpoint's variant).
     """
     cfg = detector_config(backbone, num_classes=num_classes, **options)
     trunk = _trunk(cfg, norm, pretrained, pretrained_file, dna_layout)
@@ -243,20 +232,13 @@ class BackboneProbe(nn.Module):
 
     def __init__(self, detector: nn.Module) -> None:
         super().__init__()
-        detection_backbone(detector)  # refuses a model without one
+        if getattr(getattr(detector, "backbone", None), "trunk", None) is None:
+            raise UnsupportedModelError(f"{type(detector).__name__} is not a detector built by attnlab.build_detector.")
         self.detector = detector
 
     def forward(self, x):
         return self.detector.backbone.trunk(self.detector.transform.normalize(x))
 
 
-def detection_backbone(model: nn.Module) -> nn.Module:
-    """The transformer inside a detector built by :func:`build_detector` (what the backbone instruments read)."""
-    trunk = getattr(getattr(model, "backbone", None), "trunk", None)
-    if trunk is None:
-        raise UnsupportedModelError(f"{type(model).__name__} is not a detector built by attnlab.build_detector.")
-    return trunk
-
-
-__all__ = ["BackboneProbe", "DETECTOR_PRESETS", "DetectorConfig", "HEADS", "SwinFPNBackbone", "build_detector", "detection_backbone",
+__all__ = ["BackboneProbe", "DETECTOR_PRESETS", "DetectorConfig", "HEADS", "SwinFPNBackbone", "build_detector",
            "detector_config"]

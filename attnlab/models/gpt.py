@@ -4,19 +4,11 @@ Multitask Learners"), laid out as nanoGPT's ``model.py`` writes it, and its samp
     tokens (B, N) --wte + wpe--> dropout --depth x Block--> LayerNorm --x wte^T (tied head)--> logits (B, N, vocab)
     Block (pre-LN):  x = x + attn(LN1(x), causal);   x = x + mlp(LN2(x))      mlp = Linear, GELU, Linear (4x)
 
-Attention is timm's ``Attention`` (one fused ``qkv`` Linear, output ``proj``), called with ``is_causal=True``, so
-:func:`attnlab.convert` finds every one and every spec term replaces it with the same parameter names. Initialisation
-is nanoGPT's: every Linear and embedding N(0, 0.02), biases 0, and the two residual projections of each block (the
-attention's ``proj`` and the MLP's ``fc2``) N(0, 0.02 / sqrt(2 depth)), so the residual stream's variance does not
-grow with depth. The head is the token embedding itself (``logits = h wte^T``), not a module: the matrix is one
-parameter under one name, and weight terms that act on ``nn.Linear`` (``sigma``, ``specnorm``, ``speccond``) leave
-it as it is, an embedding table.
-
-Generation (:func:`generate`) is nanoGPT's loop (temperature, top-k, sampling) with a key/value cache where the
-attention allows it: a module whose class declares ``kv_cache = True`` computes, for a new token, its query
-against the keys and values of every earlier token (softmax-like kernels: ``standard``, ``dna``, ``diff``,
-``cog``), and has no head transform that mixes tokens (``ns``); otherwise every step recomputes the whole context.
-Past ``block_size`` tokens the context is the last ``block_size`` (recomputed, as nanoGPT crops it).
+Attention is timm's ``Attention`` called with ``is_causal=True``, so :func:`attnlab.convert` finds every one.
+Initialisation is nanoGPT's: N(0, 0.02), biases 0, the residual projections (``attn.proj``, ``mlp.fc2``)
+N(0, 0.02 / sqrt(2 depth)). The head is ``wte`` itself, one parameter, which weight terms on ``nn.Linear`` leave
+alone. :func:`generate` uses a key/value cache where every attention module allows it (:func:`supports_kv_cache`);
+docs/methods.md (Language models) gives the details.
 """
 
 from __future__ import annotations
@@ -48,10 +40,8 @@ GPT_PRESETS: dict[str, tuple[dict, str]] = {
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block with causal self-attention (timm's ``Attention``) and a GELU MLP.
-
-    ``cache`` (a :class:`LayerCache`) makes the attention read and extend the earlier tokens' keys and values.
-    """
+    """Pre-LN transformer block with causal self-attention (timm's ``Attention``) and a GELU MLP; ``cache`` (a
+    :class:`LayerCache`) makes the attention read and extend the earlier tokens' keys and values."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, bias: bool = True, drop: float = 0.0,
                  attn_drop: float = 0.0, act_layer: type[nn.Module] = nn.GELU,
@@ -78,8 +68,8 @@ class GPT(nn.Module):
         block_size: the longest sequence (learned positions).
         embed_dim, depth, num_heads, mlp_ratio: the blocks' geometry (GPT-2: MLP 4x).
         bias: biases in every Linear and LayerNorm (GPT-2: yes; nanoGPT's ``bias=False`` drops them).
-        drop_rate: dropout on the embeddings and after each residual projection (nanoGPT's ``dropout``).
-        attn_drop_rate: dropout on the attention weights.
+        drop_rate, attn_drop_rate: dropout on the embeddings and after each residual projection (nanoGPT's
+            ``dropout``), on the attention weights.
         gelu: ``exact`` (nanoGPT's ``nn.GELU()``) or ``tanh`` (Hugging Face GPT-2's ``gelu_new``).
         norm_layer: the normalisation (default LayerNorm, eps 1e-5; ``nn.Identity``: none).
     """

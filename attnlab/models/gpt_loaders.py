@@ -1,34 +1,17 @@
 """GPT-2-shaped weights from elsewhere, loaded by meaning into :class:`attnlab.models.gpt.GPT`: checkpoints written
 by nanoGPT's ``train.py`` and Hugging Face GPT-2 state dicts.
 
-Both name the same modules the same way; attnlab keeps timm's names (so that ``convert`` and every spec term see the
-attention modules they know):
-
-    nanoGPT / GPT-2                     attnlab
-    [transformer.]wte.weight            wte.weight             token embedding, also the head
-    [transformer.]wpe.weight            wpe.weight             learned positions
-    [transformer.]h.{i}.ln_1.*          blocks.{i}.norm1.*
-    [transformer.]h.{i}.attn.c_attn.*   blocks.{i}.attn.qkv.*  fused q, k, v (rows q, k, v in both)
-    [transformer.]h.{i}.attn.c_proj.*   blocks.{i}.attn.proj.*
-    [transformer.]h.{i}.ln_2.*          blocks.{i}.norm2.*
-    [transformer.]h.{i}.mlp.c_fc.*      blocks.{i}.mlp.fc1.*
-    [transformer.]h.{i}.mlp.c_proj.*    blocks.{i}.mlp.fc2.*
-    [transformer.]ln_f.*                norm.*
-    lm_head.weight                      (tied to wte.weight: checked equal, not stored twice)
-
-nanoGPT's checkpoint is a dict whose ``model`` entry is the state dict (keys prefixed ``_orig_mod.`` when it was
-saved from ``torch.compile``), next to ``model_args`` (n_layer, n_head, n_embd, block_size, bias, vocab_size), whose
-head count is checked (the weights' shapes cannot tell it). Hugging Face's GPT-2 stores the four Linears of a block
-as ``Conv1D`` with (in, out) weights: they are transposed; its causal-mask buffers (``attn.bias``,
-``attn.masked_bias``) and nanoGPT's (``attn.bias`` without flash attention) are dropped. Hugging Face GPT-2 computes
-GELU by its tanh approximation: build the model with ``gelu="tanh"`` for the same outputs (nanoGPT's GELU is exact).
-
-Load into a model before converting it to a variant with other shapes (``dna``'s wider projection), or let
-``build_model(name, attn="dna(init=copy)", pretrained_file=path)`` do both in that order.
+Both name the same modules the same way; ``_NAMES`` maps them to attnlab's, which are timm's (so that ``convert``
+and every spec term see the attention modules they know); ``lm_head.weight`` must equal ``wte.weight`` (tied).
+nanoGPT's ``model_args`` are checked against the model (the head count cannot be read from the shapes); Hugging
+Face's ``Conv1D`` weights are transposed, and its GELU is ``gelu="tanh"``. docs/methods.md (Weights from nanoGPT and
+Hugging Face) has the rest. Load before converting to a variant with other shapes (``dna``'s wider projection), or
+let ``build_model(name, attn="dna(init=copy)", pretrained_file=path)`` do both in that order.
 """
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 from pathlib import Path
@@ -85,13 +68,12 @@ def _strip_wrappers(key: str) -> str:
 
 def _strip(key: str) -> str:
     """The key without wrappers and without GPT-2's ``transformer.`` container."""
-    key = _strip_wrappers(key)
-    return key[len("transformer."):] if key.startswith("transformer.") else key
+    return _strip_wrappers(key).removeprefix("transformer.")
 
 
 def _convert(state_dict: Mapping[str, torch.Tensor], layout: str, source: str
              ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """``state_dict`` of ``layout`` (``nanogpt`` or ``hf``) in attnlab's names (module docstring), and the source
+    """``state_dict`` of ``layout`` (``nanogpt`` or ``hf``) in attnlab's names (``_NAMES``), and the source
     key of each."""
     out: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
@@ -125,15 +107,14 @@ def _check_geometry(model: nn.Module, args: Mapping, source: str) -> None:
     if not isinstance(model, GPT):
         raise ConfigError(f"{source} holds GPT weights; load them into a GPT (build_model('gpt2_small', ...)), not "
                           f"{type(model).__name__}.")
-    own = {"n_head": model.blocks[0].attn.num_heads, "n_layer": len(model.blocks), "n_embd": model.embed_dim,
-           "block_size": model.block_size, "vocab_size": model.vocab_size}
-    option = {"n_head": "num_heads", "n_layer": "depth", "n_embd": "embed_dim", "block_size": "block_size",
-              "vocab_size": "vocab_size"}
-    for key, value in own.items():
+    own = {"n_head": ("num_heads", model.blocks[0].attn.num_heads), "n_layer": ("depth", len(model.blocks)),
+           "n_embd": ("embed_dim", model.embed_dim), "block_size": ("block_size", model.block_size),
+           "vocab_size": ("vocab_size", model.vocab_size)}
+    for key, (option, value) in own.items():
         theirs = args.get(key)
         if theirs is not None and int(theirs) != value:
             raise ConfigError(f"the model recorded with {source} has {key}={int(theirs)} where this one has {value}; "
-                              f"build it with {option[key]}={int(theirs)}.")
+                              f"build it with {option}={int(theirs)}.")
 
 
 def _load(model: nn.Module, converted: tuple[dict[str, torch.Tensor], dict[str, str]], source: str) -> nn.Module:
@@ -160,11 +141,8 @@ def _load(model: nn.Module, converted: tuple[dict[str, torch.Tensor], dict[str, 
 
 
 def load_nanogpt(model: nn.Module, state_dict: Mapping, *, source: str = "the nanoGPT checkpoint") -> nn.Module:
-    """Load a nanoGPT ``train.py`` checkpoint into ``model`` (a :class:`~attnlab.models.gpt.GPT`) and return it.
-
-    ``state_dict``: the checkpoint dict (its ``model`` entry is read and its ``model_args`` checked) or that entry
-    itself; ``_orig_mod.`` prefixes are stripped.
-    """
+    """Load a nanoGPT ``train.py`` checkpoint into ``model`` (a :class:`~attnlab.models.gpt.GPT`) and return it;
+    ``state_dict`` is the checkpoint dict (its ``model`` entry read, its ``model_args`` checked) or that entry."""
     args = state_dict.get("model_args") if isinstance(state_dict.get("model_args"), Mapping) else {}
     if isinstance(state_dict.get("model"), Mapping):
         state_dict = state_dict["model"]
@@ -201,8 +179,6 @@ def _nanogpt_args(path: Path) -> dict:
 
 def _hf_config(path: Path) -> dict:
     """The ``config.json`` next to a Hugging Face weights file, or {}."""
-    import json
-
     config = path.parent / "config.json"
     try:
         data = json.loads(config.read_text())
@@ -255,8 +231,7 @@ def gpt_from_file(path: str | Path, **overrides) -> GPT:
     else:
         raise ConfigError(f"{path} is neither a nanoGPT checkpoint nor Hugging Face GPT-2 weights; for attnlab's own "
                           f"weights use build_model(preset, pretrained_file=...).")
-    model = GPT(**{**geo, **overrides})
-    return load_gpt_file(model, path)
+    return load_gpt_file(GPT(**{**geo, **overrides}), path)
 
 
 __all__ = ["gpt_from_file", "gpt_layout", "load_gpt2_hf", "load_gpt_file", "load_nanogpt"]

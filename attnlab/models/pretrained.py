@@ -6,18 +6,9 @@ containers only; a pickle that would construct anything else is refused). A safe
 any tensor is read: at most ``MAX_HEADER_BYTES``, and, given the model, the same names and shapes as its state
 dict, so a file of a million tiny tensors or of another model costs nothing to refuse.
 
-The DnA authors' formats (per attention module, ``H`` heads, ``dim`` features):
-
-    forward   ``qqkvv`` (5*dim, dim): rows Q+, Q-, K, V+, V-, the order their forward splits them (their
-              registered ViT's own state dict); ``neg_scalers``: alpha, H values
-    legacy    ``qqkvv`` (5*dim, dim): rows Q+, K, V+, Q-, V-, what their legacy-checkpoint converter writes (it
-              concatenates a 3*dim ``qkv`` with Q-, V-); their forward reads it as Q+, Q-, K, V+, V- and so
-              scrambles it. Same shape as ``forward``: it is never guessed, name it
-    separate  ``qkv`` (3*dim: Q+, K, V+) plus ``q_neg`` and ``v_neg`` Linears (their video transformer)
-
-attnlab's own DnA layout is one ``qkv`` with rows Q+, Q-, K, V+, V- and ``alpha`` (H,). ``sign="-"`` reads files
-whose forward subtracts the softmin branch (their ``vit/dna.py``): that equals the "+" form with V- negated (alpha
-negated when V is shared).
+The DnA authors' three layouts (``forward``, ``legacy``, ``separate``) and ``sign`` are tabled in docs/methods.md
+(Loading the DnA authors' checkpoints); attnlab's own DnA layout is one ``qkv`` with rows Q+, Q-, K, V+, V- and
+``alpha`` (H,).
 """
 
 from __future__ import annotations
@@ -29,10 +20,12 @@ import zipfile
 from pathlib import Path
 from typing import Any, Mapping
 
+import timm
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from ..attention.dna import DnAAttention
 from ..errors import ConfigError, ModelNotFoundError
 
 DNA_LAYOUTS = ("auto", "forward", "legacy", "separate")
@@ -106,11 +99,8 @@ def read_state_dict(path: str | Path, model: nn.Module | None = None) -> dict[st
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ConfigError(f"pretrained file {path} cannot be read as safetensors or a weights-only torch file "
                           f"({why[:120]}); give a state dict saved with safetensors or torch.save.") from None
-    if isinstance(state, Mapping):
-        for key in _CONTAINER_KEYS:
-            if isinstance(state.get(key), Mapping):
-                state = state[key]
-                break
+    if isinstance(state, Mapping):  # the first container key that holds a mapping
+        state = next((state[key] for key in _CONTAINER_KEYS if isinstance(state.get(key), Mapping)), state)
     if not isinstance(state, Mapping) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"pretrained file {path} holds no state dict of tensors; give a file written from "
                           f"model.state_dict().")
@@ -134,8 +124,6 @@ def _model_name(model: nn.Module) -> str:
 def create_pretrained(name: str, kwargs: dict[str, Any], file: str | Path | None = None) -> nn.Module:
     """timm's ``create_model(name, pretrained=True, **kwargs)``: its own loading (checkpoint filter, input-channel
     adaptation, a new classifier when ``num_classes`` differs), from the hub cache or from ``file``."""
-    import timm
-
     if not timm.is_model(name):
         raise ModelNotFoundError(f"--pretrained needs a timm model name with weights, not {name!r}; see "
                                  f"timm.list_pretrained(), or give a preset with --pretrained-file alone.")
@@ -177,15 +165,14 @@ def create_pretrained(name: str, kwargs: dict[str, Any], file: str | Path | None
 # ---- the DnA authors' state dicts ----------------------------------------------------------------------------------
 def dna_authors_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], layout: str = "auto",
                            sign: str = "+") -> dict[str, torch.Tensor]:
-    """``state_dict`` in one of the DnA authors' formats (module docstring) rewritten in attnlab's names for
+    """``state_dict`` in one of the DnA authors' layouts (docs/methods.md) rewritten in attnlab's names for
     ``model``, a model converted to ``dna``: their fused ``qqkvv`` (or ``qkv`` + ``q_neg`` + ``v_neg``) becomes
     ``qkv`` with rows in this module's order, ``neg_scalers`` becomes ``alpha``; every other key is kept.
 
     ``layout``: ``forward``, ``legacy``, ``separate``, or ``auto`` (``separate`` when ``q_neg`` / ``v_neg`` keys
-    exist, else ``forward``; ``legacy`` has the same shapes as ``forward`` and is never inferred).
+    exist, else ``forward``; ``legacy`` has the same shapes as ``forward`` and is never inferred). ``sign="-"``:
+    a file whose forward subtracts the softmin branch (V- negated, or alpha when V is shared).
     """
-    from ..attention.dna import DnAAttention
-
     if layout not in DNA_LAYOUTS:
         raise ConfigError(f"DnA authors' layout {layout!r} is not valid; use one of: {', '.join(DNA_LAYOUTS)}.")
     if sign not in ("+", "-"):
@@ -264,8 +251,8 @@ def dna_authors_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tens
 
 def load_dna_authors(model: nn.Module, source: str | Path | Mapping[str, torch.Tensor], layout: str = "auto",
                      sign: str = "+") -> nn.Module:
-    """Load a DnA authors' checkpoint (a path or a state dict, module docstring for ``layout`` and ``sign``) into
-    ``model`` (built with ``attn="dna"`` of the checkpoint's variant) by meaning, and return it."""
+    """Load a DnA authors' checkpoint (a path or a state dict; ``layout``, ``sign``: :func:`dna_authors_state_dict`)
+    into ``model`` (built with ``attn="dna"`` of the checkpoint's variant) by meaning, and return it."""
     name = f"checkpoint {source}" if isinstance(source, (str, Path)) else "the checkpoint"
     state = read_state_dict(source) if isinstance(source, (str, Path)) else source
     return load_strict(model, dna_authors_state_dict(model, state, layout, sign), name)

@@ -4,17 +4,10 @@
         --mean over real tokens | class token--> head (one Linear, or the Nyströmformer authors' two-layer MLP)
 
 Built from timm's ``Block`` and ``Attention``, so :func:`attnlab.convert` finds every attention module and every
-spec term applies (``nystrom``, ``performer``, ``speccond``...). ``norm_layer=nn.Identity`` (``build_model(...,
-norm="none")``) removes every LayerNorm: the spectral-conditioning paper's Nyströmformer ablation (its Appendix A.3,
-Table 8) of conditioning without LayerNorm.
-
-Padding. With ``pad_id`` set, the positions holding it are padding: the blocks get their key-padding mask (an
-:class:`~attnlab.attention.mask.AttentionMask`, which every attention term honours or refuses with its reason), so
-no token attends to padding and the padded outputs are zero, and pooling reads the real tokens only.
-``pad_multiple`` pads every batch at the end with ``pad_id`` to a multiple of it (masked, so an exact kernel's output
-does not change): the Nyströmformer authors pad ListOps' 2000 tokens to 2048 so that 64 landmarks divide it (with
-uneven segments attnlab's Nyström would otherwise average segments of two lengths). Without ``pad_id`` (the presets
-``seq_listops`` and ``seq_text``, as they were) padding is attended like any token.
+spec term applies. ``norm_layer=nn.Identity`` (``build_model(..., norm="none")``) is the spectral-conditioning
+paper's no-LayerNorm ablation (its Appendix A.3, Table 8). With ``pad_id`` set the padding is masked in every block
+and in the pooling, and ``pad_multiple`` pads each batch at the end (the Nyströmformer authors' 2000 -> 2048 for 64
+landmarks); docs/methods.md (Low-rank kernels) compares this with the authors' code.
 """
 
 from __future__ import annotations
@@ -37,24 +30,22 @@ class SequenceClassifier(nn.Module):
     """Token embedding, learned positions, pre-LN timm blocks, pooling, a classification head.
 
     Args:
-        vocab_size: number of token ids.
+        vocab_size, num_classes: number of token ids, of output classes.
         max_length: longest input sequence N (the learned positions cover it, rounded up to ``pad_multiple``).
-        num_classes: output classes.
         embed_dim, depth, num_heads, mlp_ratio, qkv_bias: the blocks' geometry (timm's Block).
         pool: ``"mean"`` over the real tokens, ``"token"`` (a learned class token in front), or ``"padded_mean"``
             (padded tokens' features zeroed, then the mean over all N positions: the Nyströmformer authors' LRA code).
         drop_rate, attn_drop_rate, drop_path_rate: dropout after embedding / projections, on attention weights,
             stochastic depth (the same rate in every block).
-        norm_layer: the blocks' and final normalisation (default LayerNorm with eps ``norm_eps``; ``nn.Identity``:
-            none).
-        norm_eps: the default LayerNorm's epsilon (1e-6, timm's ViT; the authors' LRA code: PyTorch's 1e-5).
+        norm_layer: the normalisation (default LayerNorm of eps ``norm_eps``, 1e-6 as timm's ViT; the authors' LRA
+            code: PyTorch's 1e-5; ``nn.Identity``: none).
         pad_id: the padding token id (masked everywhere), or None for no mask.
         pad_multiple: pad each batch at the end with ``pad_id`` to a multiple of this many tokens (1: none).
         head: ``"linear"`` (one Linear) or ``"mlp"`` (Linear, ReLU, Linear: the authors' LRA head).
         head_hidden: the MLP head's width (default ``embed_dim * mlp_ratio``, the authors' choice).
         block_fn: the block class (``PostNormBlock`` for post-LN).
-        img_size, in_chans: the trainer sizes every model by these names; for a sequence model they are
-            ``max_length`` and ``vocab_size`` (given, they replace those).
+        img_size, in_chans: the names the trainer sizes every model by: given, they replace ``max_length`` and
+            ``vocab_size``.
     """
 
     def __init__(self, vocab_size: int = 16, max_length: int = 2000, num_classes: int = 10, embed_dim: int = 64,

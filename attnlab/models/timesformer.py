@@ -14,27 +14,14 @@ Each divided block (``attention="divided"``, the paper's default) runs, with its
                z'_(p,t) = a_(p,t) + s_(p,t),  z'_cls = z_cls + mean_t s_(cls,t)
     MLP        z'' = z' + MLP(LN(z'))
 
-``temporal_fc`` starts at zero, so a fresh block (its temporal branch silent) computes exactly the image model's block
-on every frame; started from an image model (time embedding zero, as the authors' code keeps it), a clip of one
-repeated frame gets the image model's logits. A model trained from scratch draws its time embedding as the position
-embedding (truncated normal, std 0.02): at zero, such a model would be exactly blind to frame order at step 0.
-
-``joint`` runs one attention over all 1 + T*N tokens per block (the paper's "Joint Space-Time"); ``space_only`` runs
-the image ViT on every frame independently and averages the frames' tokens before the final norm ("Space", no time
-embedding). The class token's final state, after LayerNorm, goes to the linear head.
+``temporal_fc`` starts at zero, so a fresh block computes exactly the image model's block on every frame. ``joint``
+runs one attention over all 1 + T*N tokens per block; ``space_only`` runs the image ViT on every frame and averages
+the frames' tokens before the final norm. The class token's final state, after LayerNorm, goes to the linear head.
 
 Both attentions of a block are timm ``Attention`` modules (``attn`` spatial, ``temporal_attn`` temporal), so
-``attnlab.convert`` replaces both (the DnA paper's setting) or one of them (``only="spatial"`` / ``"temporal"``);
-the parameter names are those of the authors' ``timesformer/models/vit.py`` (``temporal_norm1``, ``temporal_attn``,
-``temporal_fc``, ``time_embed``), which are timm's ViT names plus the temporal ones. Where the authors' code and this
-module differ (none changes a forward in eval mode): tokens are held frame-major ``(t, p)`` here, position-major
-``(p, t)`` there (attention does not see the order); stochastic depth drops a residual branch per clip here, per
-(clip, position) and per (clip, frame) there, and the temporal branch's ``temporal_fc`` inside the dropped branch.
-
-Weights: :func:`init_from_image` starts a TimeSformer from an image ViT's state dict (timm's layout) as the authors'
-loader does (spatial attention, norms, MLP, patch and position embeddings, class token, final norm from the image
-model; ``temporal_attn`` and ``temporal_norm1`` copies of each block's ``attn`` and ``norm1``; ``temporal_fc`` and the
-time embedding zero); :func:`load_timesformer` reads a checkpoint in the layout of the authors' released models.
+``attnlab.convert`` replaces both or one group (``only="spatial"`` / ``"temporal"``); parameter names are the authors'
+(``timesformer/models/vit.py``). docs/methods.md (TimeSformer) gives the initialisation, where this module differs
+from the authors' code, and how :func:`init_from_image` and :func:`load_timesformer` read weights.
 """
 
 from __future__ import annotations
@@ -49,7 +36,9 @@ from timm.layers import Attention, DropPath, LayerNorm, Mlp, PatchEmbed, resampl
 from timm.models.vision_transformer import Block
 from torch import nn
 
+from ..attention.dna import DnAAttention
 from ..errors import ConfigError
+from .pretrained import dna_authors_state_dict, load_strict, read_state_dict
 
 ATTENTIONS = ("divided", "joint", "space_only")
 WEIGHT_INITS = ("trunc_normal", "xavier")
@@ -58,11 +47,8 @@ ATTENTION_GROUPS = {"spatial": "blocks.*.attn", "temporal": "blocks.*.temporal_a
 
 
 class DividedBlock(nn.Module):
-    """One divided space-time block (module docstring): temporal attention, spatial attention, MLP, pre-norm.
-
-    Args:
-        dim, num_heads, mlp_ratio, qkv_bias, proj_drop, attn_drop, drop_path, norm_layer: as timm's ViT ``Block``.
-    """
+    """One divided space-time block (module docstring): temporal attention, spatial attention, MLP, pre-norm; the
+    arguments are timm's ViT ``Block``'s."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  proj_drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0,
@@ -104,14 +90,11 @@ class TimeSformer(nn.Module):
             ``VisionTransformer`` (a class token is always used: the head reads it).
         num_frames: T the time embedding is learned for (a clip of other length gets it resampled, nearest).
         attention: ``divided`` (temporal then spatial attention per block), ``joint`` or ``space_only``.
-        drop_rate: dropout after the position (and time) embedding and in the MLPs.
-        attn_drop_rate: dropout on attention weights. drop_path_rate: stochastic depth, rising linearly to it.
-        norm_layer: LayerNorm (eps 1e-6, as timm's ViT and the authors' model).
+        drop_rate, attn_drop_rate, drop_path_rate: dropout after the embeddings and in the MLPs, on attention
+            weights, stochastic depth (rising linearly); norm_layer: LayerNorm (eps 1e-6, timm's and the authors').
         weight_init: the Linears' weights: ``trunc_normal`` (std 0.02, the authors' and timm's default) or
-            ``xavier`` (uniform, scaled to each layer's width, as timm's ``jax`` ViT init); ``temporal_fc`` starts
-            at zero either way. At width 64, std 0.02 gives attention logits near zero: uniform attention over the
-            frames, which is blind to their order, and a model trained from scratch stalls there
-            (``timesformer_tiny`` uses ``xavier``).
+            ``xavier`` (timm's ``jax`` ViT init; ``timesformer_tiny``: std 0.02 at width 64 leaves attention over
+            the frames uniform, blind to their order); ``temporal_fc`` starts at zero either way.
     """
 
     def __init__(self, img_size: int = 224, patch_size: int = 16, in_chans: int = 3, num_classes: int = 400,
@@ -127,11 +110,8 @@ class TimeSformer(nn.Module):
             raise ConfigError(f"weight_init={weight_init!r} is not valid; use one of: {', '.join(WEIGHT_INITS)}.")
         if num_frames < 1:
             raise ConfigError(f"num_frames={num_frames} is not valid; a clip has at least 1 frame.")
-        self.attention = attention
-        self.num_frames = num_frames
-        self.num_classes = num_classes
+        self.attention, self.num_frames, self.num_classes, self.in_chans = attention, num_frames, num_classes, in_chans
         self.num_features = self.embed_dim = embed_dim
-        self.in_chans = in_chans
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
@@ -153,7 +133,7 @@ class TimeSformer(nn.Module):
         trunc_normal_(self.pos_embed, std=0.02)
         trunc_normal_(self.cls_token, std=0.02)
         if self.attention != "space_only":
-            trunc_normal_(self.time_embed, std=0.02)  # zeroed by init_from_image (module docstring)
+            trunc_normal_(self.time_embed, std=0.02)  # zeroed by init_from_image (docs/methods.md)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 if weight_init == "xavier":
@@ -213,12 +193,10 @@ _TEMPORAL_COPIES = (("temporal_attn.", "attn."), ("temporal_norm1.", "norm1."))
 
 def init_from_image(model: TimeSformer, state_dict: Mapping[str, torch.Tensor],
                     source: str = "the image model's weights") -> TimeSformer:
-    """Start ``model`` from an image ViT's state dict in timm's layout, as the authors' loader does (module docstring).
-
-    The image model must have a class token and the same width, depth and heads; its position embedding is resampled
-    (timm's ``resample_abs_pos_embed``) when the patch grid differs; its head is taken when it has ``num_classes``
-    outputs, else the model keeps its fresh head. Anything else that does not fit is a ConfigError naming the key.
-    """
+    """Start ``model`` from an image ViT's state dict in timm's layout, as the authors' loader does (docs/methods.md):
+    ``temporal_attn`` and ``temporal_norm1`` copies of each block's ``attn`` and ``norm1``, ``temporal_fc`` and the
+    time embedding zero. The position embedding is resampled to another patch grid; the head is taken when it has
+    ``num_classes`` outputs, else kept fresh; anything else that does not fit is a ConfigError naming the key."""
     state = {re.sub(r"^module\.", "", k): v for k, v in state_dict.items()}
     if "cls_token" not in state:
         raise ConfigError(f"{source} has no class token (cls_token); TimeSformer's head reads one, so start it "
@@ -249,24 +227,14 @@ def init_from_image(model: TimeSformer, state_dict: Mapping[str, torch.Tensor],
     if extra is not None:
         raise ConfigError(f"{source} holds {extra!r}, which TimeSformer has no place for; give the weights of a "
                           f"plain ViT (class token, no register or distillation tokens).")
-    from .pretrained import load_strict
-
     return load_strict(model, out, source)
 
 
 def timesformer_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A checkpoint of the authors' released TimeSformer models rewritten for ``model``, read by meaning.
-
-    Their files (``torch.save`` of ``{"epoch", "model_state", "optimizer_state", "cfg"}``) name every parameter
-    ``model.<name>`` (their wrapper holds the ViT as ``self.model``), a DDP copy ``module.model.<name>``; the names
-    after the prefix are this module's. The time embedding is resampled (nearest, as their loader) when the file was
-    trained for another number of frames; a head of another size is left as ``model`` has it (fine-tuning on another
-    label set). A model converted to ``dna`` reads the DnA authors' video layout (``qkv`` + ``q_neg`` + ``v_neg`` +
-    ``neg_scalers``) through :func:`attnlab.models.pretrained.dna_authors_state_dict`.
-    """
-    from ..attention.dna import DnAAttention
-    from .pretrained import dna_authors_state_dict
-
+    """A checkpoint of the authors' released TimeSformer models (every parameter ``model.<name>``, or
+    ``module.model.<name>``) rewritten for ``model``: the time embedding resampled to its frames, a head of another
+    size left as ``model`` has it, and, for a model converted to ``dna``, the DnA authors' video layout read through
+    :func:`attnlab.models.pretrained.dna_authors_state_dict` (docs/methods.md, TimeSformer)."""
     state = {re.sub(r"^(module\.)?(model\.)?", "", k): v for k, v in state_dict.items()}
     own = model.state_dict()
     has_temporal = any(".temporal_attn." in k for k in state)
@@ -279,8 +247,7 @@ def timesformer_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tens
         frames = own["time_embed"].shape[1]
         state["time_embed"] = F.interpolate(state["time_embed"].transpose(1, 2), size=frames,
                                             mode="nearest").transpose(1, 2)
-    for part in ("weight", "bias"):
-        key = f"head.{part}"
+    for key in ("head.weight", "head.bias"):
         if key in own and key in state and state[key].shape != own[key].shape:
             state[key] = own[key]
     if any(isinstance(m, DnAAttention) for m in model.modules()):
@@ -291,8 +258,6 @@ def timesformer_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tens
 def load_timesformer(model: nn.Module, source: str | Path | Mapping[str, torch.Tensor]) -> nn.Module:
     """Load a checkpoint in the layout of the authors' released TimeSformer models (a path, read without running
     code, or a state dict) into ``model`` by meaning (:func:`timesformer_state_dict`), strictly, and return it."""
-    from .pretrained import load_strict, read_state_dict
-
     name = f"checkpoint {source}" if isinstance(source, (str, Path)) else "the checkpoint"
     state = read_state_dict(source) if isinstance(source, (str, Path)) else source
     return load_strict(model, timesformer_state_dict(model, state), name)
@@ -306,8 +271,6 @@ def init_timesformer(model: TimeSformer, state_dict: Mapping[str, torch.Tensor],
         raise ConfigError(f"{source} holds DnA attention (q_neg, v_neg); build the model with attn='dna' and load "
                           f"it with attnlab.models.load_timesformer(model, path).")
     if "time_embed" in plain or any(".temporal_attn." in k for k in plain):
-        from .pretrained import load_strict
-
         return load_strict(model, timesformer_state_dict(model, plain), source)
     return init_from_image(model, plain, source)
 

@@ -4,18 +4,11 @@ for Object Detection", arXiv 2203.16527).
     image --patch_embed--> (B, H/p, W/p, C) + pos --blocks (windowed or global)--> stride-p map
           --SimpleFeaturePyramid--> {'0': 1/4, '1': 1/8, '2': 1/16, '3': 1/32, 'pool': 1/64}  (for p = 16)
 
-The trunk keeps the timm ViT's own submodules and state-dict names (``patch_embed``, ``pos_embed``, ``blocks.N``):
-each block's attention is still the timm ``Attention`` (or whatever ``attnlab.convert`` put there), called on
-windows of the token grid (window blocks) or on the whole grid (global blocks), so every kernel term converts it.
-The class token goes (ViTDet has none) and the position embedding is resampled to the detection grid once, and
-again in a forward whose grid differs (ViTDet's ``get_abs_pos``). ViTDet's decomposed relative-position bias is not
-built: it is no part of timm's ``Attention`` and would not reach every kernel.
-
-The pyramid (Section 3 of the paper, its Figure 2): from the last stride-16 map, two stride-2 deconvolutions (a
-LayerNorm and GELU between) to 1/4, one to 1/8, the map itself at 1/16, a 2x2 max-pool to 1/32; each followed by a
-1x1 and a 3x3 convolution without bias, each with a LayerNorm, to ``out_channels``; and torchvision's
-``LastLevelMaxPool`` for the 1/64 level the RPN also reads (p6). Output names follow torchvision's FPN, so its
-default anchor generator and RoI pools apply.
+The trunk keeps the timm ViT's submodules and state-dict names, each block's attention (timm's, or whatever
+``attnlab.convert`` put there) called on windows of the token grid or on the whole grid, so every kernel term
+converts it; the class token goes and the position embedding is resampled to the grid. The pyramid is the paper's
+(Section 3, Figure 2), its output names torchvision's FPN's; docs/methods.md (Detection backbones) describes both
+and where they differ from the authors' detectron2 code.
 """
 
 from __future__ import annotations
@@ -35,6 +28,7 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 from ..errors import UnsupportedModelError
 from .blocks import PostNormBlock
 
+_DECONVOLUTIONS = {4.0: 2, 2.0: 1, 1.0: 0, 0.5: 0}  # per pyramid scale factor (0.5: a max-pool instead)
 _BLOCK_PARTS = ("norm1", "attn", "ls1", "drop_path1", "norm2", "mlp", "ls2", "drop_path2")
 
 
@@ -140,14 +134,9 @@ class ViTDetTrunk(nn.Module):
 
 
 class SimpleFeaturePyramid(nn.Module):
-    """ViTDet's simple feature pyramid: one map at stride s -> maps at s/f for each scale factor f, then p6.
-
-    Args:
-        in_channels: channels of the input map (the ViT width).
-        out_channels: channels of every output level (256 in the paper).
-        scale_factors: 4, 2, 1, 0.5 in the paper (strides 4, 8, 16, 32 from a stride-16 map).
-        norm_layer: LayerNorm over channels (the paper's "LN").
-    """
+    """ViTDet's simple feature pyramid: one map of ``in_channels`` (the ViT width) at stride s -> maps of
+    ``out_channels`` (the paper: 256) at s/f for each scale factor f (the paper: 4, 2, 1, 0.5), then p6;
+    ``norm_layer`` is the paper's "LN" over channels."""
 
     def __init__(self, in_channels: int, out_channels: int = 256,
                  scale_factors: Sequence[float] = (4.0, 2.0, 1.0, 0.5), norm_layer=LayerNorm2d) -> None:
@@ -156,19 +145,14 @@ class SimpleFeaturePyramid(nn.Module):
         self.out_channels = out_channels
         stages = []
         for scale in self.scale_factors:
-            dim = in_channels
-            if scale == 4.0:
-                layers = [nn.ConvTranspose2d(dim, dim // 2, 2, stride=2), norm_layer(dim // 2), nn.GELU(),
-                          nn.ConvTranspose2d(dim // 2, dim // 4, 2, stride=2)]
-                dim //= 4
-            elif scale == 2.0:
-                layers, dim = [nn.ConvTranspose2d(dim, dim // 2, 2, stride=2)], dim // 2
-            elif scale == 1.0:
-                layers = []
-            elif scale == 0.5:
-                layers = [nn.MaxPool2d(2, stride=2)]
-            else:
+            if scale not in _DECONVOLUTIONS:
                 raise UnsupportedModelError(f"scale factor {scale} is not one of ViTDet's 4, 2, 1, 0.5.")
+            dim, layers = in_channels, [nn.MaxPool2d(2, stride=2)] if scale == 0.5 else []
+            for _ in range(_DECONVOLUTIONS[scale]):  # stride-2 deconvolutions, a LayerNorm and GELU between two
+                if layers:
+                    layers += [norm_layer(dim), nn.GELU()]
+                layers.append(nn.ConvTranspose2d(dim, dim // 2, 2, stride=2))
+                dim //= 2
             layers += [Conv2dNormActivation(dim, out_channels, 1, norm_layer=norm_layer, activation_layer=None,
                                             bias=False),
                        Conv2dNormActivation(out_channels, out_channels, 3, norm_layer=norm_layer,
