@@ -51,10 +51,6 @@ class Option:
                     if raw.lower() not in ("true", "false", "1", "0"):
                         continue
                     value = raw.lower() in ("true", "1")
-                elif typ is int:
-                    value = int(raw)
-                elif typ is float:
-                    value = float(raw)
                 else:
                     value = typ(raw)
                 break

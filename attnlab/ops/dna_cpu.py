@@ -26,7 +26,7 @@ from torch.utils.flop_counter import register_flop_formula, sdpa_flop_count
 
 from attnlab.ops import ckernel
 
-__all__ = ["call_error", "dna_attention", "kernel_error", "runs_error", "supports"]
+__all__ = ["call_error", "dna_attention", "kernel_error", "supports"]
 
 _SOURCE = "dna_kernel.c"
 _ABI = 2  # ATTNLAB_DNA_ABI in dna_kernel.c
@@ -69,17 +69,11 @@ def kernel_error(q: torch.Tensor, k: torch.Tensor, *others: torch.Tensor | None)
     the call: values, alpha, biases), or None when it can."""
     if q.ndim != 4 or k.ndim != 4:
         return "the fused DnA kernel takes (B, H, N, D) tensors"
-    return runs_error((q, k, *others), head_dim=q.shape[-1], keys=k.shape[-2])
-
-
-def runs_error(tensors, *, head_dim: int, keys: int) -> str | None:
-    """Why the fused kernel cannot run on a call whose tensors (those it reads, or those they are computed from
-    under the same grad mode) are ``tensors``, with this head dim and number of keys; None when it can."""
-    tensors = [t for t in tensors if t is not None]
+    tensors = [t for t in (q, k, *others) if t is not None]
     return call_error(cpu=all(t.device.type == "cpu" for t in tensors),
                       float32=all(t.dtype in (torch.float32, torch.bool) for t in tensors),
                       needs_grad=torch.is_grad_enabled() and any(t.requires_grad for t in tensors),
-                      head_dim=head_dim, keys=keys)
+                      head_dim=q.shape[-1], keys=k.shape[-2])
 
 
 def call_error(*, cpu: bool, float32: bool, needs_grad: bool, head_dim: int, keys: int) -> str | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
@@ -121,10 +122,7 @@ def _(x, steps, eps, a, b, c):
 @register_flop_formula(torch.ops.attnlab.ns_fused)
 def _flops(x_shape, steps, *args, **kwargs) -> int:
     """The fast path's count on the same shape (:func:`attnlab.ops.ns._ns_fast`): the kernel does its algebra."""
-    matrices = 1
-    for s in x_shape[:-2]:
-        matrices *= s
-    return matrices * _fast_flops(x_shape[-2], x_shape[-1], steps)
+    return math.prod(x_shape[:-2]) * _fast_flops(x_shape[-2], x_shape[-1], steps)
 
 
 @functools.cache

@@ -116,8 +116,7 @@ def _performer_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projecti
     args = _Args(H=H, N=N, D=D, M=M, wt=wt.data_ptr(), half_norm_scale=0.5 * D ** -0.5, eps=eps)
     for i, t in enumerate(tensors):
         args.ptr[i] = t.data_ptr()
-        for j in range(3):
-            args.stride[i][j] = t.stride(j)
+        args.stride[i][:] = t.stride()[:3]
     ckernel.run_split(lib, fn, (ctypes.byref(args),), B * H)
     out = tensors[-1]
     return out if q.ndim == 4 else out.reshape(q.shape)

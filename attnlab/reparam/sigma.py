@@ -197,15 +197,12 @@ def _targets(model: nn.Module, modules: list[nn.Module], targets: str) -> list[n
 
 
 def _register(layers: Iterable[nn.Module], gamma_init: float | str, learn_gamma: bool,
-              estimate: str = "stored") -> int:
-    count = 0
+              estimate: str = "stored") -> None:
     for layer in layers:
         # initialise from the effective weight, so this composes after another parametrisation (e.g. speccond)
         # unsafe=True skips parametrize's trial forward, which in training mode would move u once
         parametrize.register_parametrization(layer, "weight", SigmaReparam(layer.weight, gamma_init, learn_gamma,
                                                                             estimate), unsafe=True)
-        count += 1
-    return count
 
 
 def apply_sigma(model: nn.Module, modules: list[nn.Module], gamma_init: float | str = "sigma",

@@ -116,11 +116,8 @@ def apply_speccond(model: nn.Module, modules: list[nn.Module], lam: float | str 
 
 def condition_numbers(weight: torch.Tensor, blocks: int = 1) -> torch.Tensor:
     """kappa = sigma_max / sigma_min (over the min(m, n) singular values) of each row block, in float64."""
-    out = []
-    for block in _blocks_of(weight, blocks):
-        s = torch.linalg.svdvals(block.double())
-        out.append(s[0] / s[-1])
-    return torch.stack(out)
+    singular_values = [torch.linalg.svdvals(block.double()) for block in _blocks_of(weight, blocks)]
+    return torch.stack([s[0] / s[-1] for s in singular_values])
 
 
 __all__ = ["AUTO_MARGIN", "SpectralConditioning", "apply_speccond", "auto_lam", "condition_numbers",
