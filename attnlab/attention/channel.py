@@ -56,9 +56,7 @@ class ChannelMapAttention(AttnlabAttention):
         if kind == "kernel" and term != "standard":
             return CHANNEL_REFUSALS.get(term, f"{term} is a token-attention kernel, and {cls.family}'s map is "
                                               f"D x D over features, for which it has no form")
-        if term in CHANNEL_REFUSALS:
-            return CHANNEL_REFUSALS[term]
-        return None
+        return CHANNEL_REFUSALS.get(term)
 
     @staticmethod
     def geometry(module) -> dict:
@@ -67,11 +65,9 @@ class ChannelMapAttention(AttnlabAttention):
         return geo
 
     def mask_of(self, x, attn_mask=None, is_causal: bool = False, window=None):
-        mask = AttentionMask.of(attn_mask, is_causal, window)
-        if mask is not None:
+        if AttentionMask.of(attn_mask, is_causal, window) is not None:
             raise UnsupportedModelError(f"{self.family} takes no attention mask: its map is D x D over features, "
                                         f"summed over every token, so no token-by-token mask applies to it.")
-        return None
 
     def head_output(self, x: torch.Tensor, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
         """One head's output (N, D) from x (N, C) and its rows of the qkv weight: the Jacobian instrument's function."""

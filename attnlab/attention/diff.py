@@ -8,12 +8,10 @@ Each head h (value width D) splits its query and key into two halves of width d 
     lambda_init = 0.8 - 0.6 * exp(-0.3 * depth)          (depth: 0-based index of the attention layer)
     o_h = (1 - lambda_init) * RMSNorm_D((A1 - lambda * A2) v_h)
 
-``bias`` is Swin's relative-position bias plus the call's mask (shifted windows, a ViT ``attn_mask``, causal order,
-key padding: :class:`~attnlab.attention.mask.AttentionMask`); it enters both branches' logits before their softmax
-(timm's ``DiffAttention`` is ViT-only, so the Swin form is attnlab's).
-The module keeps the standard module's ``qkv`` and ``proj`` (same shapes: q, k, v each ``H * D`` wide) and adds
-timm's parameters under timm's names (``lambda_q1``, ``lambda_k1``, ``lambda_q2``, ``lambda_k2`` or, with
-``dual_lambda``, ``lambda_a``, ``lambda_b``; ``sub_norm.weight``), so a timm ``DiffAttention`` state dict loads.
+``bias`` is Swin's relative-position bias plus the call's mask (:class:`~attnlab.attention.mask.AttentionMask`), in
+both branches' logits before their softmax (timm's ``DiffAttention`` is ViT-only, so the Swin form is attnlab's).
+``qkv`` and ``proj`` keep the standard module's shapes and the new parameters timm's names (``lambda_q1`` ...,
+``lambda_a``, ``lambda_b``, ``sub_norm.weight``), so a timm ``DiffAttention`` state dict loads (docs/methods.md).
 """
 
 from __future__ import annotations

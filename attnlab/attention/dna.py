@@ -55,10 +55,8 @@ BACKENDS = ("auto", "kernel", "triton", "sdpa")
 
 
 def block_names(variant: str) -> tuple[str, ...]:
-    """Row blocks of the fused projection, in order: e.g. ``("q_pos", "q_neg", "k", "v_pos", "v_neg")`` for qv.
-
-    A shared query is named ``"q"`` and a shared value ``"v"``.
-    """
+    """Row blocks of the fused projection, in order: e.g. ``("q_pos", "q_neg", "k", "v_pos", "v_neg")`` for qv; a
+    shared query is named ``"q"`` and a shared value ``"v"``."""
     sep_q, sep_v = variant in ("qv", "q"), variant in ("qv", "v")
     return (("q_pos", "q_neg") if sep_q else ("q",)) + ("k",) + (("v_pos", "v_neg") if sep_v else ("v",))
 
@@ -262,9 +260,7 @@ class _DnAParams:
 
     def alpha_values(self) -> torch.Tensor:
         """alpha_h per head, (H,): the learned values, or ones for ``variant=sum``."""
-        if self.alpha is None:
-            return torch.ones(self.num_heads)
-        return self.alpha.detach()
+        return torch.ones(self.num_heads) if self.alpha is None else self.alpha.detach()
 
     def _init_negative(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
                        only: tuple[str, ...] = ("q_neg", "v_neg")) -> None:
@@ -288,11 +284,9 @@ class _DnAParams:
 
 def _rows(linear: nn.Linear, names: tuple[str, ...], width: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """Views (weight rows, bias entries) of each named block of a fused Linear."""
-    out = {}
-    for i, name in enumerate(names):
-        sl = slice(i * width, (i + 1) * width)
-        out[name] = (linear.weight.data[sl], None if linear.bias is None else linear.bias.data[sl])
-    return out
+    blocks = {name: slice(i * width, (i + 1) * width) for i, name in enumerate(names)}
+    return {name: (linear.weight.data[sl], None if linear.bias is None else linear.bias.data[sl])
+            for name, sl in blocks.items()}
 
 
 def _slots(names: tuple[str, ...], items) -> tuple:
@@ -341,13 +335,6 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         self._register_load_state_dict_pre_hook(self._fuse_separate_projections)
 
     # ---- construction from an existing module ------------------------------------------------------------------
-    @staticmethod
-    def geometry(module: nn.Module) -> dict:
-        geo = AttnlabAttention.geometry(module)
-        if isinstance(module, DnAAttention):  # its qkv is wider than 3 * H * D
-            geo["head_dim"] = module.head_dim
-        return geo
-
     def adopt(self, module: nn.Module) -> None:
         """Take over ``module``'s projections as Q+, K, V+ (and, from a DnA module, its own Q-, V- and alpha);
         fill what is new according to ``init``."""
@@ -462,9 +449,12 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         negated-logit form (both None and ``is_causal`` True when causality is all the mask asks)."""
         if mask is not None and mask.causal_only and self.window_size is None:
             return None, None, True
-        B, _, N, _ = like.shape
-        keep = None if mask is None else mask.keep(B, N, N, like.device)
-        return (self.attn_bias(mask, like), negative_bias(self.logit_bias(mask, like.dtype), keep, like), False)
+        return self.attn_bias(mask, like), self._softmin_bias(mask, like, like.shape[-2]), False
+
+    def _softmin_bias(self, mask: AttentionMask | None, like: torch.Tensor, M: int) -> torch.Tensor | None:
+        """The softmin branch's bias in negated-logit form (:func:`negative_bias`) for ``like`` (B, H, N, .)."""
+        keep = None if mask is None else mask.keep(like.shape[0], like.shape[-2], M, like.device)
+        return negative_bias(self.logit_bias(mask, like.dtype), keep, like)
 
     def weights(self, q, k, mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Explicit attention weights (softmax(s^+), softmin(s^-)), each (B, H, N, N); q = (q_pos, q_neg).
@@ -477,9 +467,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         qk_neg = qk_pos if q_neg is q_pos else q_neg @ kt
         w_pos = self.add_bias(qk_pos * self.scale_pos, mask).softmax(dim=-1)
         neg_logits = qk_neg * -self.scale_neg  # softmin(s) = softmax(-s)
-        B, _, N, M = qk_neg.shape
-        keep = None if mask is None else mask.keep(B, N, M, qk_neg.device)
-        bias_neg = negative_bias(self.logit_bias(mask, qk_neg.dtype), keep, qk_neg)
+        bias_neg = self._softmin_bias(mask, qk_neg, qk_neg.shape[-1])
         if bias_neg is not None:
             neg_logits = neg_logits + bias_neg
         return w_pos, neg_logits.softmax(dim=-1)

@@ -1,10 +1,7 @@
-"""DnA cross-attention ("DnA: Denoising Attention for Visual Tasks", Sec. 3.3): the
-visual-probe adapter, queries from one sequence and keys / values from another.
-
-    P' = softmax(P W_{Q+} (X W_K)^T / sqrt(d)) X W_{V+} + alpha_h softmin(P W_{Q-} (X W_K)^T / sqrt(d)) X W_{V-}
-
-The variants, options, masks and backends are those of :mod:`attnlab.attention.dna`, whose
-:func:`~attnlab.attention.dna.dna_attention` computes the formula for both modules.
+"""DnA cross-attention ("DnA: Denoising Attention for Visual Tasks", Sec. 3.3): the visual-probe adapter, queries
+from one sequence and keys / values from another (the formula: :class:`DnACrossAttention`). The variants, options,
+masks and backends are those of :mod:`attnlab.attention.dna`, whose :func:`~attnlab.attention.dna.dna_attention`
+computes the formula for both modules.
 """
 
 from __future__ import annotations

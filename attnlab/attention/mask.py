@@ -61,23 +61,16 @@ class AttentionMask(NamedTuple):
         """Only causality is asked: SDPA's ``is_causal`` path, no mask in memory."""
         return self.is_causal and self.key_padding is None and self.attn_mask is None and self.window is None
 
-    def refusal(self, name: str, *, causal: str | None = None, padding: str | None = None,
-                other: str | None = None) -> str | None:
-        """The first reason (given per part) why mechanism ``name`` cannot honour this mask, or None. A part whose
-        reason is None is honoured."""
+    def refuse(self, name: str, *, causal: str | None = None, padding: str | None = None,
+               other: str | None = None) -> None:
+        """UnsupportedModelError with the first reason (given per part) why mechanism ``name`` cannot honour this
+        mask; a part whose reason is None is honoured."""
         other_present = self.attn_mask is not None or self.window is not None
         for present, part, why in ((self.is_causal, "a causal mask", causal),
                                    (self.key_padding is not None, "key padding", padding),
                                    (other_present, "this attention mask", other)):
             if present and why:
-                return f"{name} cannot honour {part}: {why}"
-        return None
-
-    def refuse(self, name: str, **reasons: str | None) -> None:
-        """Raise UnsupportedModelError with :meth:`refusal`'s sentence, if any."""
-        why = self.refusal(name, **reasons)
-        if why:
-            raise UnsupportedModelError(f"{why}.")
+                raise UnsupportedModelError(f"{name} cannot honour {part}: {why}.")
 
     # ---- the mask as tensors --------------------------------------------------------------------------------------
     def _windows(self, B: int, t: torch.Tensor) -> torch.Tensor:

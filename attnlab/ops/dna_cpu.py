@@ -3,17 +3,12 @@
     o = softmax(scale_pos q+ k^T + bias_pos) v+ + alpha_h * softmax(-scale_neg q- k^T + bias_neg) v-
 
 (``bias_neg`` in negated-logit form, as :func:`attnlab.attention.dna.negative_bias` builds it) computed per head
-and query row in one pass over K, with the combined output written in the (B, N, H, D) layout head merge reads.
-Two SDPA calls read K twice, write two (B, H, N, D) outputs and need a third pass to combine them; on 2 CPU cores
-the fused kernel takes about 0.75 of their time (vit_cifar and ViT-B/16 shapes; docs/perf.md).
-
-float32, CPU, head dim 16 / 32 / 48 / 64, at most 1024 keys, no dropout, no gradient; everything else goes to
-SDPA (:func:`attnlab.attention.dna.dna_attention` picks). Building: :mod:`attnlab.ops.ckernel`.
-
-The kernel is the ``torch.library`` custom op ``attnlab::dna_fused`` (the ctypes call inside it), with a fake
-implementation (output shape and strides, so FakeTensor and ``torch.compile`` trace it without a graph break) and a
-FLOP formula: the two SDPA calls it replaces, 2 x 4 B H N M D, so ``FlopCounterMode`` counts a model the same with
-and without gradient.
+and query row in one pass over K, with the combined output written in the (B, N, H, D) layout head merge reads: about
+0.75 of two SDPA calls' time on 2 CPU cores (docs/perf.md). float32, CPU, head dim 16 / 32 / 48 / 64, at most 1024
+keys, no dropout, no gradient; everything else goes to SDPA (:func:`attnlab.attention.dna.dna_attention` picks).
+Building: :mod:`attnlab.ops.ckernel`. It is the custom op ``attnlab::dna_fused`` (the ctypes call inside it), with
+a fake implementation (FakeTensor and ``torch.compile`` trace it without a graph break) and a FLOP formula, the two
+SDPA calls it replaces, so ``FlopCounterMode`` counts a model the same with and without gradient.
 """
 
 from __future__ import annotations

@@ -195,20 +195,6 @@ class QKClip(nn.Module):
         return f"num_heads={self.num_heads}, tau={self.tau:g}, alpha={self.alpha:g}"
 
 
-def _record(attn: nn.Module, qkv: nn.Module, inputs, output: torch.Tensor) -> None:
-    """Forward hook on ``attn.qkv``: fold this forward's per-head max logit into ``attn.qk_clip.max_logit``."""
-    if not attn.training or output.is_meta:  # a meta model (shapes only) has no logits to record
-        return
-    H, D = attn.num_heads, attn.head_dim
-    B, N = output.shape[0], output.shape[1]
-    with torch.no_grad():
-        qk = output.detach()[..., : 2 * H * D].reshape(B, N, 2, H, D)
-        state = attn.qk_clip
-        m = screened_max_logits(qk, attn.scale, state.tau, mask=state.pending_mask)
-        state.pending_mask = None
-        torch.maximum(state.max_logit, m.to(state.max_logit.dtype), out=state.max_logit)
-
-
 def _check(module: nn.Module, index: int) -> None:
     if has_qk_norm(module):
         raise SpecError(
@@ -237,13 +223,24 @@ def apply(model: nn.Module, modules: list[nn.Module], tau: float = 100.0, alpha:
 
 
 class _RecordHook:
-    """Callable forward hook holding its attention module (deep-copies along with it)."""
+    """Forward hook on ``attn.qkv``, holding its attention module (deep-copies along with it)."""
 
     def __init__(self, attn: nn.Module) -> None:
         self.attn = attn
 
-    def __call__(self, qkv, inputs, output):
-        _record(self.attn, qkv, inputs, output)
+    def __call__(self, qkv, inputs, output: torch.Tensor) -> None:
+        """Fold this forward's per-head max logit into ``attn.qk_clip.max_logit``."""
+        attn = self.attn
+        if not attn.training or output.is_meta:  # a meta model (shapes only) has no logits to record
+            return
+        H, D = attn.num_heads, attn.head_dim
+        B, N = output.shape[0], output.shape[1]
+        with torch.no_grad():
+            qk = output.detach()[..., : 2 * H * D].reshape(B, N, 2, H, D)
+            state = attn.qk_clip
+            m = screened_max_logits(qk, attn.scale, state.tau, mask=state.pending_mask)
+            state.pending_mask = None
+            torch.maximum(state.max_logit, m.to(state.max_logit.dtype), out=state.max_logit)
 
 
 class _MaskHook:
