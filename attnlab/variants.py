@@ -51,10 +51,6 @@ class Option:
                     if raw.lower() not in ("true", "false", "1", "0"):
                         continue
                     value = raw.lower() in ("true", "1")
-                elif typ is int:
-                    value = int(raw)
-                elif typ is float:
-                    value = float(raw)
                 else:
                     value = typ(raw)
                 break
@@ -145,6 +141,11 @@ def list_variants() -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------------------------
 # The registry. One line (one entry) per method.
 # ---------------------------------------------------------------------------------------------------------------
+_SIGMA_TARGETS = Option("all", str, choices=("all", "attn"),
+                        help="all: every Linear and Conv2d; attn: the Linears inside the attention modules")
+_SIGMA_SPECNORM = ("specnorm is sigma-Reparam with gamma removed, so the two would normalise the same weights twice; "
+                   "pick one")
+
 register(Variant(
     "standard", "kernel", "softmax attention, fused SDPA (timm's)", "Vaswani et al. 2017",
     "attnlab.attention.standard:StandardAttention",
@@ -224,24 +225,20 @@ register(Variant(
         "gamma_init": Option("sigma", (float, str), choices=("sigma",),
                              help="'sigma': gamma = sigma(W0), so W_hat = W at step 0 (authors' vision code); "
                                   "a number: gamma starts there (the note's literal gamma = 1)"),
-        "targets": Option("all", str, choices=("all", "attn"),
-                          help="all: every Linear and Conv2d; attn: the Linears inside the attention modules"),
+        "targets": _SIGMA_TARGETS,
         "estimate": Option("stored", str, choices=("stored", "refresh"),
                            help="eval-mode sigma: stored = ||W u|| (W_hat = W exactly at conversion, folds "
                                 "as evaluated); refresh = the authors' ||W^T v|| after one unsaved iteration"),
     },
-    conflicts={"specnorm": "specnorm is sigma-Reparam with gamma removed, so the two would normalise the same "
-                           "weights twice; pick one"},
+    conflicts={"specnorm": _SIGMA_SPECNORM},
 ))
 register(Variant(
     "specnorm", "weight", "plain spectral normalisation W / sigma(W), no gamma (sigma-Reparam's ablation)",
     "Zhai et al. 2023", "attnlab.reparam.sigma:apply_specnorm",
-    options={"targets": Option("all", str, choices=("all", "attn"),
-                               help="all: every Linear and Conv2d; attn: the Linears inside the attention modules"),
+    options={"targets": _SIGMA_TARGETS,
              "estimate": Option("stored", str, choices=("stored", "refresh"),
                                 help="eval-mode sigma: ||W u|| (stored) or the authors' ||W^T v|| (refresh)")},
-    conflicts={"sigma": "specnorm is sigma-Reparam with gamma removed, so the two would normalise the same "
-                        "weights twice; pick one"},
+    conflicts={"sigma": _SIGMA_SPECNORM},
     demo=False,  # an ablation (the note: ViT-B drops from 82.2% to 69.8%); `attnlab compare --attn specnorm`
 ))
 register(Variant(

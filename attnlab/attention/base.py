@@ -211,7 +211,10 @@ class AttnlabAttention(nn.Module):
         """The additive bias a fused softmax takes for queries ``like`` (B, H, N, D): Swin's position bias plus
         ``mask`` as :meth:`AttentionMask.additive` forms it, broadcastable to (B, H, N, N); None when there is none."""
         B, _, N, _ = like.shape
-        bias = None if mask is None else mask.additive(B, N, N, like.dtype, like.device)
+        return self._with_position_bias(None if mask is None else mask.additive(B, N, N, like.dtype, like.device))
+
+    def _with_position_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """Swin's position bias plus ``bias`` (either may be absent)."""
         if self.window_size is None:
             return bias
         return self.rel_pos_bias() if bias is None else self.rel_pos_bias() + bias
@@ -230,10 +233,7 @@ class AttnlabAttention(nn.Module):
     def logit_bias(self, mask: AttentionMask | None, dtype) -> torch.Tensor | None:
         """What is part of every branch's logit besides q k^T: Swin's position bias and a float ``attn_mask``'s
         finite entries (branches that exclude masked positions rather than add -inf: DnA's softmin, Cog)."""
-        user = None if mask is None else mask.logit_bias(dtype)
-        if self.window_size is None:
-            return user
-        return self.rel_pos_bias() if user is None else self.rel_pos_bias() + user
+        return self._with_position_bias(None if mask is None else mask.logit_bias(dtype))
 
     def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:  # pragma: no cover - abstract
         """Per-head outputs (B, H, N, D) from q, k, v (B, H, N, D) and the call's mask; the mechanism's formula."""

@@ -9,16 +9,10 @@ with s = 1/sqrt(D) (``ChannelAttention``) or s = 1/sqrt(N) on q instead of k (``
 models, whose map is softmax(s q^T k) mixing v). XCiT's cross-covariance attention (``attnlab.attention.xca``)
 is the same family with q and k L2-normalised along tokens and a learned temperature.
 
-Which terms carry over (the reasons are the refusals' text, see docs/methods.md):
-- weight terms (``sigma``, ``specnorm``, ``speccond``) act on the fused qkv weight exactly as on token attention;
-- ``ns`` acts on each head's N x D output before head merge, which these modules still produce;
-- ``qknorm`` acts on the map's two factors, each token's row normalised over the head's D features as timm's
-  ``qk_norm`` does: q and k for XCA and ``ChannelAttentionV2``, k and v for ``ChannelAttention`` (whose map is
-  k^T v; its ``q_norm`` normalises k and its ``k_norm`` v). A logit is then a sum over tokens of products of
-  normalised rows, bounded by the norms' parameters times N whatever the weights are, QK-norm's property;
-- token-attention kernels (``dna``, ``diff``, ``cog`` and any other) and ``qkclip`` are defined on a token-by-token
-  map q k^T / sqrt(D) (QK-clip rescales W_q and W_k to cap it); on a feature-by-feature map their papers give no
-  form.
+Weight terms (``sigma``, ``specnorm``, ``speccond``), ``ns`` and ``qknorm`` carry over (``qknorm`` on the map's two
+factors: q and k for XCA and ``ChannelAttentionV2``, k and v for ``ChannelAttention``, whose ``q_norm`` normalises
+k and ``k_norm`` v); token-attention kernels and ``qkclip`` are refused (:data:`CHANNEL_REFUSALS`). The reasons:
+docs/methods.md, "XCiT and DaViT".
 """
 
 from __future__ import annotations
@@ -62,9 +56,7 @@ class ChannelMapAttention(AttnlabAttention):
         if kind == "kernel" and term != "standard":
             return CHANNEL_REFUSALS.get(term, f"{term} is a token-attention kernel, and {cls.family}'s map is "
                                               f"D x D over features, for which it has no form")
-        if term in CHANNEL_REFUSALS:
-            return CHANNEL_REFUSALS[term]
-        return None
+        return CHANNEL_REFUSALS.get(term)
 
     @staticmethod
     def geometry(module) -> dict:
@@ -73,11 +65,9 @@ class ChannelMapAttention(AttnlabAttention):
         return geo
 
     def mask_of(self, x, attn_mask=None, is_causal: bool = False, window=None):
-        mask = AttentionMask.of(attn_mask, is_causal, window)
-        if mask is not None:
+        if AttentionMask.of(attn_mask, is_causal, window) is not None:
             raise UnsupportedModelError(f"{self.family} takes no attention mask: its map is D x D over features, "
                                         f"summed over every token, so no token-by-token mask applies to it.")
-        return None
 
     def head_output(self, x: torch.Tensor, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
         """One head's output (N, D) from x (N, C) and its rows of the qkv weight: the Jacobian instrument's function."""

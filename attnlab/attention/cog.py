@@ -4,15 +4,12 @@
     w = sign(s) * softmax(|s| over unmasked keys),   w = 0 exactly at masked keys
     o_h = w v_h
 
-Masked keys are those the call's :class:`~attnlab.attention.mask.AttentionMask` excludes: Swin's shifted-window
-mask (any nonzero entry, timm uses -100), causal order, key padding, ``False`` in a boolean ViT ``attn_mask``, or
-``-inf`` in a float one (whose finite entries are part of s). They are removed from the softmax (its input set to
--inf) rather than added to s: adding -100 to s would make |s| large and give the masked key the largest weight,
-with a negative sign.
-The weights sum to 1 in absolute value over the unmasked keys. No parameters beyond the standard module's, so a
-standard state dict loads strictly. As in the authors' models, the first and last attention layers (by
-``layer_index`` / ``num_layers``) stay plain softmax unless ``all_layers=True``; those layers run the standard
-(fused or explicit) path. Cog layers always run the explicit path (no fused kernel computes signed weights).
+Masked keys (those the call's :class:`~attnlab.attention.mask.AttentionMask` excludes) are removed from the softmax
+(its input set to -inf) rather than added to s: adding -100 to s would make |s| large and give the masked key the
+largest weight, with a negative sign. No parameters beyond the standard module's, so a standard state dict loads
+strictly. As in the authors' models, the first and last attention layers (by ``layer_index`` / ``num_layers``) stay
+plain softmax unless ``all_layers=True``; those layers run the standard (fused or explicit) path. Cog layers always
+run the explicit path (no fused kernel computes signed weights). Details: docs/methods.md, "cog".
 """
 
 from __future__ import annotations

@@ -8,12 +8,10 @@ Each head h (value width D) splits its query and key into two halves of width d 
     lambda_init = 0.8 - 0.6 * exp(-0.3 * depth)          (depth: 0-based index of the attention layer)
     o_h = (1 - lambda_init) * RMSNorm_D((A1 - lambda * A2) v_h)
 
-``bias`` is Swin's relative-position bias plus the call's mask (shifted windows, a ViT ``attn_mask``, causal order,
-key padding: :class:`~attnlab.attention.mask.AttentionMask`); it enters both branches' logits before their softmax
-(timm's ``DiffAttention`` is ViT-only, so the Swin form is attnlab's).
-The module keeps the standard module's ``qkv`` and ``proj`` (same shapes: q, k, v each ``H * D`` wide) and adds
-timm's parameters under timm's names (``lambda_q1``, ``lambda_k1``, ``lambda_q2``, ``lambda_k2`` or, with
-``dual_lambda``, ``lambda_a``, ``lambda_b``; ``sub_norm.weight``), so a timm ``DiffAttention`` state dict loads.
+``bias`` is Swin's relative-position bias plus the call's mask (:class:`~attnlab.attention.mask.AttentionMask`), in
+both branches' logits before their softmax (timm's ``DiffAttention`` is ViT-only, so the Swin form is attnlab's).
+``qkv`` and ``proj`` keep the standard module's shapes and the new parameters timm's names (``lambda_q1`` ...,
+``lambda_a``, ``lambda_b``, ``sub_norm.weight``), so a timm ``DiffAttention`` state dict loads (docs/methods.md).
 """
 
 from __future__ import annotations
@@ -64,10 +62,8 @@ class DiffAttention(AttnlabAttention):
             self.lambda_q1 = self.lambda_k1 = self.lambda_q2 = self.lambda_k2 = None
         else:
             self.lambda_a = self.lambda_b = None
-            self.lambda_q1 = nn.Parameter(torch.empty(self.qk_head_dim).normal_(0, 0.1))
-            self.lambda_k1 = nn.Parameter(torch.empty(self.qk_head_dim).normal_(0, 0.1))
-            self.lambda_q2 = nn.Parameter(torch.empty(self.qk_head_dim).normal_(0, 0.1))
-            self.lambda_k2 = nn.Parameter(torch.empty(self.qk_head_dim).normal_(0, 0.1))
+            for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):  # drawn in timm's order
+                setattr(self, name, nn.Parameter(torch.empty(self.qk_head_dim).normal_(0, 0.1)))
         self.sub_norm = RmsNorm(self.head_dim, eps=1e-5)
         self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * self.layer_index)
 
@@ -130,10 +126,10 @@ class DiffAttention(AttnlabAttention):
         k1, k2 = k[..., :d], k[..., d:]
         if self.fused_attn:
             p = self.attn_drop.p if self.training else 0.0
-            if mask is not None and mask.causal_only and self.window_size is None:
-                return sdpa(q1, k1, v, dropout_p=p, is_causal=True), sdpa(q2, k2, v, dropout_p=p, is_causal=True)
-            bias = self.attn_bias(mask, q)
-            return sdpa(q1, k1, v, attn_mask=bias, dropout_p=p), sdpa(q2, k2, v, attn_mask=bias, dropout_p=p)
+            causal = mask is not None and mask.causal_only and self.window_size is None
+            bias = None if causal else self.attn_bias(mask, q)
+            return (sdpa(q1, k1, v, attn_mask=bias, dropout_p=p, is_causal=causal),
+                    sdpa(q2, k2, v, attn_mask=bias, dropout_p=p, is_causal=causal))
         a1, a2 = self.weights(q, k, mask)
         return self.attn_drop(a1) @ v, self.attn_drop(a2) @ v
 

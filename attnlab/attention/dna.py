@@ -16,30 +16,14 @@ The variants of Table 12 (``variant=``):
 1/sqrt(d) (the main text and all of the authors' code); ``scale=neg_only`` scales only the negative branch, as
 Algorithm 1 is written.
 
-Masks. The call's :class:`~attnlab.attention.mask.AttentionMask` (Swin's shifted-window mask, causal order, key
-padding, a ViT ``attn_mask``) enters the softmax branch's logits exactly as in standard attention. In the softmin
-branch a masked position is *excluded* (weight exactly 0): adding -100 (or -inf) to a logit and then negating it
-would make softmin pick precisely the masked positions. The relative-position bias B (and a float ``attn_mask``'s
-finite entries) are part of each branch's logit, so the softmin branch is softmax(-(s^- + B)) over the allowed
-positions. Both branches therefore see the allowed keys only, and a padded query's output is zero.
-
-Layout. All projections of a block are ONE ``nn.Linear`` named ``qkv`` (kept name, new width), its rows in the
-authors' order Q+, Q-, K, V+, V- (width 5*dim for ``qv``; Q+, Q-, K, V for ``q``; Q, K, V+, V- for ``v``; Q, K, V
-for ``shared`` / ``sum``). State dicts that keep Q- and V- as separate ``q_neg`` / ``v_neg`` Linears next to a
-3*dim ``qkv`` are fused on load.
-
-Backends. :func:`choose_backend` is the one place a backend is picked, for the self- and the cross-attention
-module alike, from what the call is (device, dtype, whether a gradient is needed, dropout, mask, head dim, keys),
-the module's ``fused_attn`` and ``backend`` switches and the environment's (``ATTNLAB_DNA_TRITON``,
-``ATTNLAB_KERNELS``); it returns the backends it passed over with the reason. ``explicit`` (``fused_attn=False``) is
-the readable definition; ``kernel`` is the fused CPU kernel (:mod:`attnlab.ops.dna_cpu`, the custom op
-``attnlab::dna_fused``) for float32 forwards without gradient or dropout, every mask honoured as a bias; ``triton``
-the opt-in CUDA kernel (:mod:`attnlab.ops.dna_triton`, ``ATTNLAB_DNA_TRITON=1``), which takes no mask; else
-``sdpa``, two SDPA calls and :func:`combine` (SDPA's ``is_causal`` when causality is all the mask asks). All compute
-the formula above. The self-attention module decides before its projection: when the kernel will run, the
-projection is one bias-free GEMM whose bias the kernel adds as it copies each head (docs/perf.md). SDPA's softmin
-branch uses a negated scale on the CPU (free: its kernels scale before the row maximum) and -Q- elsewhere (CUDA
-flash kernels take the row maximum before scaling) and with ``is_causal`` (:func:`negates_query` decides).
+Masks enter the softmax branch's logits as in standard attention; in the softmin branch a masked position is
+*excluded* (weight exactly 0: adding -100 and then negating would make softmin pick it), while B and a float
+``attn_mask``'s finite entries stay part of its logit, softmax(-(s^- + B)) over the allowed positions. All
+projections of a block are ONE ``nn.Linear`` named ``qkv``, its rows in the authors' order Q+, Q-, K, V+, V- (or
+the variant's subset, :func:`block_names`); separate ``q_neg`` / ``v_neg`` Linears in a state dict are fused on
+load. :func:`choose_backend` is the one place a backend is picked (``explicit``, the fused CPU ``kernel``, the
+opt-in CUDA ``triton``, ``sdpa``), for the self- and the cross-attention module alike; docs/methods.md, "DnA", has
+the masks, the layout and the backends in full.
 
 Two-branch convention (shared with ``diff``, used by :mod:`attnlab.analysis.dna`): ``branch_outputs(x, mask=None)
 -> (o_pos, o_neg)``, each (B, H, N, D), the two branches before alpha; ``branch_values(x) ->
@@ -71,10 +55,8 @@ BACKENDS = ("auto", "kernel", "triton", "sdpa")
 
 
 def block_names(variant: str) -> tuple[str, ...]:
-    """Row blocks of the fused projection, in order: e.g. ``("q_pos", "q_neg", "k", "v_pos", "v_neg")`` for qv.
-
-    A shared query is named ``"q"`` and a shared value ``"v"``.
-    """
+    """Row blocks of the fused projection, in order: e.g. ``("q_pos", "q_neg", "k", "v_pos", "v_neg")`` for qv; a
+    shared query is named ``"q"`` and a shared value ``"v"``."""
     sep_q, sep_v = variant in ("qv", "q"), variant in ("qv", "v")
     return (("q_pos", "q_neg") if sep_q else ("q",)) + ("k",) + (("v_pos", "v_neg") if sep_v else ("v",))
 
@@ -207,14 +189,6 @@ def choose_backend(call: Call, requested: str = "auto", fused_attn: bool = True)
     return Choice("sdpa", tuple(refused))
 
 
-def backend_error(backend: str, q_pos, q_neg, k, v_pos, v_neg, alpha, *, bias_pos=None, bias_neg=None,
-                  input_bias=None, dropout_p: float = 0.0) -> str | None:
-    """Why ``backend`` cannot compute this call of :func:`dna_attention`, or None when it can."""
-    call = Call.of(q_pos, q_neg, k, v_pos, v_neg, alpha, bias_pos, bias_neg, *(input_bias or ()),
-                   masked=bias_pos is not None or bias_neg is not None, dropout_p=dropout_p)
-    return call_error(backend, call)
-
-
 def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_pos: torch.Tensor,
                   v_neg: torch.Tensor, alpha: torch.Tensor | None, *, scale_pos: float, scale_neg: float,
                   bias_pos: torch.Tensor | None = None, bias_neg: torch.Tensor | None = None,
@@ -286,9 +260,7 @@ class _DnAParams:
 
     def alpha_values(self) -> torch.Tensor:
         """alpha_h per head, (H,): the learned values, or ones for ``variant=sum``."""
-        if self.alpha is None:
-            return torch.ones(self.num_heads)
-        return self.alpha.detach()
+        return torch.ones(self.num_heads) if self.alpha is None else self.alpha.detach()
 
     def _init_negative(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
                        only: tuple[str, ...] = ("q_neg", "v_neg")) -> None:
@@ -312,11 +284,17 @@ class _DnAParams:
 
 def _rows(linear: nn.Linear, names: tuple[str, ...], width: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """Views (weight rows, bias entries) of each named block of a fused Linear."""
-    out = {}
-    for i, name in enumerate(names):
-        sl = slice(i * width, (i + 1) * width)
-        out[name] = (linear.weight.data[sl], None if linear.bias is None else linear.bias.data[sl])
-    return out
+    blocks = {name: slice(i * width, (i + 1) * width) for i, name in enumerate(names)}
+    return {name: (linear.weight.data[sl], None if linear.bias is None else linear.bias.data[sl])
+            for name, sl in blocks.items()}
+
+
+def _slots(names: tuple[str, ...], items) -> tuple:
+    """(q_pos, q_neg, k, v_pos, v_neg) from one item per named block; a shared query or value (the same object) fills
+    both of its slots."""
+    named = dict(zip(names, items))
+    q_pos, v_pos = named.get("q_pos", named.get("q")), named.get("v_pos", named.get("v"))
+    return q_pos, named.get("q_neg", q_pos), named["k"], v_pos, named.get("v_neg", v_pos)
 
 
 def _canonical(rows: dict) -> dict:
@@ -357,13 +335,6 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         self._register_load_state_dict_pre_hook(self._fuse_separate_projections)
 
     # ---- construction from an existing module ------------------------------------------------------------------
-    @staticmethod
-    def geometry(module: nn.Module) -> dict:
-        geo = AttnlabAttention.geometry(module)
-        if isinstance(module, DnAAttention):  # its qkv is wider than 3 * H * D
-            geo["head_dim"] = module.head_dim
-        return geo
-
     def adopt(self, module: nn.Module) -> None:
         """Take over ``module``'s projections as Q+, K, V+ (and, from a DnA module, its own Q-, V- and alpha);
         fill what is new according to ``init``."""
@@ -443,20 +414,13 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         else:
             y, b = self.qkv(x), None
         blocks = y.view(B, N, nb, H, D).permute(2, 0, 3, 1, 4).unbind(0)
-        q_pos, q_neg, k, v_pos, v_neg = self._slots(blocks)
-        input_bias = None if b is None else self._slots(b.view(nb, H, D).unbind(0))
+        q_pos, q_neg, k, v_pos, v_neg = _slots(self.qkv_blocks, blocks)
+        input_bias = None if b is None else _slots(self.qkv_blocks, b.view(nb, H, D).unbind(0))
         if not defer:
             shared_q = q_neg is q_pos
             q_pos, k = self.q_norm(q_pos), self.k_norm(k)
             q_neg = q_pos if shared_q else self.q_norm(q_neg)
         return (q_pos, q_neg), k, (v_pos, v_neg), input_bias
-
-    def _slots(self, blocks):
-        """(q_pos, q_neg, k, v_pos, v_neg) from one item per block of ``qkv_blocks``; a shared query or value (the
-        same object) fills both of its slots."""
-        named = dict(zip(self.qkv_blocks, blocks))
-        q_pos, v_pos = named.get("q_pos", named.get("q")), named.get("v_pos", named.get("v"))
-        return q_pos, named.get("q_neg", q_pos), named["k"], v_pos, named.get("v_neg", v_pos)
 
     def choose(self, x: torch.Tensor, mask: AttentionMask | None) -> Choice:
         """This forward's backend (:func:`choose_backend`), from x (B, N, dim) before the projection runs: its device,
@@ -485,9 +449,12 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         negated-logit form (both None and ``is_causal`` True when causality is all the mask asks)."""
         if mask is not None and mask.causal_only and self.window_size is None:
             return None, None, True
-        B, _, N, _ = like.shape
-        keep = None if mask is None else mask.keep(B, N, N, like.device)
-        return (self.attn_bias(mask, like), negative_bias(self.logit_bias(mask, like.dtype), keep, like), False)
+        return self.attn_bias(mask, like), self._softmin_bias(mask, like, like.shape[-2]), False
+
+    def _softmin_bias(self, mask: AttentionMask | None, like: torch.Tensor, M: int) -> torch.Tensor | None:
+        """The softmin branch's bias in negated-logit form (:func:`negative_bias`) for ``like`` (B, H, N, .)."""
+        keep = None if mask is None else mask.keep(like.shape[0], like.shape[-2], M, like.device)
+        return negative_bias(self.logit_bias(mask, like.dtype), keep, like)
 
     def weights(self, q, k, mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Explicit attention weights (softmax(s^+), softmin(s^-)), each (B, H, N, N); q = (q_pos, q_neg).
@@ -500,9 +467,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         qk_neg = qk_pos if q_neg is q_pos else q_neg @ kt
         w_pos = self.add_bias(qk_pos * self.scale_pos, mask).softmax(dim=-1)
         neg_logits = qk_neg * -self.scale_neg  # softmin(s) = softmax(-s)
-        B, _, N, M = qk_neg.shape
-        keep = None if mask is None else mask.keep(B, N, M, qk_neg.device)
-        bias_neg = negative_bias(self.logit_bias(mask, qk_neg.dtype), keep, qk_neg)
+        bias_neg = self._softmin_bias(mask, qk_neg, qk_neg.shape[-1])
         if bias_neg is not None:
             neg_logits = neg_logits + bias_neg
         return w_pos, neg_logits.softmax(dim=-1)
@@ -536,16 +501,10 @@ class DnAAttention(_DnAParams, AttnlabAttention):
                                  input_bias=input_bias, dropout_p=self.attn_drop.p if self.training else 0.0,
                                  backend=backend)
         q_pos, q_neg, k, v_pos, v_neg = add_input_bias((q_pos, q_neg, k, v_pos, v_neg), input_bias)
-        q, v = (q_pos, q_neg), (v_pos, v_neg)
+        w_pos, w_neg = self.weights((q_pos, q_neg), k, mask)
         if v_pos is not v_neg:
-            w_pos, w_neg = self.weights(q, k, mask)
             return combine(self.attn_drop(w_pos) @ v_pos, self.attn_drop(w_neg) @ v_neg, self.alpha)
-        w_pos, w_neg = self.weights(q, k, mask)
-        if self.alpha is None:
-            w = w_pos + w_neg
-        else:
-            w = torch.addcmul(w_pos, self.alpha.to(w_pos.dtype).view(-1, 1, 1), w_neg)
-        return self.attn_drop(w) @ v_pos
+        return self.attn_drop(combine(w_pos, w_neg, self.alpha)) @ v_pos
 
     # ---- the two-branch convention and the weight maps (analysis) ------------------------------------------------
     def branch_outputs(self, x: torch.Tensor, mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -581,6 +540,6 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         return f"{super().extra_repr()}, variant={self.variant}, scale={self.scale_mode}"
 
 
-__all__ = ["BACKENDS", "Call", "Choice", "DnAAttention", "add_input_bias", "backend_error", "block_names",
+__all__ = ["BACKENDS", "Call", "Choice", "DnAAttention", "add_input_bias", "block_names",
            "call_error", "choose_backend", "combine", "dna_attention", "dna_branches", "negates_query",
            "negative_bias", "VARIANTS"]

@@ -1,10 +1,7 @@
-"""DnA cross-attention ("DnA: Denoising Attention for Visual Tasks", Sec. 3.3): the
-visual-probe adapter, queries from one sequence and keys / values from another.
-
-    P' = softmax(P W_{Q+} (X W_K)^T / sqrt(d)) X W_{V+} + alpha_h softmin(P W_{Q-} (X W_K)^T / sqrt(d)) X W_{V-}
-
-The variants, options, masks and backends are those of :mod:`attnlab.attention.dna`, whose
-:func:`~attnlab.attention.dna.dna_attention` computes the formula for both modules.
+"""DnA cross-attention ("DnA: Denoising Attention for Visual Tasks", Sec. 3.3): the visual-probe adapter, queries
+from one sequence and keys / values from another (the formula: :class:`DnACrossAttention`). The variants, options,
+masks and backends are those of :mod:`attnlab.attention.dna`, whose :func:`~attnlab.attention.dna.dna_attention`
+computes the formula for both modules.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from .dna import _canonical, _DnAParams, _rows, combine, dna_attention, dna_branches, negative_bias
+from .dna import _canonical, _DnAParams, _rows, _slots, combine, dna_attention, dna_branches, negative_bias
 from .mask import AttentionMask
 
 
@@ -77,16 +74,16 @@ class DnACrossAttention(_DnAParams, nn.Module):
             self.proj.load_state_dict(proj.state_dict())
         return self
 
+    def _heads(self, linear: nn.Linear, x: torch.Tensor, blocks: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+        """One (B, H, N, D) tensor per block of ``linear``'s output on x (B, N, .)."""
+        B, N, _ = x.shape
+        return linear(x).view(B, N, len(blocks), self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+
     def project(self, x: torch.Tensor, context: torch.Tensor):
         """((q_pos, q_neg), k, (v_pos, v_neg)): queries (B, H, N, D) from x, keys / values (B, H, M, D) from context."""
-        B, N, _ = x.shape
-        M = context.shape[1]
-        qs = self.q(x).view(B, N, len(self.q_blocks), self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        kvs = self.kv(context).view(B, M, len(self.kv_blocks), self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        named = {**dict(zip(self.q_blocks, qs.unbind(0))), **dict(zip(self.kv_blocks, kvs.unbind(0)))}
-        q_pos = named.get("q_pos", named.get("q"))
-        v_pos = named.get("v_pos", named.get("v"))
-        return (q_pos, named.get("q_neg", q_pos)), named["k"], (v_pos, named.get("v_neg", v_pos))
+        heads = self._heads(self.q, x, self.q_blocks) + self._heads(self.kv, context, self.kv_blocks)
+        q_pos, q_neg, k, v_pos, v_neg = _slots(self.q_blocks + self.kv_blocks, heads)
+        return (q_pos, q_neg), k, (v_pos, v_neg)
 
     def _biases(self, mask: AttentionMask | None, like: torch.Tensor, M: int):
         """(bias_pos, bias_neg) for queries ``like`` (B, H, N, D) and M keys (see :class:`DnAAttention`)."""
@@ -128,11 +125,8 @@ class DnACrossAttention(_DnAParams, nn.Module):
 
     def branch_values(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(V^+_h, V^-_h) of ``context`` (B, M, kv_dim), each (B, H, M, D)."""
-        B, M, _ = context.shape
-        kvs = self.kv(context).view(B, M, len(self.kv_blocks), self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        named = dict(zip(self.kv_blocks, kvs.unbind(0)))
-        v_pos = named.get("v_pos", named.get("v"))
-        return v_pos, named.get("v_neg", v_pos)
+        *_, v_pos, v_neg = _slots(self.kv_blocks, self._heads(self.kv, context, self.kv_blocks))
+        return v_pos, v_neg
 
     def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:
         """alpha-combined output of both branches, (B, H, N, D), from :meth:`project`'s queries, keys and values: the

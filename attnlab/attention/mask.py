@@ -1,30 +1,17 @@
 """One mask for every attention term: causal order, key padding, a caller's ``attn_mask`` and Swin's window mask.
 
-A model says which keys each query may see; each mechanism decides how to honour it (or refuses with the reason):
-
     AttentionMask(is_causal=True)                          query i sees keys j <= i (SDPA's top-left convention)
     AttentionMask(key_padding=tokens != pad_id)            (B, M) bool, True at real tokens: padded keys unseen
     AttentionMask(attn_mask=m)                             SDPA's attn_mask: bool (True = attend) or additive float
     AttentionMask(window=swin_mask)                        Swin's shifted-window mask (num_windows, N, N), 0 / -100
 
-They combine (a causal model with padded batches passes both). A model hands one to its blocks as timm's
-``attn_mask`` (timm's ``Block`` passes it through unchanged), or as ``is_causal=True``: every attnlab attention
-module's ``forward(x, attn_mask=None, is_causal=False, mask=None)`` folds its arguments into one ``AttentionMask``
-(:meth:`AttentionMask.of`) and hands it to its mechanism's ``attend``. What a mechanism asks of it:
-
-- :meth:`keep`: a bool map (B|1, H|1, N, M), True where a query may attend, for branches that exclude positions
-  (DnA's softmin, Cog's |s|); :meth:`additive`: the same as an additive float bias for softmax branches (Swin's
-  window mask enters as timm adds it, -100; excluded positions as -inf). Neither is formed when only causality is
-  asked (:attr:`causal_only`): SDPA's ``is_causal`` needs no mask in memory.
-- A float ``attn_mask``'s finite entries are part of the logit (like Swin's relative-position bias): softmax adds
-  them, DnA's softmin negates them with the logit, Cog takes |s + b|; its -inf entries exclude the position in
-  every branch. Swin's window mask excludes its nonzero positions.
-- Rows with no allowed key. Causality and key padding never leave a real query without a key in self-attention
-  (it sees itself). A padded query can have none (causal with left padding, or a sequence of padding only): for
-  such rows :meth:`keep` and :meth:`additive` allow every key, so nothing computes 0/0, and
-  :meth:`zero_padded_queries` then sets the output of every padded query to exactly zero (and its gradient). The
-  outputs at padded positions are therefore always zero, whatever the mechanism; a row that a caller's own
-  ``attn_mask`` empties follows that backend's convention (SDPA's: zeros on the CPU).
+They combine (a causal model with padded batches passes both). Every attnlab attention module folds its forward's
+arguments (``attn_mask``, ``is_causal``, Swin's ``mask``) into one (:meth:`AttentionMask.of`); a mechanism asks
+:meth:`keep` (branches that exclude positions: DnA's softmin, Cog's |s|) or :meth:`additive` (softmax branches),
+neither formed when causality is all that is asked (:attr:`causal_only`: SDPA's ``is_causal``). A padded query
+without any allowed key attends every key internally (no 0/0), and :meth:`zero_padded_queries` zeroes its output
+(a row that a caller's own ``attn_mask`` empties follows the backend's convention, SDPA's: zeros on the CPU).
+The conventions and what each term supports: docs/methods.md, "Masks".
 """
 
 from __future__ import annotations
@@ -74,23 +61,16 @@ class AttentionMask(NamedTuple):
         """Only causality is asked: SDPA's ``is_causal`` path, no mask in memory."""
         return self.is_causal and self.key_padding is None and self.attn_mask is None and self.window is None
 
-    def refusal(self, name: str, *, causal: str | None = None, padding: str | None = None,
-                other: str | None = None) -> str | None:
-        """The first reason (given per part) why mechanism ``name`` cannot honour this mask, or None. A part whose
-        reason is None is honoured."""
+    def refuse(self, name: str, *, causal: str | None = None, padding: str | None = None,
+               other: str | None = None) -> None:
+        """UnsupportedModelError with the first reason (given per part) why mechanism ``name`` cannot honour this
+        mask; a part whose reason is None is honoured."""
         other_present = self.attn_mask is not None or self.window is not None
         for present, part, why in ((self.is_causal, "a causal mask", causal),
                                    (self.key_padding is not None, "key padding", padding),
                                    (other_present, "this attention mask", other)):
             if present and why:
-                return f"{name} cannot honour {part}: {why}"
-        return None
-
-    def refuse(self, name: str, **reasons: str | None) -> None:
-        """Raise UnsupportedModelError with :meth:`refusal`'s sentence, if any."""
-        why = self.refusal(name, **reasons)
-        if why:
-            raise UnsupportedModelError(f"{why}.")
+                raise UnsupportedModelError(f"{name} cannot honour {part}: {why}.")
 
     # ---- the mask as tensors --------------------------------------------------------------------------------------
     def _windows(self, B: int, t: torch.Tensor) -> torch.Tensor:

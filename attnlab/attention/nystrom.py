@@ -10,10 +10,8 @@ authors' depthwise convolution over the tokens of each head's values (kernel (co
 bias; their LRA configurations use 35). The formula is in :func:`attnlab.ops.lowrank.nystrom_attention`. The q, k, v
 projections are the standard module's, so weight terms (``nystrom+speccond``) act on them as on softmax attention.
 
-Masks: key padding as the authors mask it (padded tokens' q, k and, for the convolution, v are zero, and padded keys
-are excluded from the softmax over keys). Causal masks are refused: a landmark is a mean over a segment of the whole
-sequence, so every output depends on every token. Swin's windows (a relative-position bias) and a caller's
-``attn_mask`` are refused as well.
+Masks: key padding as the authors mask it (:func:`~attnlab.ops.lowrank.nystrom_attention`); causal masks, Swin's
+windows (a relative-position bias) and a caller's ``attn_mask`` are refused, with the reasons of :data:`MASK_REFUSALS`.
 """
 
 from __future__ import annotations

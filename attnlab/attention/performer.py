@@ -6,9 +6,8 @@ Per head, with M positive orthogonal random features phi (Lemma 1, Sec. 2.4):
     o_h = phi(q) (phi(k)^T v) / (phi(q) (phi(k)^T 1)),   phi(x) = exp(W x - ||x||^2 / 2) / sqrt(M),  x = q / D^(1/4)
 
 an unbiased estimate of softmax(q k^T / sqrt(D)) v's numerator and denominator, linear in N
-(:func:`attnlab.ops.lowrank.performer_attention`). Masks: key padding drops the padded keys from both sums (their
-features weigh 0); a causal mask gives the unidirectional FAVOR+ of Sec. 2.2, both sums taken over the keys j <= i
-by prefix sums; a caller's ``attn_mask`` or Swin's windows are refused (there is no N x N map to add them to).
+(:func:`attnlab.ops.lowrank.performer_attention`). Masks: padded keys weigh 0 in both sums; a causal mask gives the
+unidirectional FAVOR+ of Sec. 2.2 (prefix sums); a caller's ``attn_mask`` or Swin's windows are refused.
 
 The projection W (M, D) is a buffer of each module, drawn from a seed (``seed``, the block's index, the draw
 number), so a run's features are reproducible on any device; ``redraw=n`` draws new ones every n training forwards

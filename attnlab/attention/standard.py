@@ -27,10 +27,9 @@ class StandardAttention(AttnlabAttention):
 
     def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:
         if self.fused_attn:
-            dropout_p = self.attn_drop.p if self.training else 0.0
-            if mask is not None and mask.causal_only and self.window_size is None:
-                return sdpa(q, k, v, dropout_p=dropout_p, is_causal=True)
-            return sdpa(q, k, v, attn_mask=self.attn_bias(mask, q), dropout_p=dropout_p)
+            causal = mask is not None and mask.causal_only and self.window_size is None
+            return sdpa(q, k, v, attn_mask=None if causal else self.attn_bias(mask, q),
+                        dropout_p=self.attn_drop.p if self.training else 0.0, is_causal=causal)
         return self.attn_drop(self.weights(q, k, mask)) @ v
 
     def weights(self, q, k, mask: AttentionMask | None = None) -> torch.Tensor:

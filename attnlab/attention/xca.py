@@ -45,12 +45,9 @@ class XCAttention(ChannelMapAttention):
     def attend(self, q, k, v, mask=None) -> torch.Tensor:
         # timm works on (B, H, D, N); the transposes are views, so the ops below are timm's own
         q, k, v = q.transpose(-2, -1), k.transpose(-2, -1), v.transpose(-2, -1)
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         if self.fused_attn:
-            q = F.normalize(q, dim=-1) * self.temperature
-            k = F.normalize(k, dim=-1)
-            return F.scaled_dot_product_attention(q, k, v, scale=1.0).transpose(-2, -1)
-        q = F.normalize(q, dim=-1)
-        k = F.normalize(k, dim=-1)
+            return F.scaled_dot_product_attention(q * self.temperature, k, v, scale=1.0).transpose(-2, -1)
         attn = ((q @ k.transpose(-2, -1)) * self.temperature).softmax(dim=-1)
         return (self.attn_drop(attn) @ v).transpose(-2, -1)
 
@@ -59,7 +56,6 @@ class XCAttention(ChannelMapAttention):
         q, k = F.normalize(norm_in_dtype(self.q_norm, q), dim=0), F.normalize(norm_in_dtype(self.k_norm, k), dim=0)
         attn = ((q.T @ k) * self.temperature[head].detach().to(x.dtype)).softmax(dim=-1)
         return v @ attn.T
-
 
 
 __all__ = ["XCAttention"]

@@ -64,8 +64,7 @@ class _Stopwatch:
             self._end = torch.cuda.Event(enable_timing=True)
             self._start.record(torch.cuda.current_stream(self.device))
         else:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            _sync(self.device)
             self._t0 = self.clock()
 
     def stop(self) -> float:
@@ -73,8 +72,7 @@ class _Stopwatch:
             self._end.record(torch.cuda.current_stream(self.device))
             self._end.synchronize()
             return float(self._start.elapsed_time(self._end))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        _sync(self.device)
         return (self.clock() - self._t0) * 1000.0
 
 

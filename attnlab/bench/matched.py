@@ -11,6 +11,7 @@ from ..models import build_model
 from ..models.inputs import image_size
 from ..spec import parse_spec
 from ..train.run import resolve_device
+from .latency import measure_latency
 
 
 class Autocast(nn.Module):
@@ -22,8 +23,7 @@ class Autocast(nn.Module):
         self.dtype = dtype
 
     def forward(self, x):
-        device_type = x.device.type
-        with torch.autocast(device_type, dtype=self.dtype):
+        with torch.autocast(x.device.type, dtype=self.dtype):
             return self.model(x)
 
 
@@ -72,8 +72,6 @@ def bench_variants(model: str, specs: list[str], *, batch_size: int = 128, warmu
                    model_options: dict | None = None) -> dict:
     """The NS-Attn paper's latency protocol for ``specs`` on ``model`` (first spec = baseline), identical parameters;
     ``model_options``: build_model keyword arguments for every model (``{"depth": 1}``)."""
-    from .latency import measure_latency
-
     dev = resolve_device(device)
     options = model_options or {}
     models = matched_models(model, specs, num_classes=num_classes, seed=seed, device=dev, dtype=dtype,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnlab.errors import ConfigError
+from attnlab.bench.latency import _check_counts, _sync
 from attnlab.ops.sdpa import short_sequence_products
 
 
@@ -41,9 +41,7 @@ def measure_train_throughput(model: nn.Module, batch: tuple[torch.Tensor, torch.
         amp_dtype: e.g. ``torch.bfloat16`` for mixed precision; None for full precision.
         clock: host clock in seconds (default ``time.perf_counter``), injectable for tests.
     """
-    for key, value, minimum in (("steps", steps, 1), ("warmup", warmup, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise ConfigError(f"{key}={value!r} is invalid; it must be an integer >= {minimum}.")
+    _check_counts(steps=steps, warmup=warmup)
     images, targets = batch
     device = images.device
     clock = clock or time.perf_counter
@@ -69,18 +67,14 @@ def measure_train_throughput(model: nn.Module, batch: tuple[torch.Tensor, torch.
             loss.backward()
             optimizer.step()
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     model.train()
     for _ in range(warmup):
         step()
-    sync()
+    _sync(device)
     t0 = clock()
     for _ in range(steps):
         step()
-    sync()
+    _sync(device)
     elapsed = clock() - t0
     if elapsed <= 0:
         raise RuntimeError(f"the clock did not advance over {steps} training steps (elapsed {elapsed} s).")

@@ -6,24 +6,17 @@ name that hashes the source, the flags and the CPU (``-march=native``), then loa
 (no compiler, read-only cache) is remembered and reported by :func:`load_error`; callers then use their torch
 path. ``ATTNLAB_KERNELS=0`` switches every kernel off.
 
-Safety: a library loaded from the cache runs in this process, so nothing is trusted there that another user could
-have put there. The cache directory is created private (mode 0700); a cache directory, library or record that
-belongs to another user, or that group or others can write, is refused (the kernel is not used, and
-:func:`load_error` says why). A library is built in a fresh private temporary directory, then renamed into the
-cache beside its record (``NAME.so.sha256``, written by the same user: the sha256 of the source, headers,
-compiler, flags and CPU it was built from, and of the library's bytes); a cached library is loaded only when both
-match, through the file descriptor its bytes were hashed from, else it is built again.
+Safety: a cached library runs in this process, so nothing is trusted there that another user could have put there:
+the cache directory is created private (mode 0700), and a cache directory, library or record that belongs to another
+user, or that group or others can write, is refused (the kernel is not used; :func:`load_error` says why). A library
+is built in a fresh private temporary directory, then renamed into the cache beside its record (``NAME.so.sha256``:
+the sha256 of what it was built from and of the library's bytes); a cached library is loaded only when both match,
+through the file descriptor its bytes were hashed from, else it is built again.
 
-Every kernel exports ``attnlab_abi()``, its interface version, and the sizes of the structs it reads
-(``abi_sizes``); :func:`load` checks both against what the Python side was written for, so a kernel and its
-ctypes declarations can never drift apart silently. Kernels keep their per-thread working
-memory on the heap, not in stack arrays: threads with small stacks (macOS's 512 KiB secondary threads) stay safe.
-
-Threads: a kernel is built with ``-fopenmp`` when the compiler can, and then parallelises inside C over the
-process's OpenMP runtime. Its ``libgomp.so.1`` dependency resolves to the one torch has already loaded, so the
-kernel runs on torch's own worker threads; a separate Python thread pool would compete with those workers, which
-spin for a while after every torch op (measured: DnA's kernel lost its whole advantage that way). Without OpenMP,
-:func:`run_split` spreads the work items over Python threads (ctypes releases the GIL).
+:func:`load` checks each kernel's ``attnlab_abi()`` and struct sizes (``abi_sizes``) against what the Python side was
+written for. A kernel built with ``-fopenmp`` parallelises inside C on torch's own libgomp threads (a Python thread
+pool would compete with torch's spinning workers: docs/perf.md); without OpenMP, :func:`run_split` spreads the work
+items over Python threads (ctypes releases the GIL).
 """
 
 from __future__ import annotations

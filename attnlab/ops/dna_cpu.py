@@ -3,17 +3,12 @@
     o = softmax(scale_pos q+ k^T + bias_pos) v+ + alpha_h * softmax(-scale_neg q- k^T + bias_neg) v-
 
 (``bias_neg`` in negated-logit form, as :func:`attnlab.attention.dna.negative_bias` builds it) computed per head
-and query row in one pass over K, with the combined output written in the (B, N, H, D) layout head merge reads.
-Two SDPA calls read K twice, write two (B, H, N, D) outputs and need a third pass to combine them; on 2 CPU cores
-the fused kernel takes about 0.75 of their time (vit_cifar and ViT-B/16 shapes; docs/perf.md).
-
-float32, CPU, head dim 16 / 32 / 48 / 64, at most 1024 keys, no dropout, no gradient; everything else goes to
-SDPA (:func:`attnlab.attention.dna.dna_attention` picks). Building: :mod:`attnlab.ops.ckernel`.
-
-The kernel is the ``torch.library`` custom op ``attnlab::dna_fused`` (the ctypes call inside it), with a fake
-implementation (output shape and strides, so FakeTensor and ``torch.compile`` trace it without a graph break) and a
-FLOP formula: the two SDPA calls it replaces, 2 x 4 B H N M D, so ``FlopCounterMode`` counts a model the same with
-and without gradient.
+and query row in one pass over K, with the combined output written in the (B, N, H, D) layout head merge reads: about
+0.75 of two SDPA calls' time on 2 CPU cores (docs/perf.md). float32, CPU, head dim 16 / 32 / 48 / 64, at most 1024
+keys, no dropout, no gradient; everything else goes to SDPA (:func:`attnlab.attention.dna.dna_attention` picks).
+Building: :mod:`attnlab.ops.ckernel`. It is the custom op ``attnlab::dna_fused`` (the ctypes call inside it), with
+a fake implementation (FakeTensor and ``torch.compile`` trace it without a graph break) and a FLOP formula, the two
+SDPA calls it replaces, so ``FlopCounterMode`` counts a model the same with and without gradient.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from torch.utils.flop_counter import register_flop_formula, sdpa_flop_count
 
 from attnlab.ops import ckernel
 
-__all__ = ["call_error", "dna_attention", "kernel_error", "runs_error", "supports"]
+__all__ = ["call_error", "dna_attention", "kernel_error", "supports"]
 
 _SOURCE = "dna_kernel.c"
 _ABI = 2  # ATTNLAB_DNA_ABI in dna_kernel.c
@@ -69,17 +64,11 @@ def kernel_error(q: torch.Tensor, k: torch.Tensor, *others: torch.Tensor | None)
     the call: values, alpha, biases), or None when it can."""
     if q.ndim != 4 or k.ndim != 4:
         return "the fused DnA kernel takes (B, H, N, D) tensors"
-    return runs_error((q, k, *others), head_dim=q.shape[-1], keys=k.shape[-2])
-
-
-def runs_error(tensors, *, head_dim: int, keys: int) -> str | None:
-    """Why the fused kernel cannot run on a call whose tensors (those it reads, or those they are computed from
-    under the same grad mode) are ``tensors``, with this head dim and number of keys; None when it can."""
-    tensors = [t for t in tensors if t is not None]
+    tensors = [t for t in (q, k, *others) if t is not None]
     return call_error(cpu=all(t.device.type == "cpu" for t in tensors),
                       float32=all(t.dtype in (torch.float32, torch.bool) for t in tensors),
                       needs_grad=torch.is_grad_enabled() and any(t.requires_grad for t in tensors),
-                      head_dim=head_dim, keys=keys)
+                      head_dim=q.shape[-1], keys=k.shape[-2])
 
 
 def call_error(*, cpu: bool, float32: bool, needs_grad: bool, head_dim: int, keys: int) -> str | None:

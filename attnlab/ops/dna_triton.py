@@ -8,16 +8,11 @@ softmax (running maximum, running sum, rescaled accumulator) for each branch. Bo
 the softmin branch needs no negated copy of Q-, and alpha_h is applied when the two accumulators are combined, so
 there is no separate combine pass. The output is written in the (B, N, H, D) layout head merge reads.
 
-Launch: a one-dimensional grid of B * H * ceil(N / BLOCK_M) programs (CUDA allows 2^31 - 1 on the first axis but
-65,535 on the others, which B * H passes at ViT batch ~5,500); each (batch, head) slice's start is computed in 64
-bits (a (B, N, 5C) projection passes 2^31 elements at ViT-B/16 batch ~2,800), in-tile offsets in 32. Tiles come
-from Triton's autotuning over :data:`TILES`, pruned per shape by :func:`prune_configs` (no tiles that pad the
-sequence to twice the work of the tightest candidate; 8 warps where 4 would spill registers).
-
-It is registered as the custom op ``torch.ops.attnlab.dna_attention_triton`` with a fake implementation (runs
-without Triton or a GPU: FakeTensor, the meta device, ``torch.compile`` tracing) and a FLOP formula (the two SDPA
-calls it replaces, for ``FlopCounterMode``). It is tested for correctness under Triton's interpreter on the CPU
-(``TRITON_INTERPRET=1``, tests/ops/test_dna_triton.py) and opt-in until a GPU measurement (docs/perf.md) decides.
+Launch: one grid axis of B * H * ceil(N / BLOCK_M) programs (only that axis allows 2^31 - 1), slice starts in 64
+bits, in-tile offsets in 32; tiles from Triton's autotuning over :data:`TILES`, pruned by :func:`prune_configs`.
+The custom op ``torch.ops.attnlab.dna_attention_triton`` has a fake implementation and a FLOP formula; it is tested
+under Triton's CPU interpreter and opt-in until a GPU measurement decides (docs/methods.md, "DnA", has the design
+and docs/perf.md the measurements).
 
 No attention bias or mask (ViT global attention; Swin windows and masks use SDPA), no dropout, no gradient; head
 dim a power of two >= 16; fp16, bf16 or fp32 (fp32 products may use TF32 on the GPU).

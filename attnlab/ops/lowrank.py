@@ -21,9 +21,8 @@ applied to x = q / D^(1/4), y = k / D^(1/4), so phi(x) . phi(y) estimates exp(q 
 
     o = phi(q) (phi(k)^T v) / (phi(q) (phi(k)^T 1)),
 
-linear in N. The rows of W are drawn orthogonal in blocks of D (Sec. 2.4: lower variance, still unbiased) and
-rescaled to the lengths of independent Gaussian vectors, so each row is marginally N(0, I_D). The causal
-(unidirectional) form replaces both sums over the keys by prefix sums (Sec. 2.2; query i sees keys j <= i).
+linear in N, with W's rows orthogonal in blocks of D (Sec. 2.4: lower variance, still unbiased;
+:func:`orthogonal_gaussian`). The causal form takes both sums by prefix sums (Sec. 2.2; query i sees keys j <= i).
 """
 
 from __future__ import annotations

@@ -14,20 +14,11 @@ Three implementations sit side by side:
 
 - ``impl="reference"``: Algorithm 1 literally, batched over the leading dims, in M (D x N) layout.
 - ``impl="fast"`` (what ``"auto"`` picks when a gradient is needed, under ``torch.compile`` and off the CPU): the
-  same function with the steps done in a small Gram space, two at a time.
-  In X layout (N x D), with s = max(r, eps), G = X^T X and A = G / s^2 (= Z Z^T of Algorithm 1), a step is
-  Z <- Z P with P = a I + b A + c A^2. P is a polynomial in A, so it commutes with A and the next Gram is
-  P A P = A P^2; steps therefore accumulate into one D x D polynomial P_K in A, ||Z_K||_F^2 = tr(A P_K^2),
-  and for K <= 2 the output is X @ (P_K * r / (s * max(||Z_K||_F, eps))): one Gram matmul, a few D x D
-  products, one N x D x D matmul, no branching on tensor values (``torch.compile(fullgraph=True)`` sees one
-  graph). When N < D (Swin: 16 tokens, 32 features) it runs in N x N token space instead, since
-  X f(X^T X) = f(X X^T) X for any polynomial f.
-  Rounding: the Gram squares the condition number; a rounding error d in A moves P_K by up to ~a^(2K) d, and a
-  rounding-level negative eigenvalue of A grows by more than a^2 ~ 12 per step. Accumulating all K steps in
-  float32 therefore drifts from ~1e-6 at K = 2 to ~1e-1, and to overflow, by K = 6-8. After every two steps Z
-  is therefore re-formed (Z <- Z P_2, one N x D x D matmul) and A restarts from its fresh Gram; each block then
-  stays at K = 2's accuracy and the float32 error stays within a few times Algorithm 1's (docs/methods.md).
-  Float64 D x D algebra would not help: the error is already in the float32 Gram.
+  same function in the smaller Gram space (D x D, or N x N when N < D). With s = max(r, eps) and A = X^T X / s^2,
+  a step is Z <- Z P with P = a I + b A + c A^2, a polynomial in A, so steps accumulate into one small P_K and
+  the output is X @ (P_K * r / (s * max(||Z_K||_F, eps))) with no branch on tensor values. Z is re-formed every
+  two steps, because float32 rounding in the polynomial grows about 12x per step. The derivation, its rounding
+  and the accuracy table: docs/methods.md, "The fast formulation".
 - ``impl="kernel"`` (what ``"auto"`` picks for CPU forward passes without gradient): the fast path's algebra as
   one fused C loop per head matrix (``ns_kernel.c``, built on first use by :mod:`attnlab.ops.ns_cpu`). It reads
   the attention kernel's strided output in place and writes with the same strides, so neither the dense copy in
@@ -160,7 +151,7 @@ class _Gram(torch.autograd.Function):
 
 
 def _ns_fast(x: torch.Tensor, steps: int, eps: float, coeffs: tuple[float, float, float]) -> torch.Tensor:
-    """The same map in the smaller Gram space, re-forming Z every ``_BLOCK`` steps; see the module docstring."""
+    """The same map in the smaller Gram space, re-forming Z every ``_BLOCK`` steps (module docstring)."""
     # Work in the smaller of the two Gram spaces (a shape test, not a value test, so it compiles to one graph):
     # Z f(Z^T Z) = f(Z Z^T) Z for any polynomial f, so tokens x tokens works as well as features x features.
     features = x.shape[-1] <= x.shape[-2]

@@ -1,24 +1,20 @@
 """The fused CPU kernel of NS-Attn's transform (``ns_kernel.c``): build on first use, call through ctypes.
 
-Why a kernel: on the CPU the transform's arithmetic is ~2% of a ViT block, but in torch ops it costs a dense copy
-of the attention kernel's strided output, batched GEMMs on 16 x 32 matrices and a transposing copy at head merge.
-The C kernel reads each head matrix once from wherever it lies, does the Gram-space algebra of ``_ns_fast`` in
-cache, and writes the result with the input's strides, so the head merge after it is a free view.
-
-It serves forward passes that need no gradient (eval, ``torch.no_grad`` / ``inference_mode``) on float32 and
-float64 CPU tensors; autograd and other devices use the torch formulation. Building and loading:
-:mod:`attnlab.ops.ckernel`. The kernel is the ``torch.library`` custom op ``attnlab::ns_fused`` (the ctypes call
-inside it) with a fake implementation (shape and strides, for FakeTensor and ``torch.compile``, which traces it
-without a graph break) and a FLOP formula: what ``FlopCounterMode`` counts for the fast path on the same shape, so a
-model counts the same with and without gradient. Without a compiler, or with ``ATTNLAB_KERNELS=0``, ``impl="auto"``
-quietly uses the torch formulation and ``impl="kernel"`` raises :class:`~attnlab.errors.ConfigError` with the
-reason.
+It reads each head matrix once from wherever it lies (the attention kernel's strided output), does the Gram-space
+algebra of ``_ns_fast`` in cache and writes the result with the input's strides, so the head merge after it is a
+free view (why that pays: docs/methods.md, "The fused CPU kernel"). It serves forward passes that need no gradient
+on float32 and float64 CPU tensors; autograd and other devices use the torch formulation. Building and loading:
+:mod:`attnlab.ops.ckernel`. The kernel is the custom op ``attnlab::ns_fused`` with a fake implementation (FakeTensor,
+``torch.compile`` without a graph break) and a FLOP formula: the fast path's count on the same shape. Without a
+compiler, or with ``ATTNLAB_KERNELS=0``, ``impl="auto"`` quietly uses the torch formulation and ``impl="kernel"``
+raises :class:`~attnlab.errors.ConfigError` with the reason.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import math
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
@@ -121,10 +117,7 @@ def _(x, steps, eps, a, b, c):
 @register_flop_formula(torch.ops.attnlab.ns_fused)
 def _flops(x_shape, steps, *args, **kwargs) -> int:
     """The fast path's count on the same shape (:func:`attnlab.ops.ns._ns_fast`): the kernel does its algebra."""
-    matrices = 1
-    for s in x_shape[:-2]:
-        matrices *= s
-    return matrices * _fast_flops(x_shape[-2], x_shape[-1], steps)
+    return math.prod(x_shape[:-2]) * _fast_flops(x_shape[-2], x_shape[-1], steps)
 
 
 @functools.cache

@@ -1,11 +1,9 @@
 """The fused CPU kernel of Performer's FAVOR+ attention (``performer_kernel.c``): build on first use, call through
 ctypes.
 
-Why a kernel: in torch ops each head's FAVOR+ is four (N, D) x (D, M) products around two (N, M) feature matrices
-that are written, reduced, exponentiated and read again, eight passes over 4 MiB per head at N = 4096, M = 256,
-plus a per-element exp at 0.8 ns. The kernel projects R tokens at a time, exponentiates their M features with a
-polynomial exp while they sit in L1, and folds them into phi(k)^T v (keys) or reads them out against it (queries),
-so the feature matrices never exist (measurements: docs/perf.md).
+The kernel projects R tokens at a time, exponentiates their M features with a polynomial exp while they sit in L1,
+and folds them into phi(k)^T v (keys) or reads them out against it (queries), so the (N, M) feature matrices that
+torch ops write and read again never exist (measurements: docs/perf.md).
 
 It serves forward passes that need no gradient on float32 CPU tensors with head dim 16, 32, 48 or 64 and a feature
 count that is a multiple of 16 up to 1024; everything else uses :func:`attnlab.ops.lowrank.performer_attention`,
@@ -116,8 +114,7 @@ def _performer_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projecti
     args = _Args(H=H, N=N, D=D, M=M, wt=wt.data_ptr(), half_norm_scale=0.5 * D ** -0.5, eps=eps)
     for i, t in enumerate(tensors):
         args.ptr[i] = t.data_ptr()
-        for j in range(3):
-            args.stride[i][j] = t.stride(j)
+        args.stride[i][:] = t.stride()[:3]
     ckernel.run_split(lib, fn, (ctypes.byref(args),), B * H)
     out = tensors[-1]
     return out if q.ndim == 4 else out.reshape(q.shape)

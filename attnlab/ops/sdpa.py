@@ -1,10 +1,9 @@
 """``softmax(scale * q k^T + mask) v``: PyTorch's fused SDPA, or the explicit product where that measures faster.
 
 PyTorch's CPU flash kernel streams over key blocks, which wins for long sequences, but its backward is slow for
-the short ones vision models use (65 tokens in ``vit_cifar``, 16 or 49 per Swin window), and very slow in bf16.
-Measured fwd+bwd per call on 2 cores (docs/perf.md, "End-to-end training", the crossover table): explicit /
-fused time 0.72 at N = 65 (fp32) and 0.17 in bf16; at N = 128 they tie in fp32; at N = 256 fused is 2x faster in
-fp32 and even in bf16. So inside :func:`short_sequence_products` (the trainer's and the throughput benchmark's
+the short ones vision models use (65 tokens in ``vit_cifar``, 16 or 49 per Swin window), and very slow in bf16
+(explicit / fused fwd+bwd time 0.72 at N = 65 in fp32, 0.17 in bf16; docs/perf.md, "End-to-end training", has the
+crossover table). So inside :func:`short_sequence_products` (the trainer's and the throughput benchmark's
 steps), CPU passes that need a gradient take the explicit product up to :data:`EXPLICIT_MAX_KEYS` keys; everything
 else (inference, GPUs, long sequences, and any forward outside a training step, so that ``convert(model,
 "standard")`` stays bit-identical to timm) calls SDPA.

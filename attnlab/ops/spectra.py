@@ -24,15 +24,9 @@ __all__ = ["effective_rank", "gram_eigenvalues", "gram_spectrum", "leading_fract
 
 
 def gram_eigenvalues(m: torch.Tensor) -> torch.Tensor:
-    """Eigenvalues lambda of G = M M^T (eq. 6), sorted descending, in float64.
-
-    Args:
-        m: matrices of shape (..., rows, cols), any floating dtype (cast to float64 first).
-
-    Returns:
-        float64 tensor (..., rows): the squared singular values of M (exactly non-negative, more accurate for
-        small eigenvalues than eigvalsh of G), padded with rows - cols zeros when rows > cols.
-    """
+    """Eigenvalues lambda of G = M M^T (eq. 6) for m (..., rows, cols) of any floating dtype: float64 (..., rows),
+    sorted descending, the squared singular values of M (exactly non-negative, more accurate for small eigenvalues
+    than eigvalsh of G), padded with rows - cols zeros when rows > cols."""
     m = m.detach().to(torch.float64)
     lam = torch.linalg.svdvals(m).square()  # (..., min(rows, cols)), descending
     pad = m.shape[-2] - lam.shape[-1]
@@ -42,14 +36,9 @@ def gram_eigenvalues(m: torch.Tensor) -> torch.Tensor:
 
 
 def gram_spectrum(m: torch.Tensor) -> torch.Tensor:
-    """Normalised Gram spectrum p (eq. 7): eigenvalues of M M^T sorted descending, divided by their sum.
-
-    Args:
-        m: matrices of shape (..., rows, cols); pass ``x.mT`` for head outputs x of shape (..., N, D).
-
-    Returns:
-        float64 tensor (..., rows) summing to 1 per matrix; all zeros for a zero matrix (see module docstring).
-    """
+    """Normalised Gram spectrum p (eq. 7): eigenvalues of M M^T sorted descending, divided by their sum; float64
+    (..., rows) summing to 1 per matrix, all zeros for a zero matrix (module docstring). m: (..., rows, cols); pass
+    ``x.mT`` for head outputs x of shape (..., N, D)."""
     lam = gram_eigenvalues(m)
     total = lam.sum(dim=-1, keepdim=True)
     # where(), not an if: a zero matrix gives p = 0 instead of 0/0 = NaN.

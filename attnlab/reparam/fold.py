@@ -48,13 +48,9 @@ def fold(model: nn.Module) -> nn.Module:
 
 
 def _own_class(module: nn.Module) -> None:
-    """Give ``module`` a private copy of its parametrised class before parametrisations are removed.
-
-    parametrize keeps each parametrisation as a property on a class made at registration, and a deep copy shares that
-    class; removing a parametrisation deletes the property from the class, which would break every copy of the model
-    (``fold(copy.deepcopy(model))`` would break ``model``). A private class with the same bases and contents makes the
-    removal touch this module only.
-    """
+    """Give ``module`` a private copy of its parametrised class before parametrisations are removed: parametrize's
+    class (which holds each parametrisation as a property) is shared by deep copies, and removing a property from it
+    would break every copy of the model (``fold(copy.deepcopy(model))`` would break ``model``)."""
     cls = module.__class__
     contents = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
     module.__class__ = type(cls.__name__, cls.__bases__, contents)

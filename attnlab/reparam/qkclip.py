@@ -4,35 +4,21 @@ During every training forward, each attention module records per head h
 
     S_max,h = max over the batch, query i and key j of  (q_h,i . k_h,j) / sqrt(D)
 
-(running maximum since the last optimizer step, so gradient-accumulation micro-batches all count). It is exact for
-every head that could exceed tau; a head whose Cauchy-Schwarz bound max_i ||q_i|| max_j ||k_j|| / sqrt(D) is
-already <= tau records that bound instead (it cannot be clipped, and the exact q k^T costs about 5 % of a CPU
-training step of vit_cifar). The clip is therefore the same as with exact maxima everywhere. After each
-optimizer step, every head with S_max,h > tau is rescaled with gamma_h = tau / S_max,h:
+(running maximum since the last optimizer step, so gradient-accumulation micro-batches all count; exact for every
+head that could exceed tau, the Cauchy-Schwarz bound max_i ||q_i|| max_j ||k_j|| / sqrt(D) <= tau for the others,
+so the clip is the same as with exact maxima everywhere). After each optimizer step, every head with
+S_max,h > tau is rescaled with gamma_h = tau / S_max,h:
 
     W_q,h <- gamma_h^alpha W_q,h,        W_k,h <- gamma_h^(1 - alpha) W_k,h        (defaults tau = 100, alpha = 0.5)
 
 so that the logits the step recorded become exactly tau for that head's worst query-key pair. Heads at or below tau
 are untouched (multiplied by exactly 1.0: bit-identical), W_v is never touched, and the record is reset.
 
-Choices, where the Kimi K2 report leaves room:
-- The logit is q . k / sqrt(D), without Swin's relative-position bias: the rescaling of W_q, W_k can only move that
-  term, as in Kimi's decoder (which has no additive bias). Only allowed positions count: those the forward's mask
-  (causal order, key padding, Swin's shifted-window mask, a caller's attn_mask) lets a real query attend; a padded
-  token is neither a query nor a key of the maximum.
-- ``qkv`` is one fused Linear: head h's W_q rows are rows ``[h*D, (h+1)*D)`` of its q block (the first ``H*D`` rows),
-  W_k rows the same rows of the k block. Their bias entries are scaled with them (Kimi's projections have none):
-  then q_h and k_h scale exactly by gamma^alpha and gamma^(1-alpha), so the recorded maximum lands on tau.
-- The maximum is computed in float32 from the q, k the forward already produced (a forward hook on ``qkv``, under
-  ``torch.no_grad``), so the attention kernel and its fused SDPA path are unchanged; evaluation forwards record
-  nothing. It is taken tile by tile (images, heads, queries, keys; at most :data:`CHUNK_ELEMENTS` float32 elements
-  per intermediate), so neither the (B, H, N, N) logits nor a float32 copy of q and k is ever held.
-  :func:`attnlab.analysis.entropy.max_logits` gives the exact maximum of every head for analysis.
-- Under ``torch.distributed`` the per-rank maxima are all-reduced (MAX) before clipping, so that every rank applies
-  the same factors.
-- Only softmax kernels (``standard``, alone or with ``ns``) are supported: QK-norm after the projection divides out
-  the rescaling, and DnA, Diff and Cog form their logits differently. sigma-Reparam, spectral norm and spectral
-  conditioning re-derive the effective W from a parametrisation, which the row scaling would not pass through exactly.
+Only the positions the forward's mask allows count, and no additive bias (the rescaling can only move q . k). The
+bias entries of the scaled rows of the fused ``qkv`` are scaled with them. The maximum is taken in float32, tile by
+tile (at most :data:`CHUNK_ELEMENTS` elements per intermediate), from a forward hook on ``qkv``; per-rank maxima are
+all-reduced (MAX) under ``torch.distributed``. Only softmax kernels are supported. These choices where the Kimi K2
+report leaves room, with their reasons, and the refused terms: docs/methods.md, "qkclip".
 
 The trainer creates the optimizer after ``convert``; it calls :func:`attach_optimizer_hooks` (a no-op for models
 without ``qkclip``). A custom loop may call :func:`clip_` after each ``optimizer.step()`` instead.
@@ -209,20 +195,6 @@ class QKClip(nn.Module):
         return f"num_heads={self.num_heads}, tau={self.tau:g}, alpha={self.alpha:g}"
 
 
-def _record(attn: nn.Module, qkv: nn.Module, inputs, output: torch.Tensor) -> None:
-    """Forward hook on ``attn.qkv``: fold this forward's per-head max logit into ``attn.qk_clip.max_logit``."""
-    if not attn.training or output.is_meta:  # a meta model (shapes only) has no logits to record
-        return
-    H, D = attn.num_heads, attn.head_dim
-    B, N = output.shape[0], output.shape[1]
-    with torch.no_grad():
-        qk = output.detach()[..., : 2 * H * D].reshape(B, N, 2, H, D)
-        state = attn.qk_clip
-        m = screened_max_logits(qk, attn.scale, state.tau, mask=state.pending_mask)
-        state.pending_mask = None
-        torch.maximum(state.max_logit, m.to(state.max_logit.dtype), out=state.max_logit)
-
-
 def _check(module: nn.Module, index: int) -> None:
     if has_qk_norm(module):
         raise SpecError(
@@ -251,13 +223,24 @@ def apply(model: nn.Module, modules: list[nn.Module], tau: float = 100.0, alpha:
 
 
 class _RecordHook:
-    """Callable forward hook holding its attention module (deep-copies along with it)."""
+    """Forward hook on ``attn.qkv``, holding its attention module (deep-copies along with it)."""
 
     def __init__(self, attn: nn.Module) -> None:
         self.attn = attn
 
-    def __call__(self, qkv, inputs, output):
-        _record(self.attn, qkv, inputs, output)
+    def __call__(self, qkv, inputs, output: torch.Tensor) -> None:
+        """Fold this forward's per-head max logit into ``attn.qk_clip.max_logit``."""
+        attn = self.attn
+        if not attn.training or output.is_meta:  # a meta model (shapes only) has no logits to record
+            return
+        H, D = attn.num_heads, attn.head_dim
+        B, N = output.shape[0], output.shape[1]
+        with torch.no_grad():
+            qk = output.detach()[..., : 2 * H * D].reshape(B, N, 2, H, D)
+            state = attn.qk_clip
+            m = screened_max_logits(qk, attn.scale, state.tau, mask=state.pending_mask)
+            state.pending_mask = None
+            torch.maximum(state.max_logit, m.to(state.max_logit.dtype), out=state.max_logit)
 
 
 class _MaskHook:

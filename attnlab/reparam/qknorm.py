@@ -3,13 +3,11 @@
     q_h = LN_q(x W_q,h^T + b_q,h),   k_h = LN_k(x W_k,h^T + b_k,h),   logits_h = q_h k_h^T / sqrt(D)
 
 One ``LN_q`` and one ``LN_k`` per attention module, over the head dimension D and shared by its heads, as timm's
-``Attention(qk_norm=True)`` builds them: ``timm.layers.LayerNorm(head_dim)`` (eps 1e-6, the ViT's norm layer),
-weight 1 and bias 0 at the start, stored as ``q_norm`` / ``k_norm`` so that a timm checkpoint trained with
-``qk_norm=True`` loads strictly into ``build_model(..., attn="qknorm")`` and back. The norm bounds every logit by
-the norms' own parameters, |logit| <= (sqrt(D) max|g_q| + ||b_q||)(sqrt(D) max|g_k| + ||b_k||) / sqrt(D), whatever
-W_q and W_k are; it also divides out any rescaling of W_q, W_k, which is why ``qkclip+qknorm`` is refused.
-Swin's window attention has no qk_norm option in timm; attnlab gives it the same LayerNorm. With the ``diff``
-kernel the norms are LayerNorm(D / 2), one per half-head, as timm's DiffAttention builds them inside a ViT.
+``Attention(qk_norm=True)`` builds them (``timm.layers.LayerNorm``, eps 1e-6), stored as ``q_norm`` / ``k_norm`` so
+that a timm checkpoint trained with ``qk_norm=True`` loads strictly into ``build_model(..., attn="qknorm")``. The
+norm bounds every logit by the norms' own parameters, |logit| <= (sqrt(D) max|g_q| + ||b_q||)(sqrt(D) max|g_k| +
+||b_k||) / sqrt(D), whatever W_q and W_k are, and divides out any rescaling of them (why ``qkclip+qknorm`` is
+refused). Swin and ``diff`` (LayerNorm of D / 2 per half-head): docs/methods.md, "qknorm".
 """
 
 from __future__ import annotations

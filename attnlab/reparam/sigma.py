@@ -15,21 +15,17 @@ picks sigma there:
     stored   (default)  v = W u / ||W u||,  sigma = ||W u||           (the stored u, one product)
     refresh  (authors') v = W u / ||W u||,  sigma = ||W^T v||         (one more power-iteration step, not saved)
 
-Both are at most sigma_max and agree once u has converged; ``refresh`` is the larger (closer) of the two while it has
-not (||W^T W u|| >= ||W u||^2 for a unit u). u starts at the exact top right singular vector (one float64 eigh at
-conversion), so both are exact at step 0 and one iteration per step tracks the slowly moving weights.
+Both are at most sigma_max and agree once u has converged (why ``stored`` is the default: docs/methods.md,
+"sigma-Reparam"). u starts at the exact top right singular vector (one float64 eigh at conversion), so both are exact
+at step 0. ``gamma_init="sigma"`` (default) sets gamma = sigma(W0), so W_hat = W at step 0 and converting a model
+changes none of its outputs (the authors' vision code); a number (the note's literal ``gamma = 1``) sets gamma to it.
 
-``gamma_init="sigma"`` (default) sets gamma = sigma(W0), so W_hat = W at step 0 and converting a model changes none
-of its outputs (the authors' vision code); a number (the note's literal ``gamma = 1``) sets gamma to it.
-
-Speed: W_hat = W * (gamma / sigma) is one elementwise pass over W (the activations are never touched: scaling the
-output y = (x W^T) * (gamma / sigma) instead would cost a pass over (B, N, out), thousands of times larger). The
-backward is written out (:class:`_ScaleBySigma`) so that autograd adds two passes over W, not five:
+W_hat = W * (gamma / sigma) is one elementwise pass over W, never over the activations; the backward is written out
+(:class:`_ScaleBySigma`) so that autograd adds two passes over W, not five:
 
     dL/dW = (gamma / sigma) G - (gamma / sigma^2) <G, W> v u^T,   dL/dgamma = <G, W> / sigma,   G = dL/dW_hat
 
-At inference :func:`attnlab.fold` evaluates W_hat once and drops the parametrisation, so a folded layer costs exactly
-what a plain one does.
+At inference :func:`attnlab.fold` evaluates W_hat once and drops the parametrisation.
 """
 
 from __future__ import annotations
@@ -197,15 +193,12 @@ def _targets(model: nn.Module, modules: list[nn.Module], targets: str) -> list[n
 
 
 def _register(layers: Iterable[nn.Module], gamma_init: float | str, learn_gamma: bool,
-              estimate: str = "stored") -> int:
-    count = 0
+              estimate: str = "stored") -> None:
     for layer in layers:
         # initialise from the effective weight, so this composes after another parametrisation (e.g. speccond)
         # unsafe=True skips parametrize's trial forward, which in training mode would move u once
         parametrize.register_parametrization(layer, "weight", SigmaReparam(layer.weight, gamma_init, learn_gamma,
                                                                             estimate), unsafe=True)
-        count += 1
-    return count
 
 
 def apply_sigma(model: nn.Module, modules: list[nn.Module], gamma_init: float | str = "sigma",

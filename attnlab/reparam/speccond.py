@@ -11,11 +11,10 @@ Corrected Theorem 3.8: for A in R^{m x n} with sigma_min(A) < 0.4 and sigma_max(
 (condition (1); or the rebuttal's condition (2)) then kappa(A + lam I_k) < kappa(A). Proof sketch (Weyl):
 kappa(A + lam I_k) <= (sigma_max + lam) / (lam - sigma_max) < 1 + 2 sigma_max < sigma_max / sigma_min = kappa(A).
 
-Default ``lam=auto`` (see docs/methods.md for why not 10, the only value reported, by a third-party summary and
-unverified: at 10 the softmax saturates at initialisation in small models). ``lam=auto`` takes
-the smallest value condition (1) allows on the initial weights: lam = max over conditioned blocks of
-sigma_max(A) + 1, plus a margin of 1e-3 (so the inequality is strict). The chosen value is stored in each
-parametrisation's state (``lam``), so a saved model reloads with the same lam whatever the new model's weights.
+Default ``lam=auto``: the smallest value condition (1) allows on the initial weights, lam = max over conditioned
+blocks of sigma_max(A) + 1, plus a margin of 1e-3 (so the inequality is strict), stored in each parametrisation's
+state (``lam``) so that a saved model reloads with its own lam. Why not 10, the only value on record (a third-party
+summary, unverified; it saturates the softmax of small models at initialisation): docs/methods.md, "speccond".
 
 The effective weight is one fused kernel, ``torch.addcmul(W, I_k, lam)``; its backward passes the gradient through
 unchanged, so training costs one extra pass over each conditioned weight per forward.
@@ -38,9 +37,8 @@ def identity_blocks(shape: tuple[int, int], blocks: int = 1, dtype=None, device=
     rows, cols = shape
     if rows % blocks:
         raise ValueError(f"{rows} rows do not split into {blocks} equal blocks")
-    m = rows // blocks
-    eye = torch.eye(m, cols, dtype=dtype, device=device)  # ones on the main min(m, n) diagonal
-    return eye.repeat(blocks, 1)
+    # torch.eye(m, n) has its ones on the main min(m, n) diagonal
+    return torch.eye(rows // blocks, cols, dtype=dtype, device=device).repeat(blocks, 1)
 
 
 class SpectralConditioning(nn.Module):
@@ -116,11 +114,8 @@ def apply_speccond(model: nn.Module, modules: list[nn.Module], lam: float | str 
 
 def condition_numbers(weight: torch.Tensor, blocks: int = 1) -> torch.Tensor:
     """kappa = sigma_max / sigma_min (over the min(m, n) singular values) of each row block, in float64."""
-    out = []
-    for block in _blocks_of(weight, blocks):
-        s = torch.linalg.svdvals(block.double())
-        out.append(s[0] / s[-1])
-    return torch.stack(out)
+    singular_values = [torch.linalg.svdvals(block.double()) for block in _blocks_of(weight, blocks)]
+    return torch.stack([s[0] / s[-1] for s in singular_values])
 
 
 __all__ = ["AUTO_MARGIN", "SpectralConditioning", "apply_speccond", "auto_lam", "condition_numbers",
