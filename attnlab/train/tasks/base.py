@@ -74,14 +74,26 @@ class Task:
         as when a checkpoint replaces them)."""
         from attnlab import models  # looked up at call time, so that a test can wrap build_model
 
+        return models.build_model(self.cfg.model, attn=self.run.spec, norm=self.cfg.norm,
+                                  **self.model_kwargs(pretrained))
+
+    def model_kwargs(self, pretrained: bool) -> dict[str, Any]:
+        """The model's keyword arguments: sized for the dataset, then pretrained, drop-path and model options."""
         cfg = self.cfg
         kwargs = dict(self.run.info.model_kwargs())
         if pretrained and (cfg.pretrained or cfg.pretrained_file):
             kwargs.update(pretrained=True, pretrained_file=cfg.pretrained_file)
         if cfg.drop_path is not None:
             kwargs["drop_path_rate"] = cfg.drop_path
-        kwargs.update(cfg.model_options)
-        return models.build_model(cfg.model, attn=self.run.spec, norm=cfg.norm, **kwargs)
+        return {**kwargs, **cfg.model_options}
+
+    def _split(self, train: bool):
+        """The dataset's train or evaluation split (augmented as configured when training)."""
+        from attnlab.data import build_dataset
+
+        cfg = self.cfg
+        return build_dataset(cfg.dataset, train, data_dir=cfg.data_dir, download=cfg.download,
+                             augment=cfg.augment if train else "none", **cfg.data_options)
 
     # ---- training ----------------------------------------------------------------------------------------------
     def train_data(self, batch_size: int, device: torch.device) -> TrainData:  # pragma: no cover - abstract

@@ -158,13 +158,6 @@ class Classification(Task):
         cfg = self.cfg
         return ("data", cfg.dataset, cfg.data_dir, cfg.download, cfg.augment, repr(sorted(cfg.data_options.items())))
 
-    def _split(self, train: bool):
-        from attnlab.data import build_dataset
-
-        cfg = self.cfg
-        return build_dataset(cfg.dataset, train, data_dir=cfg.data_dir, download=cfg.download,
-                             augment=cfg.augment if train else "none", **cfg.data_options)
-
     def prepare_eval(self) -> None:
         self.test_set()
 

@@ -63,13 +63,6 @@ class Detection(Task):
         super().__init__(run)
         self._val = None
 
-    def _split(self, train: bool):
-        from attnlab.data import build_dataset
-
-        cfg = self.cfg
-        return build_dataset(cfg.dataset, train, data_dir=cfg.data_dir, download=cfg.download,
-                             augment=cfg.augment if train else "none", **cfg.data_options)
-
     def val_set(self):
         if self._val is None:
             self._val = self._split(False)
@@ -97,15 +90,9 @@ class Detection(Task):
         by the dataset (categories, canvas); any other model is one line saying what the task takes."""
         from attnlab import models
 
-        cfg = self.cfg
-        kwargs = dict(self.run.info.model_kwargs())
-        if pretrained and (cfg.pretrained or cfg.pretrained_file):
-            kwargs.update(pretrained=True, pretrained_file=cfg.pretrained_file)
-        if cfg.drop_path is not None:
-            kwargs["drop_path_rate"] = cfg.drop_path
-        kwargs.update(cfg.model_options)
+        kwargs = self.model_kwargs(pretrained)
         kwargs.setdefault("masks", self._data_masks())
-        return models.build_detector(cfg.model, attn=self.run.spec, norm=cfg.norm, **kwargs)
+        return models.build_detector(self.cfg.model, attn=self.run.spec, norm=self.cfg.norm, **kwargs)
 
     def _data_masks(self) -> bool:
         from attnlab.data.registry import resolve_options
