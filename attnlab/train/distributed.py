@@ -64,11 +64,6 @@ _current = SINGLE
 _in_steps = False  # inside a region where other collectives (DDP's) may be pending: no agree() there
 
 
-def current() -> Ranks:
-    """The ranks of the running session (one process outside torchrun)."""
-    return _current
-
-
 def env_ranks() -> Ranks:
     """The ranks torchrun's environment gives this process (one process without torchrun)."""
     try:
@@ -97,16 +92,14 @@ def session(device: torch.device) -> Iterator[Ranks]:
     """
     global _current
     ranks = env_ranks()
-    if dist.is_available() and dist.is_initialized():
+    joined = dist.is_available() and dist.is_initialized()
+    owned = ranks.distributed and not joined
+    if joined:
         ranks = Ranks(dist.get_world_size(), dist.get_rank(), ranks.local_rank)
-        owned = False
-    elif ranks.distributed:
+    elif owned:
         if device.type == "cuda":
             torch.cuda.set_device(rank_device(device, ranks))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        owned = True
-    else:
-        owned = False
     previous, _current = _current, ranks
     try:
         yield ranks
@@ -119,16 +112,6 @@ def session(device: torch.device) -> Iterator[Ranks]:
 def rank_seed(seed: int, epoch: int, rank: int) -> int:
     """Seed of rank ``rank``'s random streams in epoch ``epoch`` (augmentation, mixing, drop-path)."""
     return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
-
-
-def seed_rank(seed: int, epoch: int, rank: int) -> None:
-    """Seed python's, numpy's and torch's global streams (all devices) from (seed, epoch, rank)."""
-    import random
-
-    s = rank_seed(seed, epoch, rank)
-    random.seed(s)
-    np.random.seed(s % 2**32)
-    torch.manual_seed(s)
 
 
 class ShardedSampler(Sampler[int]):

@@ -325,21 +325,14 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
                    + (f", resuming after epoch {start_epoch}" if start_epoch else ""))
 
     probes: list[dict[str, Any]] = []
-    after_step = []
-    if ema is not None:
-        after_step.append(lambda step: ema.update(model, step=step))  # timm's decay is 0 at step 1: a copy
-    if cfg.probe_every > 0 and main:
-        probe_inputs = task.inputs(cfg.probe_images).to(device)
-
-        def run_probe(step: int) -> None:
-            if step % cfg.probe_every == 0:
-                probes.append({"step": step, **probe(model, probe_inputs)})
-                model.train()
-        after_step.append(run_probe)
+    probe_inputs = task.inputs(cfg.probe_images).to(device) if cfg.probe_every > 0 and main else None
 
     def on_step(step: int) -> None:
-        for fn in after_step:
-            fn(step)
+        if ema is not None:
+            ema.update(model, step=step)  # timm's decay is 0 at step 1: a copy
+        if probe_inputs is not None and step % cfg.probe_every == 0:
+            probes.append({"step": step, **probe(model, probe_inputs)})
+            model.train()
 
     if task.eval_at_init and found is None and main:  # the loss at initialisation (LR sensitivity), eager
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -351,14 +344,14 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
         epoch_start = time.perf_counter()
         probes.clear()
         if ranks.distributed:  # augmentation, mixing and drop-path: each rank its own streams
-            distributed.seed_rank(cfg.seed, epoch, ranks.rank)
+            seed_everything(distributed.rank_seed(cfg.seed, epoch, ranks.rank))
         steps = min(per_epoch, total - (epoch - 1) * per_epoch)
         with distributed.steps():
             sums, num_updates = train_one_epoch(
                 forward, data.batches(epoch), optimizer, scheduler, task.loss, steps=steps, device=device,
                 amp_dtype=amp_dtype, epoch=epoch, epochs=epochs, num_updates=num_updates, clip_grad=cfg.clip_grad,
-                log_every=cfg.log_every, progress=progress, on_step=on_step if after_step else None,
-                cudagraphs=cudagraphs, accum=cfg.grad_accum, describe=task.train_stats)
+                log_every=cfg.log_every, progress=progress, cudagraphs=cudagraphs, accum=cfg.grad_accum,
+                on_step=on_step if ema is not None or probe_inputs is not None else None, describe=task.train_stats)
         if not main:
             distributed.agree(None)  # while rank 0 evaluates and writes the epoch
             continue
