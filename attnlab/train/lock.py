@@ -17,6 +17,7 @@ lock.
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import re
 import secrets
@@ -69,17 +70,13 @@ def _stale(name: str, target: str | None = None) -> bool:
 def remove_stale(run_dir: Path) -> None:
     """Remove the temporary files in ``run_dir``, and the temporary directories of ``create_dir_with`` beside
     it, that processes which have ended left behind."""
-    for path in (*run_dir.iterdir(), *run_dir.parent.glob(f".{glob_escape(run_dir.name)}.*.tmp")):
+    for path in (*run_dir.iterdir(), *run_dir.parent.glob(f".{glob.escape(run_dir.name)}.*.tmp")):
         if not _stale(path.name, None if path.parent == run_dir else run_dir.name):
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-
-
-def glob_escape(name: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 def _holder(lock_file: Path) -> str:
