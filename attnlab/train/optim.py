@@ -135,32 +135,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int, warmu
         return MultiStepLRScheduler(optimizer, decay_t=[round(f * total_steps) for f in STEP_MILESTONES],
                                     decay_rate=0.1, warmup_t=warmup_t, warmup_lr_init=warmup_lr,
                                     warmup_prefix=False, t_in_epochs=False)
-    t_initial = max(total_steps - warmup_t, 1)
     # One step left after warm-up (a 1-epoch run whose warm-up fills it, or a 1-step run) is a cosine of one step:
     # timm warns that it "will have no effect", which is what the schedule above means, so that warning alone is
     # dropped, and only while this scheduler is built.
-    quiet = _DropNoEffect() if t_initial == 1 else None
     logger = logging.getLogger(CosineLRScheduler.__module__)
-    if quiet:
-        logger.addFilter(quiet)
-    try:
-        return CosineLRScheduler(
-            optimizer,
-            t_initial=t_initial,
-            lr_min=min_lr,
-            warmup_t=warmup_t,
-            warmup_lr_init=warmup_lr,
-            warmup_prefix=True,  # cosine starts at the peak once warm-up ends ("warm-up followed by cosine decay")
-            t_in_epochs=False,
-        )
+    quiet = lambda record: "will have no effect" not in record.getMessage()  # noqa: E731
+    logger.addFilter(quiet)
+    try:  # warmup_prefix: the cosine starts at the peak once warm-up ends ("warm-up followed by cosine decay")
+        return CosineLRScheduler(optimizer, t_initial=max(total_steps - warmup_t, 1), lr_min=min_lr,
+                                 warmup_t=warmup_t, warmup_lr_init=warmup_lr, warmup_prefix=True, t_in_epochs=False)
     finally:
-        if quiet:
-            logger.removeFilter(quiet)
-
-
-class _DropNoEffect(logging.Filter):
-    """Drops timm's "Cosine annealing scheduler will have no effect" warning (see :func:`build_scheduler`)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "will have no effect" not in record.getMessage()
-
+        logger.removeFilter(quiet)
