@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
-from attnlab.errors import AttnlabError
+from attnlab.errors import AttnlabError, ConfigError
 
 from .files import PREV_STATE, PREV_WEIGHTS, STATE, WEIGHTS
 from .lock import RunLock, temp_name
@@ -53,11 +53,6 @@ class NoIntactCheckpoint(CheckpointError):
     """Checkpoint files, none of them usable; ``why`` names each file and its fault."""
 
     why = ""
-
-    @property
-    def afresh(self) -> str:
-        """Training's one line when it starts such a run afresh."""
-        return f"no intact checkpoint ({self.why}); starting the run afresh, replacing its checkpoint files."
 
 
 def _no_intact(run_dir: Path, skipped: dict[str, str], what: str) -> NoIntactCheckpoint:
@@ -102,10 +97,7 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as err:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        tmp.unlink(missing_ok=True)
         if isinstance(err, OSError) and err.filename is None:
             raise OSError(err.errno, err.strerror, str(path)) from err
         raise
@@ -132,8 +124,6 @@ def create_dir_with(path: str | Path, files: dict[str, bytes], lock: RunLock | N
 
     A run's own ``lock``, not yet held, that finds ``path`` existing is a ConfigError: another process made it
     after the run began (which took the lock of a directory that existed then) and decided to train afresh."""
-    from attnlab.errors import ConfigError
-
     path = Path(path)
     own = lock is None
     lock = RunLock(path) if own else lock
@@ -310,26 +300,34 @@ def _reason(err: Exception) -> str:
     return str(err) if isinstance(err, _Unusable) else f"unreadable ({type(err).__name__})"
 
 
-def _open_weights(path: Path):
-    from attnlab.models.pretrained import open_safetensors
-
-    return open_safetensors(path)
-
-
 def _weights_meta(path: Path) -> tuple[int, str]:
     """(epoch, save id) from a weights file's header."""
-    with _open_weights(path) as f:
+    from attnlab.models.pretrained import open_safetensors
+
+    with open_safetensors(path) as f:
         meta = f.metadata() or {}
     epoch = int(meta["epoch"])
     return epoch, meta.get("save_id", f"epoch {epoch}")
 
 
+def _heads(run_dir: Path, skipped: dict[str, str]) -> list[tuple[int, str, str]]:
+    """(epoch, save id, file) of each weights file whose header reads; why the others do not into ``skipped``."""
+    heads = []
+    for name in (WEIGHTS, PREV_WEIGHTS):
+        if (run_dir / name).exists():
+            try:
+                heads.append((*_weights_meta(run_dir / name), name))
+            except Exception as err:  # noqa: BLE001 -- a damaged file fails in its reader's own way
+                skipped[name] = _reason(err)
+    return heads
+
+
 def _read_weights(path: Path, map_location, model: nn.Module | None) -> dict[str, torch.Tensor]:
     """The tensors of a weights file, its names and shapes checked against ``model``'s from the header first, then
     its content against the sha256 in its metadata (files without one are older and unchecked)."""
-    from attnlab.models.pretrained import mismatch, safetensors_header, shapes
+    from attnlab.models.pretrained import mismatch, open_safetensors, safetensors_header, shapes
 
-    with _open_weights(path) as f:
+    with open_safetensors(path) as f:
         meta = f.metadata() or {}
         if model is not None:
             why = mismatch(shapes(model.state_dict()), {k: s for k, (_, s) in safetensors_header(f).items()},
@@ -372,14 +370,7 @@ def find_checkpoint(run_dir: str | Path, map_location: str | torch.device = "cpu
     CheckpointError) if there are checkpoint files but no intact pair."""
     run_dir = Path(run_dir)
     skipped: dict[str, str] = {}
-    heads: list[tuple[int, str, str]] = []  # (epoch, save id, weights file)
-    for name in (WEIGHTS, PREV_WEIGHTS):
-        if not (run_dir / name).exists():
-            continue
-        try:
-            heads.append((*_weights_meta(run_dir / name), name))
-        except Exception as err:  # noqa: BLE001 -- a damaged file fails in its reader's own way
-            skipped[name] = _reason(err)
+    heads = _heads(run_dir, skipped)
     states: dict[str, tuple[str, dict[str, Any]]] = {}  # save id -> (state file, state)
     for name in (STATE, PREV_STATE):
         if not (run_dir / name).exists():
@@ -413,7 +404,7 @@ def resume_point(run_dir: str | Path, model: nn.Module | None = None, state_keys
     try:
         found = find_checkpoint(run_dir, "cpu", model=model, state_keys=state_keys)
     except NoIntactCheckpoint as err:
-        return None, err.afresh
+        return None, f"no intact checkpoint ({err.why}); starting the run afresh, replacing its checkpoint files."
     return found, found.note if found is not None else None
 
 
@@ -424,15 +415,8 @@ def find_weights(run_dir: str | Path, map_location: str | torch.device = "cpu", 
     NoIntactCheckpoint when none of its weights files is intact."""
     run_dir = Path(run_dir)
     skipped: dict[str, str] = {}
-    heads: list[tuple[int, str]] = []
-    for name in (WEIGHTS, PREV_WEIGHTS):
-        if not (run_dir / name).exists():
-            continue
-        try:
-            heads.append((_weights_meta(run_dir / name)[0], name))
-        except Exception as err:  # noqa: BLE001
-            skipped[name] = _reason(err)
-    for epoch, name in sorted(heads, reverse=True):
+    heads = _heads(run_dir, skipped)
+    for epoch, name in sorted(((epoch, name) for epoch, _, name in heads), reverse=True):
         try:
             return Checkpoint(epoch, (name,), _read_weights(run_dir / name, map_location, model), {}, skipped)
         except Exception as err:  # noqa: BLE001
