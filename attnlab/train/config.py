@@ -274,11 +274,7 @@ def type_words(key: str) -> str:
 
 def coerce(key: str, value: Any) -> Any:
     """``value`` (YAML or command-line text) converted to config key ``key``'s type, or ConfigError."""
-    return _coerce(key, value, _field_types()[key])
-
-
-def _coerce(key: str, value: Any, typ: Any) -> Any:
-    """Convert a YAML or command-line value to the field's type, or raise ConfigError."""
+    typ = _field_types()[key]
     args = typing.get_args(typ)
     if typing.get_origin(typ) in (typing.Union, types.UnionType):
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
@@ -334,7 +330,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"config key '{key}' is {getattr(cfg, key)!r}, but it must be one of {', '.join(allowed)}.")
     if cfg.threads is not None and cfg.threads < 1:
         raise ConfigError(f"config key 'threads' is {cfg.threads}, but it must be at least 1 (or null for torch's default).")
-    for key in ("epochs", "batch_size", "repeated_aug", "log_every", "probe_images"):
+    for key in ("epochs", "batch_size", "repeated_aug", "log_every", "probe_images", "eval_iters", "grad_accum"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"config key '{key}' is {getattr(cfg, key)}, but it must be at least 1.")
     for key in ("lr", "weight_decay", "warmup_epochs", "warmup_lr", "min_lr", "mixup", "cutmix", "num_workers",
@@ -362,10 +358,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if not 0.0 <= cfg.ema_decay < 1.0:
         raise ConfigError(f"config key 'ema_decay' is {cfg.ema_decay}, but it must lie in [0, 1) (0.9998 averages "
                           "about the last 5,000 steps).")
-    if cfg.block_size is not None and cfg.block_size < 1:
-        raise ConfigError(f"config key 'block_size' is {cfg.block_size}, but it must be at least 1 (or null).")
-    if cfg.eval_iters < 1:
-        raise ConfigError(f"config key 'eval_iters' is {cfg.eval_iters}, but it must be at least 1.")
     if not 0.0 <= cfg.z_loss < 1.0:
         raise ConfigError(f"config key 'z_loss' is {cfg.z_loss}, but it must lie in [0, 1) (Wortsman et al.: 1e-4).")
     if not 0.0 < cfg.beta2 < 1.0:
@@ -376,12 +368,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.clip_grad is not None and not cfg.clip_grad > 0:
         raise ConfigError(f"config key 'clip_grad' is {cfg.clip_grad}, but it must be positive (or null for no "
                           "clipping).")
-    for key in ("max_steps", "eval_every", "warmup_steps"):
-        if getattr(cfg, key) is not None and getattr(cfg, key) < 1 - (key == "warmup_steps"):
-            raise ConfigError(f"config key '{key}' is {getattr(cfg, key)}, but it must be at least "
-                              f"{1 - (key == 'warmup_steps')} (or null).")
-    if cfg.grad_accum < 1:
-        raise ConfigError(f"config key 'grad_accum' is {cfg.grad_accum}, but it must be at least 1.")
+    for key, least in (("max_steps", 1), ("eval_every", 1), ("warmup_steps", 0), ("block_size", 1)):
+        if getattr(cfg, key) is not None and getattr(cfg, key) < least:
+            raise ConfigError(f"config key '{key}' is {getattr(cfg, key)}, but it must be at least {least} "
+                              "(or null).")
     if cfg.batch_size % cfg.grad_accum:
         raise ConfigError(f"batch_size {cfg.batch_size} must split evenly into grad_accum={cfg.grad_accum} "
                           f"micro-batches; use a multiple of {cfg.grad_accum}.")
@@ -423,8 +413,7 @@ def make_config(base: TrainConfig | str | None = None, **overrides: Any) -> Trai
     if unknown:
         raise ConfigError(f"unknown config key {unknown[0]!r}{did_you_mean(unknown[0], valid)}; valid keys are: "
                           f"{', '.join(valid)}.")
-    if "recipe" in overrides:
-        base = overrides["recipe"]
+    base = overrides.get("recipe", base)
     if base is None:
         base = "ns_cifar"
     if isinstance(base, str):
@@ -432,8 +421,7 @@ def make_config(base: TrainConfig | str | None = None, **overrides: Any) -> Trai
             raise ConfigError(f"unknown recipe {base!r}{did_you_mean(base, RECIPES)}; valid recipes are: "
                               f"{', '.join(RECIPES)}.")
         base = RECIPES[base]
-    hints = _field_types()
-    values = {k: _coerce(k, v, hints[k]) for k, v in overrides.items()}
+    values = {k: coerce(k, v) for k, v in overrides.items()}
     return validate(dataclasses.replace(base, **values))
 
 
