@@ -200,11 +200,8 @@ class Run:
                 return
             raise
         except Exception as err:  # noqa: BLE001 - timm and torch raise what they raise for a shape
-            given = f" with model options {self.cfg.model_options}" if self.cfg.model_options else ""
-            reason = " ".join(str(err).split()) or type(err).__name__
-            raise ConfigError(f"model {self.cfg.model}{given} cannot be built for dataset {self.cfg.dataset}: it "
-                              f"does not take the dataset's inputs ({type(err).__name__}: {reason[:200]}); check "
-                              f"the options against the data (image size, channels, length).") from None
+            raise self._cannot_build(err, ": it does not take the dataset's inputs",
+                                     "the data (image size, channels, length)") from None
 
     def check_same_config(self) -> None:
         saved = yaml.safe_load((self.dir / CONFIG).read_text()) or {}
@@ -228,11 +225,14 @@ class Run:
         except Exception as err:  # noqa: BLE001 - timm and torch raise what they raise for a geometry
             if not self.cfg.model_options and not checking:
                 raise
-            reason = " ".join(str(err).split()) or type(err).__name__
-            given = f" with model options {self.cfg.model_options}" if self.cfg.model_options else ""
-            raise ConfigError(f"model {self.cfg.model}{given} cannot be built for dataset {self.cfg.dataset} "
-                              f"({type(err).__name__}: {reason[:200]}); check the options against the model's "
-                              f"constructor.") from None
+            raise self._cannot_build(err, "", "the model's constructor") from None
+
+    def _cannot_build(self, err: Exception, why: str, check: str) -> ConfigError:
+        """One line for a model that the run's options (or data) make fail, naming the options given."""
+        given = f" with model options {self.cfg.model_options}" if self.cfg.model_options else ""
+        reason = " ".join(str(err).split()) or type(err).__name__
+        return ConfigError(f"model {self.cfg.model}{given} cannot be built for dataset {self.cfg.dataset}{why} "
+                           f"({type(err).__name__}: {reason[:200]}); check the options against {check}.")
 
     # ---- reading a run on disk ---------------------------------------------------------------------------------
     @classmethod
@@ -276,26 +276,19 @@ class Run:
         note = found.fallback("using")  # analysis and eval read a run too: say which epoch they measure
         if note:
             print(f"{self.name}: {note}", file=sys.stderr, flush=True)
-        missing, unexpected = _key_mismatch(model, found.weights)
-        if missing or unexpected:
-            what = (f"missing {', '.join(missing[:3])}" if missing else "") + \
-                   ("; " if missing and unexpected else "") + \
-                   (f"unexpected {', '.join(unexpected[:3])}" if unexpected else "")
+        own, theirs = set(model.state_dict()), set(found.weights)
+        what = "; ".join(f"{word} {', '.join(sorted(keys)[:3])}" for word, keys in
+                         (("missing", own - theirs), ("unexpected", theirs - own)) if keys)
+        if not what:
+            try:
+                model.load_state_dict(found.weights)
+            except RuntimeError as err:  # same keys, other shapes
+                what = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))[:200]
+        if what:
             raise ConfigError(f"the checkpoint of {self.dir} does not fit the model its {CONFIG} describes "
                               f"({what}); was config.yaml edited or replaced?")
-        try:
-            model.load_state_dict(found.weights)
-        except RuntimeError as err:  # same keys, other shapes
-            first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
-            raise ConfigError(f"the checkpoint of {self.dir} does not fit the model its {CONFIG} describes "
-                              f"({first[:200]}); was config.yaml edited or replaced?") from None
         # built on the CPU and then moved, as training does: sigma's set-up calls .item(), which meta cannot
         return model.to(map_location).eval()
-
-
-def _key_mismatch(model: nn.Module, weights: dict) -> tuple[list[str], list[str]]:
-    own = set(model.state_dict())
-    return sorted(own - set(weights)), sorted(set(weights) - own)
 
 
 def run_dir_of(cfg: TrainConfig) -> Path:
