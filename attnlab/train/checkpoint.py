@@ -1,25 +1,18 @@
-"""Atomic files, checkpoints and RNG state of a run directory.
+"""Atomic files, checkpoints and RNG state of a run directory (layout and guarantees: docs/training.md, "Run
+directory").
 
-A run directory keeps the checkpoints of its last two completed epochs, each a pair of files:
-``checkpoint.safetensors`` (model weights) + ``trainer_state.pt`` (optimizer, scheduler, sampler and RNG states,
-epoch, metrics history) for the latest epoch, ``checkpoint.prev.safetensors`` + ``trainer_state.prev.pt`` for the
-one before. Both files of a pair record the epoch and a random save id (the weights in their metadata); a pair is
-intact when both files read, their ids match and each matches the sha256 it records of its own content
-(:func:`content_sha256`: the weights' tensors, epoch and save id in their metadata; every value of the trainer
-state in it), so weights and state of different saves are never mixed and damage that still parses is noticed.
-Resuming takes the newest intact pair wherever its two files lie (a kill in the middle of the rotation leaves
-one of them renamed), so an unusable latest checkpoint falls back to the previous one. Readers of a run's weights
-(:func:`find_weights`: ``eval``, ``export``, ``analyze``) never read the trainer state. Files written before
-checksums existed carry none and are read unchecked.
-
-Every file is written to a temporary file in the same directory, flushed and fsynced, then moved over the old
-one with ``os.replace``: a crash at any moment leaves either the old or the new file, never a torn one. Files
-are created with mode 0666 and directories with 0777, both less the user's umask, like any other program's.
-One process writes a run directory at a time (:mod:`attnlab.train.lock`).
+The last two completed epochs are kept, each a pair of weights (``checkpoint[.prev].safetensors``) and trainer
+state (``trainer_state[.prev].pt``). Both files of a save record its epoch, a random save id and the sha256 of their
+own content (:func:`content_sha256`), so a pair is never mixed from two saves and damage that still parses is
+noticed; resuming takes the newest intact pair wherever its files lie (a kill mid-rotation leaves one renamed).
+Readers of a run's weights (:func:`find_weights`) never read the trainer state. Every file is written to a
+same-directory temporary file, fsynced, then moved over the old one with ``os.replace``: a crash leaves the old or
+the new file, never a torn one. One process writes a run directory at a time (:mod:`attnlab.train.lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -70,9 +63,8 @@ def _fsync_dir(path: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
 
@@ -118,12 +110,10 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 def create_dir_with(path: str | Path, files: dict[str, bytes], lock: RunLock | None = None) -> None:
     """Create directory ``path`` holding ``files`` (name -> bytes) in one rename, so that it never exists without
-    them, locked by ``lock`` (its :class:`~attnlab.train.lock.RunLock`) before it appears; if ``path`` already
-    exists the files are written into it, each atomically, once the lock is held. Raises RunLockedError when
-    another process holds it. Without ``lock``, one is taken for the call.
-
-    A run's own ``lock``, not yet held, that finds ``path`` existing is a ConfigError: another process made it
-    after the run began (which took the lock of a directory that existed then) and decided to train afresh."""
+    them, locked by ``lock`` (a :class:`~attnlab.train.lock.RunLock`; without one, one is taken for the call) before
+    it appears; an existing ``path`` gets the files written into it, each atomically, once the lock is held
+    (RunLockedError if another process holds it). A run's own ``lock``, not yet held, that finds ``path`` existing
+    is a ConfigError: another process made it after the run began and decided to train afresh."""
     path = Path(path)
     own = lock is None
     lock = RunLock(path) if own else lock
@@ -233,12 +223,10 @@ def save_checkpoint(run_dir: str | Path, model: nn.Module, state: dict[str, Any]
                     previous: tuple[str, str] | None = (WEIGHTS, STATE)) -> None:
     """Write the checkpoint of epoch ``state["epoch"]`` as the latest pair, keeping ``previous`` as the previous pair.
 
-    ``previous`` names the files (weights, state) of the intact pair to keep, by default the current latest pair
-    (files that do not exist are skipped); they are renamed to the previous pair's names, then the new weights and
-    state are written, each atomically. ``None`` keeps no previous pair. The epoch and a fresh save id go into
-    both files, and each records the sha256 of its own content (:func:`content_sha256`), so that a kill between
-    any two of these steps leaves an intact pair for :func:`find_checkpoint` and never a mixed one, and damage is
-    noticed on reading.
+    ``previous`` names the files (weights, state) of the intact pair to keep (default: the latest pair; missing
+    files are skipped; ``None`` keeps none); they are renamed to the previous pair's names, then the new files are
+    written, each atomically, with the epoch, a fresh save id and their sha256, so that a kill between any two of
+    these steps leaves an intact pair for :func:`find_checkpoint` and never a mixed one.
     """
     run_dir = Path(run_dir)
     epoch = int(state["epoch"])
@@ -300,11 +288,15 @@ def _reason(err: Exception) -> str:
     return str(err) if isinstance(err, _Unusable) else f"unreadable ({type(err).__name__})"
 
 
-def _weights_meta(path: Path) -> tuple[int, str]:
-    """(epoch, save id) from a weights file's header."""
+def _open_weights(path: Path):
     from attnlab.models.pretrained import open_safetensors
 
-    with open_safetensors(path) as f:
+    return open_safetensors(path)
+
+
+def _weights_meta(path: Path) -> tuple[int, str]:
+    """(epoch, save id) from a weights file's header."""
+    with _open_weights(path) as f:
         meta = f.metadata() or {}
     epoch = int(meta["epoch"])
     return epoch, meta.get("save_id", f"epoch {epoch}")
@@ -325,9 +317,9 @@ def _heads(run_dir: Path, skipped: dict[str, str]) -> list[tuple[int, str, str]]
 def _read_weights(path: Path, map_location, model: nn.Module | None) -> dict[str, torch.Tensor]:
     """The tensors of a weights file, its names and shapes checked against ``model``'s from the header first, then
     its content against the sha256 in its metadata (files without one are older and unchecked)."""
-    from attnlab.models.pretrained import mismatch, open_safetensors, safetensors_header, shapes
+    from attnlab.models.pretrained import mismatch, safetensors_header, shapes
 
-    with open_safetensors(path) as f:
+    with _open_weights(path) as f:
         meta = f.metadata() or {}
         if model is not None:
             why = mismatch(shapes(model.state_dict()), {k: s for k, (_, s) in safetensors_header(f).items()},
