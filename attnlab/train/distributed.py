@@ -1,25 +1,18 @@
-"""Data-parallel training under torchrun: process group, data sharding, reductions, errors that end every rank.
+"""Data-parallel training under torchrun: process group, data sharding, reductions, errors that end every rank
+(docs/training.md, "Several GPUs").
 
-``torchrun --nproc_per_node=N -m attnlab train ...`` starts N copies of the run; :func:`session` joins them into
-one process group from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``): gloo on the CPU, nccl on CUDA, one device per local rank. ``--batch-size`` stays the global batch
-B, so each rank takes B/N images a step, and the step's gradient, DDP's average of the N per-rank means, is the
-mean over the B images of the one-process step. The data order is the one-process order split by rank:
+:func:`session` joins torchrun's process group (gloo on the CPU, nccl on CUDA, one device per local rank).
+``--batch-size`` stays the global batch B, so each of the N ranks takes B/N a step, from the one-process order
+split by rank (timm's RepeatAugSampler strides its list the same way):
 
     global order o_0, o_1, ... (the same on every rank, a function of (seed, epoch))
     rank r, step s:  {o_p : sB <= p < (s+1)B, p = r mod N}
 
-so the union of the ranks' step-s batches is the one-process batch s (timm's RepeatAugSampler strides its list the
-same way). Randomness that is per sample or per batch on a rank (augmentation, Mixup/CutMix, drop-path) is seeded
-from (seed, epoch, rank): it differs from a one-process run, by design, so that ranks do not repeat each other.
-
-Errors. A user error either happens on every rank alike (options, data, a run to resume; a non-finite loss, read
-from a flag all-reduced at the same check point on every rank) or is exchanged: at the points where no other
-collective can be pending (the end of set-up, the end of each epoch) every rank calls :func:`agree` with its error
-or None, and all of them raise the same error. The command line prints such an error on rank 0 alone, which
-exits with its code first (the other ranks wait a moment; torchrun then stops them). An error on one rank in the
-middle of the steps, where the others wait inside DDP's gradient all-reduce, is marked local: that rank prints it
-and exits, and torchrun stops the others.
+Per-sample and per-batch randomness (augmentation, Mixup/CutMix, drop-path) is seeded from (seed, epoch, rank), so
+that ranks do not repeat each other. A user error happens on every rank alike or is exchanged by :func:`agree`
+where no other collective can be pending (the end of set-up, of each epoch), and rank 0 alone prints it; an error
+inside the steps, where the others wait in DDP's all-reduce, is marked local: that rank prints it and exits, and
+torchrun stops the others.
 """
 
 from __future__ import annotations
@@ -61,7 +54,6 @@ class Ranks:
 
 SINGLE = Ranks()
 _current = SINGLE
-_in_steps = False  # inside a region where other collectives (DDP's) may be pending: no agree() there
 
 
 def env_ranks() -> Ranks:
@@ -156,16 +148,12 @@ def reduce_sums(*values: torch.Tensor | float) -> list[torch.Tensor]:
 @contextmanager
 def steps() -> Iterator[None]:
     """Marks the training steps, where DDP's collectives may be pending: an error there is this rank's alone."""
-    global _in_steps
-    _in_steps = True
     try:
         yield
     except BaseException as err:
         if not getattr(err, "attnlab_shared", False):
             err.attnlab_local = True  # type: ignore[attr-defined]
         raise
-    finally:
-        _in_steps = False
 
 
 def agree(error: BaseException | None) -> None:
