@@ -14,8 +14,7 @@ DDP, EMA, checkpoints and resume, logging and the error contract, and asks the r
                               ``init``: :meth:`evaluate` before the first step)
 
 A subclass sets ``name``, ``metrics``, ``headline``, ``higher_is_better`` (and for the report ``report_columns``
-and ``percent``); ``line(record)`` is an epoch's
-progress line.
+and ``percent``); ``line(record)`` is an epoch's progress line.
 """
 
 from __future__ import annotations

@@ -90,14 +90,15 @@ class _HostData:
     or, under torchrun, (seed, epoch, rank). Workers are not persistent, so that each epoch's are seeded anew;
     torch seeds random, numpy and torch in each worker."""
 
-    def __init__(self, task: Classification, train_set, batch_size: int, device: torch.device, mixup_fn) -> None:
+    def __init__(self, task: Classification, train_set, batch_size: int, device: torch.device, mixup_fn,
+                 collate_fn=None) -> None:
         cfg, ranks = task.cfg, task.run.ranks
         self.cfg, self.ranks, self.device, self.mixup_fn = cfg, ranks, device, mixup_fn
         self.order_gen, self.data_gen = torch.Generator(), torch.Generator()
         self.sampler = train_sampler(cfg, train_set, self.order_gen, ranks)
         self.loader = DataLoader(train_set, batch_size=batch_size, sampler=self.sampler, drop_last=True,
                                  num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
-                                 generator=self.data_gen)
+                                 generator=self.data_gen, collate_fn=collate_fn)
         self.steps = check_steps(cfg, len(self.sampler) * ranks.world_size)
 
     def batches(self, epoch: int):
@@ -154,10 +155,6 @@ class Classification(Task):
         super().__init__(run)
         self._test_set = None
 
-    def _data_key(self) -> tuple:
-        cfg = self.cfg
-        return ("data", cfg.dataset, cfg.data_dir, cfg.download, cfg.augment, repr(sorted(cfg.data_options.items())))
-
     def prepare_eval(self) -> None:
         self.test_set()
 
@@ -167,12 +164,13 @@ class Classification(Task):
         return self._test_set
 
     def check(self, cache: dict) -> None:
-        key = self._data_key()
+        cfg = self.cfg
+        key = ("data", cfg.dataset, cfg.data_dir, cfg.download, cfg.augment, repr(sorted(cfg.data_options.items())))
         if key not in cache:
             n_train = len(self._split(True))
             self.test_set()
             cache[key] = n_train
-        check_steps(self.cfg, len(train_sampler(self.cfg, range(cache[key]), torch.Generator())))
+        check_steps(cfg, len(train_sampler(cfg, range(cache[key]), torch.Generator())))
 
     def on_device(self) -> bool:
         """Whether the train split lives on the device: the image task's ``data_on_device`` (None: on CUDA for

@@ -31,14 +31,9 @@ class _DetectionData(_HostData):
     batching lists (images differ in size) and moving them to the device."""
 
     def __init__(self, task: "Detection", train_set, batch_size: int, device: torch.device) -> None:
-        from torch.utils.data import DataLoader
-
         from attnlab.data.coco import collate
 
-        super().__init__(task, train_set, batch_size, device, mixup_fn=None)
-        self.loader = DataLoader(train_set, batch_size=batch_size, sampler=self.sampler, drop_last=True,
-                                 num_workers=self.cfg.num_workers, pin_memory=device.type == "cuda",
-                                 generator=self.data_gen, collate_fn=collate)
+        super().__init__(task, train_set, batch_size, device, mixup_fn=None, collate_fn=collate)
 
     def batches(self, epoch: int):
         from attnlab.data.coco import to_device
