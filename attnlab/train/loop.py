@@ -101,12 +101,10 @@ def train_one_epoch(model, batches: Iterator[Any], optimizer, scheduler, step_lo
     runs after every optimizer step (the probe and the EMA; the probe must leave the model in train mode).
     ``describe(sums, seconds) -> dict`` gives the progress bar's numbers (the task's ``train_stats``).
 
-    Nothing in a step waits for the device: the sums and a non-finite flag (the first bad step and its loss)
-    accumulate there and are read every ``log_every`` steps (on CUDA at least 100, where each read drains the
-    queue of launched steps) and at the end, where a non-finite loss raises
-    NonFiniteLossError naming its step and the window it was found in. ``cudagraphs``: mark each forward's start
-    for torch.compile's CUDA graphs (mode reduce-overhead), whose outputs the next replay overwrites. Under DDP
-    the gradients of all but the last micro-batch of a step are not all-reduced (``no_sync``).
+    No step waits for the device (docs/training.md, "One epoch"): the sums and a non-finite flag are read every
+    ``log_every`` steps (on CUDA at least 100) and at the end, where a non-finite loss raises NonFiniteLossError.
+    ``cudagraphs``: mark each forward's start for torch.compile's CUDA graphs, whose outputs the next replay
+    overwrites. Under DDP, all but the last micro-batch of a step skip the gradient all-reduce (``no_sync``).
     """
     model.train()
     autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
@@ -177,14 +175,11 @@ def train_one_epoch(model, batches: Iterator[Any], optimizer, scheduler, step_lo
 def train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     """Train ``cfg`` into ``<runs_dir>/<name>/`` and return the result dict (also written to result.json).
 
-    ``cfg.resume``: continue from the last completed epoch if the run directory holds a checkpoint (on CPU the
-    final weights equal an uninterrupted run's), return the stored result if it already finished, start afresh
-    otherwise. Without it an existing checkpoint is an error, so that no run is overwritten by accident.
-    Raises NonFiniteLossError (epoch and step in the message) at a NaN/inf loss, keeping the last checkpoint.
-    With ``cfg.probe_every > 0``, ``probe(model, inputs) -> dict`` runs every that many steps on the first
-    ``cfg.probe_images`` test inputs; each epoch's metrics line lists its results under ``probes`` as
-    ``{"step": n, ...}``. The caller supplies the probe (the command line passes
-    ``attnlab.analysis.training_probe``), since the instruments sit in a layer above training.
+    ``cfg.resume``: continue from the last completed epoch, return the stored result of a finished run, or start
+    afresh; without it an existing checkpoint is an error, so that no run is overwritten by accident. A NaN/inf
+    loss raises NonFiniteLossError, keeping the last checkpoint. With ``cfg.probe_every > 0``,
+    ``probe(model, inputs) -> dict`` (the command line passes ``attnlab.analysis.training_probe``, a layer above
+    training) runs every that many steps; each epoch's metrics line lists its results under ``probes``.
     """
     run = Run(cfg)
     cfg = run.cfg
@@ -222,7 +217,7 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     main = ranks.is_main  # rank 0 alone writes files, prints and logs
     require(cfg.log)
 
-    plan: Plan = run.plan(check=False, read_checkpoint=False)
+    plan: Plan = run.plan(check=False)
     if plan.action == "skip":
         return plan.result
     resuming = plan.action == "resume"
@@ -231,9 +226,8 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     seed_everything(cfg.seed)
     model = run.build_model(pretrained=not resuming).to(device)  # a checkpoint replaces the weights
     # the newest pair that is intact and fits the model; with none (a kill in the first save) start afresh, saying so
-    found, note = None, None
-    if resuming:
-        found, note = resume_point(run.dir, model, RESUME_KEYS + (("ema",) if cfg.ema else ()))
+    keys = RESUME_KEYS + (("ema",) if cfg.ema else ())
+    found, note = resume_point(run.dir, model, keys) if resuming else (None, None)
     if note and main:
         print(f"{run.name}: {note}", file=sys.stderr, flush=True)
     if resuming and found is None and (cfg.pretrained or cfg.pretrained_file):

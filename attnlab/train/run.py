@@ -1,19 +1,10 @@
 """A run: one training configuration, resolved once, and its directory ``<runs_dir>/<name>/``.
 
 :class:`Run` validates the config once, parses the spec once (the canonical form is what every later step sees),
-resolves device, precision and ranks once, names the run directory's files, and says what training would do with
-it (:meth:`Run.plan`: train, resume or skip), which both a grid's check and training itself use. Readers of a
-finished or partial run (report, analysis, eval, export) go through :meth:`Run.open`.
-
-The files of a run directory (every reader and writer uses these names):
-
-    config.yaml                  everything needed to rerun, written with the directory
-    metrics.jsonl                one line per epoch
-    checkpoint.safetensors + trainer_state.pt          the latest checkpoint pair (attnlab.train.checkpoint)
-    checkpoint.prev.safetensors + trainer_state.prev.pt  the one before
-    ema.safetensors              the EMA weights (``ema``), beside each checkpoint
-    tensorboard/                 ``--log tensorboard``
-    result.json                  when finished
+resolves device, precision and ranks once, and says what training would do with it (:meth:`Run.plan`: train,
+resume or skip), which both a grid's check and training itself use. Readers of a finished or partial run (report,
+analysis, eval, export) go through :meth:`Run.open`. The directory's files are named in :mod:`attnlab.train.files`
+(what each holds: docs/training.md, "Run directory").
 """
 
 from __future__ import annotations
@@ -134,14 +125,14 @@ class Run:
                                                   world_size=self.ranks.world_size))
 
     # ---- what training would do ------------------------------------------------------------------------------
-    def plan(self, cache: dict | None = None, *, check: bool = True, read_checkpoint: bool = True) -> Plan:
+    def plan(self, cache: dict | None = None, *, check: bool = True) -> Plan:
         """Say what :func:`~attnlab.train.loop.train` would do with this run, raising the AttnlabError it would
         raise before its first step: with ``check``, the device, the data (both splits, at least one step) and
         the model (built once, its options and geometry), and that no other process holds the run's lock;
         always, a run directory it could not continue (another config, a checkpoint without ``resume``).
         ``cache``, a dict kept across calls, makes a grid load each dataset and build each model once.
         A run whose checkpoint files hold no intact pair (a kill inside the first save) plans "train" with a
-        note: it starts afresh. ``read_checkpoint=False`` plans "resume" for any checkpoint files without
+        note: it starts afresh. ``check=False`` (training itself) plans "resume" for any checkpoint files without
         reading them (training reads them once, when the model exists)."""
         from .checkpoint import has_checkpoint, resume_point
         from .lock import check_unlocked
@@ -161,7 +152,7 @@ class Run:
             self.check_same_config()
         if cfg.resume and finished:
             return Plan("skip", result=self.result())
-        if resumable and not read_checkpoint:
+        if resumable and not check:
             return Plan("resume")
         if resumable:
             found, note = resume_point(self.dir)  # None: no intact pair, the run starts afresh
