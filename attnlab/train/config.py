@@ -22,14 +22,9 @@ from attnlab.errors import ConfigError, did_you_mean
 
 @dataclass
 class TrainConfig:
-    """One training run. Defaults are the ``ns_cifar`` recipe of the NS-Attn paper (Sec. 3.1).
-
-    Recipe: AdamW (lr 1e-3, weight decay 0.05, batch 128), ``warmup_epochs`` of linear warm-up from
-    ``warmup_lr`` to ``lr`` then cosine decay to ``min_lr``, stepped every iteration; CIFAR AutoAugment,
-    random crop, flip and random erasing (the dataset's ``augment="recipe"``); Mixup (alpha 0.8) / CutMix
-    (alpha 1.0) applied to a batch with probability ``mixup_prob``; label smoothing 0.1; repeated
-    augmentation x3; drop-path from the model preset unless ``drop_path`` is set.
-    """
+    """One training run. Defaults are the ``ns_cifar`` recipe of the NS-Attn paper (Sec. 3.1: AdamW, warm-up then
+    cosine decay, AutoAugment, Mixup/CutMix, label smoothing, repeated augmentation); docs/training.md, "The
+    recipe", gives each value and its source."""
 
     # --- what is trained
     recipe: str = field(default="ns_cifar", metadata={"help": "named recipe the other defaults come from"})
@@ -343,9 +338,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if not 0 <= cfg.seed <= MAX_SEED:
         raise ConfigError(f"config key 'seed' is {cfg.seed}, but it must be an integer from 0 to 2**63 - 1 (torch and "
                           "NumPy seed their generators with non-negative integers).")
-    if not cfg.momentum < 1.0:
-        raise ConfigError(f"config key 'momentum' is {cfg.momentum}, but it must lie in [0, 1) (LARS keeps that share "
-                          "of the previous step; 0.9 is usual).")
+    for key, hint in (("momentum", "LARS keeps that share of the previous step; 0.9 is usual"),
+                      ("ema_decay", "0.9998 averages about the last 5,000 steps"), ("z_loss", "Wortsman et al.: 1e-4")):
+        if not 0.0 <= getattr(cfg, key) < 1.0:
+            raise ConfigError(f"config key '{key}' is {getattr(cfg, key)}, but it must lie in [0, 1) ({hint}).")
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"config key 'min_lr' is {cfg.min_lr}, above lr {cfg.lr}; the cosine decay ends at min_lr, "
                           f"so give --min-lr at most {cfg.lr} (or a larger --lr).")
@@ -355,11 +351,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.warmup_steps is not None and cfg.max_steps is not None and cfg.warmup_steps > cfg.max_steps:
         raise ConfigError(f"config key 'warmup_steps' is {cfg.warmup_steps}, longer than the {cfg.max_steps} steps of "
                           f"training (max_steps); give --warmup-steps at most {cfg.max_steps}.")
-    if not 0.0 <= cfg.ema_decay < 1.0:
-        raise ConfigError(f"config key 'ema_decay' is {cfg.ema_decay}, but it must lie in [0, 1) (0.9998 averages "
-                          "about the last 5,000 steps).")
-    if not 0.0 <= cfg.z_loss < 1.0:
-        raise ConfigError(f"config key 'z_loss' is {cfg.z_loss}, but it must lie in [0, 1) (Wortsman et al.: 1e-4).")
     if not 0.0 < cfg.beta2 < 1.0:
         raise ConfigError(f"config key 'beta2' is {cfg.beta2}, but it must lie in (0, 1).")
     if cfg.layer_decay is not None and not 0.0 < cfg.layer_decay <= 1.0:
@@ -486,10 +477,8 @@ def read_yaml(path: str | Path, what: str) -> Any:
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
-    """Read a YAML config (a mapping of TrainConfig keys; ``recipe:`` picks the base) and apply overrides.
-
-    Precedence: recipe defaults < YAML file < ``overrides`` (keyword arguments, e.g. CLI flags).
-    """
+    """Read a YAML config (a mapping of TrainConfig keys; ``recipe:`` picks the base) and apply ``overrides``
+    (keyword arguments, e.g. CLI flags): recipe defaults < YAML file < overrides."""
     data: dict[str, Any] = {}
     if path is not None:
         loaded = read_yaml(path, "config file")
