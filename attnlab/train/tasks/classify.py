@@ -87,8 +87,7 @@ def evaluate(model, loader, *, device, amp_dtype, num_classes: int, pad_to: int 
 class _HostData:
     """The train split through a DataLoader: the epoch's order from a generator seeded by (seed, epoch) alike on
     every rank (so N ranks split the one-process order), the workers' seeds from another seeded by (seed, epoch)
-    or, under torchrun, (seed, epoch, rank). Workers are not persistent, so that each epoch's are seeded anew;
-    torch seeds random, numpy and torch in each worker."""
+    or, under torchrun, (seed, epoch, rank); workers are not persistent, so each epoch's are seeded anew."""
 
     def __init__(self, task: Classification, train_set, batch_size: int, device: torch.device, mixup_fn,
                  collate_fn=None) -> None:
@@ -151,15 +150,11 @@ class Classification(Task):
     higher_is_better = True
     robustness_eval = True
 
-    def __init__(self, run) -> None:
-        super().__init__(run)
-        self._test_set = None
-
     def prepare_eval(self) -> None:
         self.test_set()
 
     def test_set(self):
-        if self._test_set is None:
+        if getattr(self, "_test_set", None) is None:  # built once
             self._test_set = self._split(False)
         return self._test_set
 
@@ -173,7 +168,7 @@ class Classification(Task):
         check_steps(cfg, len(train_sampler(cfg, range(cache[key]), torch.Generator())))
 
     def on_device(self) -> bool:
-        """Whether the train split lives on the device: the image task's ``data_on_device`` (None: on CUDA for
+        """Whether the train split lives on the device: never here; for images ``data_on_device`` (None: on CUDA for
         the datasets the device pipeline holds)."""
         return False
 
@@ -215,8 +210,7 @@ class Classification(Task):
     def loss(self, model, batch):
         return self.step(model, batch)
 
-    def train_stats(self, sums, seconds):
-        return classification_stats(sums, seconds)
+    train_stats = staticmethod(classification_stats)
 
     def evaluate(self, model, *, device, amp_dtype, static_shapes: bool = False) -> dict[str, float]:
         if getattr(self, "_test_loader", None) is None:
