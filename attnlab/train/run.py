@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -73,10 +74,8 @@ class Plan:
 
 
 class Run:
-    """One run: its config validated, its spec parsed, its task, dataset entry and directory (module docstring).
-
-    ``Run(cfg)`` for a run to train (or to check); ``Run.open(path)`` for one on disk.
-    """
+    """One run: its config validated, its spec parsed, its task, dataset entry and directory (module docstring);
+    ``Run(cfg)`` for a run to train (or to check), ``Run.open(path)`` for one on disk."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         from attnlab.data.registry import dataset
@@ -127,13 +126,11 @@ class Run:
     # ---- what training would do ------------------------------------------------------------------------------
     def plan(self, cache: dict | None = None, *, check: bool = True) -> Plan:
         """Say what :func:`~attnlab.train.loop.train` would do with this run, raising the AttnlabError it would
-        raise before its first step: with ``check``, the device, the data (both splits, at least one step) and
-        the model (built once, its options and geometry), and that no other process holds the run's lock;
-        always, a run directory it could not continue (another config, a checkpoint without ``resume``).
-        ``cache``, a dict kept across calls, makes a grid load each dataset and build each model once.
-        A run whose checkpoint files hold no intact pair (a kill inside the first save) plans "train" with a
-        note: it starts afresh. ``check=False`` (training itself) plans "resume" for any checkpoint files without
-        reading them (training reads them once, when the model exists)."""
+        raise before its first step: with ``check``, the device, the data, the model and the run's lock (``cache``,
+        kept across calls, makes a grid load each dataset and build each model once); always, a run directory it
+        could not continue (another config, a checkpoint without ``resume``). Checkpoint files without an intact
+        pair plan "train" with a note (it starts afresh); ``check=False`` (training itself, which reads them once
+        the model exists) plans "resume" for any checkpoint files without reading them."""
         from .checkpoint import has_checkpoint, resume_point
         from .lock import check_unlocked
 
@@ -239,10 +236,6 @@ class Run:
         run.name, run.dir = path.name, path
         return run
 
-    def metrics(self) -> list[dict[str, Any]]:
-        """The epochs logged so far (metrics.jsonl, one object per line)."""
-        return read_jsonl(self.dir / METRICS)
-
     def result(self) -> dict[str, Any]:
         try:
             return json.loads((self.dir / RESULT).read_text())
@@ -252,8 +245,6 @@ class Run:
     def load_model(self, map_location: str | torch.device = "cpu") -> nn.Module:
         """The model of the run's newest intact checkpoint, in eval mode on ``map_location`` (``"cpu"``,
         ``"cuda:1"``); the checkpoint's weights must fit the model its config.yaml describes (one line if not)."""
-        import sys
-
         from .checkpoint import NoIntactCheckpoint, find_weights
 
         model = self.build_model(pretrained=False)
