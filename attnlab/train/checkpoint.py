@@ -19,6 +19,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,9 +137,7 @@ def create_dir_with(path: str | Path, files: dict[str, bytes], lock: RunLock | N
                     raise
             finally:
                 if tmp.exists():
-                    for child in tmp.iterdir():
-                        child.unlink()
-                    tmp.rmdir()
+                    shutil.rmtree(tmp)
         if not lock.held:  # an existing directory: its own lock would have been taken when the run began
             lock.acquire()  # RunLockedError while another process holds it
             if not own:

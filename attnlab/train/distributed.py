@@ -78,10 +78,8 @@ def rank_device(device: torch.device, ranks: Ranks) -> torch.device:
 
 @contextmanager
 def session(device: torch.device) -> Iterator[Ranks]:
-    """Join torchrun's process group for the run (gloo on CPU, nccl on CUDA) and leave it at the end.
-
-    A process group the caller already started is used as it is and left running.
-    """
+    """Join torchrun's process group for the run (gloo on CPU, nccl on CUDA) and leave it at the end; a process
+    group the caller already started is used as it is and left running."""
     global _current
     ranks = env_ranks()
     joined = dist.is_available() and dist.is_initialized()
@@ -131,11 +129,8 @@ def rank_batch_size(batch_size: int, ranks: Ranks) -> int:
 
 
 def reduce_sums(*values: torch.Tensor | float) -> list[torch.Tensor]:
-    """Sums over the ranks of each value (float64 on the values' device; one all-reduce for all of them).
-
-    The training step's statistics (loss sum, correct, seen, a non-finite flag) are read through this function,
-    so a one-process run and an N-rank run log the same quantities.
-    """
+    """Sums over the ranks of each value (float64 on the values' device; one all-reduce for all of them): the
+    step statistics are read through it, so a one-process run and an N-rank run log the same quantities."""
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
     if _current.distributed and dist.get_backend() == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())

@@ -11,7 +11,7 @@ from typing import Any
 from attnlab.errors import ConfigError
 from attnlab.spec import split_specs
 
-from .config import GRID_PRESETS, TrainConfig, check_grid, make_config, read_yaml
+from .config import GRID_KEYS, GRID_PRESETS, TrainConfig, check_grid, make_config, read_yaml
 from .files import RESULT, result_line
 from .loop import check_run, train
 from .run import run_dir_of
@@ -178,9 +178,7 @@ def load_grid(path: str | Path | None = None, preset: str | None = None, **overr
             raise ConfigError(f"'launcher' in grid file {path} must be a launcher name or a mapping such as "
                               "{name: submitit, partition: gpu, time: 240}.")
         launcher.update(launcher_part or {})
-        for key in ("variants", "seeds", "datasets", "models", "runs_dir", "variations", "jobs"):
-            if key in data:
-                grid[key] = data.pop(key)
+        grid.update({k: data.pop(k) for k in GRID_KEYS if k in data})  # base and launcher are popped already
         if grid["variations"] is not None and not isinstance(grid["variations"], dict):
             raise ConfigError(f"'variations' in grid file {path} must map a tag to training config keys, "
                               "e.g. no_warmup: {warmup_epochs: 0}.")

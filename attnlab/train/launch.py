@@ -2,11 +2,10 @@
 (docs/training.md, "Grids").
 
 ``local`` (``attnlab compare --jobs N``): N slots, each one spawned worker process training one run at a time. A
-run on ``auto`` or ``cuda`` trains on ``cuda:(slot mod G)`` of the G visible CUDA devices (:func:`device_for`); the
-parent writes the device into the run's config instead of setting ``CUDA_VISIBLE_DEVICES`` per worker, so one
-device count decides and config.yaml records it. Workers never outlive the parent: each runs in a process group
-of its own, which the parent kills when it stops for any reason but a run's error; if the parent is killed
-outright, ``PR_SET_PDEATHSIG`` (Linux) and a thread watching the parent's pid end the worker's group.
+run on ``auto`` or ``cuda`` trains on ``cuda:(slot mod G)`` of the G visible CUDA devices (:func:`device_for`),
+written into the run's config by the parent. Workers never outlive the parent: each runs in a process group of
+its own, which the parent kills when it stops for any reason but a run's error; if the parent is killed outright,
+``PR_SET_PDEATHSIG`` (Linux) and a thread watching the parent's pid end the worker's group.
 
 ``submitit`` / ``submitit-local``: one job per run through submitit, on SLURM or as local processes (the tests').
 Jobs train with ``resume``, so a preempted or timed-out job is requeued and continues from its last epoch;

@@ -112,12 +112,10 @@ def check_unlocked(run_dir: str | Path) -> None:
 
 
 class RunLock:
-    """The exclusive lock of ``run_dir`` for one writer, as a context manager.
-
-    Entering takes it if ``run_dir`` exists (else :func:`~attnlab.train.checkpoint.create_dir_with` takes it when
-    it makes the directory); leaving releases it. ``enabled=False`` (the other ranks under torchrun, which write
-    nothing) makes it a no-op. Raises :class:`RunLockedError` when another process holds it.
-    """
+    """The exclusive lock of ``run_dir`` for one writer, as a context manager: entering takes it if ``run_dir``
+    exists (else :func:`~attnlab.train.checkpoint.create_dir_with` takes it when it makes the directory), leaving
+    releases it; :class:`RunLockedError` when another process holds it. ``enabled=False`` (the other ranks under
+    torchrun, which write nothing) makes it a no-op."""
 
     def __init__(self, run_dir: str | Path, enabled: bool = True):
         self.run_dir = Path(run_dir)

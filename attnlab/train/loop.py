@@ -50,11 +50,8 @@ from .run import Plan, Run, compile_mode
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
-    """Seed of epoch ``epoch``'s data order and worker RNGs: a hash of (seed, epoch), so epochs never share a stream.
-
-    Deriving it rather than carrying a generator forward makes an epoch's data a function of (seed, epoch) alone,
-    which is what resuming at an epoch boundary needs.
-    """
+    """Seed of epoch ``epoch``'s data order and worker RNGs: a hash of (seed, epoch), so epochs never share a stream
+    and an epoch's data is a function of (seed, epoch) alone, which resuming at an epoch boundary needs."""
     return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
 
 
@@ -94,13 +91,11 @@ def train_one_epoch(model, batches: Iterator[Any], optimizer, scheduler, step_lo
                     amp_dtype, epoch: int, epochs: int, num_updates: int, clip_grad: float | None, log_every: int,
                     progress: bool, on_step=None, cudagraphs: bool = False, accum: int = 1,
                     describe=None) -> tuple[dict[str, float], int]:
-    """``steps`` optimizer steps over ``batches`` (each step ``accum`` micro-batches on the device, the loss of
-    each scaled by 1/accum). ``step_loss(model, batch) -> (loss, sums)`` is the task's (see
-    :meth:`Task.loss <attnlab.train.tasks.base.Task.loss>`). Returns (sums, num_updates): the epoch's sums over
-    steps and ranks, ``loss`` (loss x seen), ``seen`` and the task's own, plus ``seconds``. ``on_step(num_updates)``
-    runs after every optimizer step (the probe and the EMA; the probe must leave the model in train mode).
-    ``describe(sums, seconds) -> dict`` gives the progress bar's numbers (the task's ``train_stats``).
-
+    """``steps`` optimizer steps over ``batches`` (each step ``accum`` micro-batches, the loss of each scaled by
+    1/accum), ``step_loss`` being the task's :meth:`~attnlab.train.tasks.base.Task.loss`. Returns (sums,
+    num_updates): the epoch's sums over steps and ranks (``loss`` x seen, ``seen``, the task's own) and ``seconds``.
+    ``on_step(num_updates)`` runs after every optimizer step (the probe and the EMA; the probe must leave the model
+    in train mode); ``describe(sums, seconds) -> dict`` gives the progress bar's numbers (``train_stats``).
     No step waits for the device (docs/training.md, "One epoch"): the sums and a non-finite flag are read every
     ``log_every`` steps (on CUDA at least 100) and at the end, where a non-finite loss raises NonFiniteLossError.
     ``cudagraphs``: mark each forward's start for torch.compile's CUDA graphs, whose outputs the next replay
@@ -211,8 +206,7 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
 
     from .tb import require
 
-    cfg, task, ranks, device = run.cfg, run.task, run.ranks, run.device
-    amp_dtype = run.amp_dtype
+    cfg, task, ranks, device, amp_dtype = run.cfg, run.task, run.ranks, run.device, run.amp_dtype
     micro_batch = distributed.rank_batch_size(cfg.batch_size, ranks) // cfg.grad_accum
     main = ranks.is_main  # rank 0 alone writes files, prints and logs
     require(cfg.log)

@@ -1,9 +1,6 @@
-"""``--log tensorboard``: each epoch's metrics line as TensorBoard scalars, in ``<run_dir>/tensorboard/``.
-
-``metrics.jsonl`` stays the source of truth; this is a view of it, written by PyTorch's ``SummaryWriter`` (the
-``tensorboard`` package, an optional extra: ``pip install attnlab[tensorboard]``). Every scalar is plotted
-against the optimizer step (``num_updates``), so that the epoch scalars and the ``--probe-every`` instruments
-share one axis: epoch scalars at the step that ends the epoch, probe values at the step they were taken.
+"""``--log tensorboard``: each epoch's metrics line as TensorBoard scalars, in ``<run_dir>/tensorboard/``
+(docs/training.md, "TensorBoard"). ``metrics.jsonl`` stays the source of truth; every scalar is plotted against
+the optimizer step, so that epoch scalars and ``--probe-every`` values share one axis.
 """
 
 from __future__ import annotations
