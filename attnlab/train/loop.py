@@ -96,6 +96,7 @@ def train_one_epoch(model, batches: Iterator[Any], optimizer, scheduler, step_lo
     num_updates): the epoch's sums over steps and ranks (``loss`` x seen, ``seen``, the task's own) and ``seconds``.
     ``on_step(num_updates)`` runs after every optimizer step (the probe and the EMA; the probe must leave the model
     in train mode); ``describe(sums, seconds) -> dict`` gives the progress bar's numbers (``train_stats``).
+
     No step waits for the device (docs/training.md, "One epoch"): the sums and a non-finite flag are read every
     ``log_every`` steps (on CUDA at least 100) and at the end, where a non-finite loss raises NonFiniteLossError.
     ``cudagraphs``: mark each forward's start for torch.compile's CUDA graphs, whose outputs the next replay
