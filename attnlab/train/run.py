@@ -265,7 +265,8 @@ class Run:
             try:
                 model.load_state_dict(found.weights)
             except RuntimeError as err:  # same keys, other shapes
-                what = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))[:200]
+                first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
+                what = first[:200] or type(err).__name__  # never empty: an empty one would return the model unloaded
         if what:
             raise ConfigError(f"the checkpoint of {self.dir} does not fit the model its {CONFIG} describes "
                               f"({what}); was config.yaml edited or replaced?")
