@@ -71,12 +71,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` through ``write(file)`` on a same-directory temporary file, fsync, then ``os.replace``.
-
-    If ``write`` or the rename raises, the temporary file is removed and ``path`` is left as it was. The file is
-    opened with mode 0666 so that the umask decides its permissions (``tempfile.mkstemp`` would make it 0600).
-    An OSError names ``path`` (a full disk's ENOSPC names no file of its own).
-    """
+    """Write ``path`` through ``write(file)`` on a same-directory temporary file, fsync, then ``os.replace``; if
+    ``write`` or the rename raises, the temporary file is removed and ``path`` is left as it was. The file is opened
+    with mode 0666 so that the umask decides its permissions (``tempfile.mkstemp`` would make it 0600). An OSError
+    names ``path`` (a full disk's ENOSPC names no file of its own)."""
     path = Path(path)
     tmp = temp_name(path)
     try:
