@@ -64,9 +64,9 @@ class Task:
         from attnlab import models  # looked up at call time, so that a test can wrap build_model
 
         return models.build_model(self.cfg.model, attn=self.run.spec, norm=self.cfg.norm,
-                                  **self.model_kwargs(pretrained))
+                                  **self._model_kwargs(pretrained))
 
-    def model_kwargs(self, pretrained: bool) -> dict[str, Any]:
+    def _model_kwargs(self, pretrained: bool) -> dict[str, Any]:
         """The model's keyword arguments: sized for the dataset, then pretrained, drop-path and model options."""
         cfg = self.cfg
         kwargs = dict(self.run.info.model_kwargs())

@@ -74,7 +74,7 @@ class Detection(Task):
         by the dataset (categories, canvas); any other model is one line saying what the task takes."""
         from attnlab import models
 
-        kwargs = self.model_kwargs(pretrained)
+        kwargs = self._model_kwargs(pretrained)
         kwargs.setdefault("masks", self._data_masks())
         return models.build_detector(self.cfg.model, attn=self.run.spec, norm=self.cfg.norm, **kwargs)
 
