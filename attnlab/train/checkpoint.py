@@ -1,31 +1,25 @@
-"""Atomic files, checkpoints and RNG state of a run directory.
+"""Atomic files, checkpoints and RNG state of a run directory (layout and guarantees: docs/training.md, "Run
+directory").
 
-A run directory keeps the checkpoints of its last two completed epochs, each a pair of files:
-``checkpoint.safetensors`` (model weights) + ``trainer_state.pt`` (optimizer, scheduler, sampler and RNG states,
-epoch, metrics history) for the latest epoch, ``checkpoint.prev.safetensors`` + ``trainer_state.prev.pt`` for the
-one before. Both files of a pair record the epoch and a random save id (the weights in their metadata); a pair is
-intact when both files read, their ids match and each matches the sha256 it records of its own content
-(:func:`content_sha256`: the weights' tensors, epoch and save id in their metadata; every value of the trainer
-state in it), so weights and state of different saves are never mixed and damage that still parses is noticed.
-Resuming takes the newest intact pair wherever its two files lie (a kill in the middle of the rotation leaves
-one of them renamed), so an unusable latest checkpoint falls back to the previous one. Readers of a run's weights
-(:func:`find_weights`: ``eval``, ``export``, ``analyze``) never read the trainer state. Files written before
-checksums existed carry none and are read unchecked.
-
-Every file is written to a temporary file in the same directory, flushed and fsynced, then moved over the old
-one with ``os.replace``: a crash at any moment leaves either the old or the new file, never a torn one. Files
-are created with mode 0666 and directories with 0777, both less the user's umask, like any other program's.
-One process writes a run directory at a time (:mod:`attnlab.train.lock`).
+The last two completed epochs are kept, each a pair of weights (``checkpoint[.prev].safetensors``) and trainer
+state (``trainer_state[.prev].pt``). Both files of a save record its epoch, a random save id and the sha256 of their
+own content (:func:`content_sha256`), so a pair is never mixed from two saves and damage that still parses is
+noticed; resuming takes the newest intact pair wherever its files lie (a kill mid-rotation leaves one renamed).
+Readers of a run's weights (:func:`find_weights`) never read the trainer state. Every file is written to a
+same-directory temporary file, fsynced, then moved over the old one with ``os.replace``: a crash leaves the old or
+the new file, never a torn one. One process writes a run directory at a time (:mod:`attnlab.train.lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import random
 import secrets
+import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +30,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
-from attnlab.errors import AttnlabError
+from attnlab.errors import AttnlabError, ConfigError
 
 from .files import PREV_STATE, PREV_WEIGHTS, STATE, WEIGHTS
 from .lock import RunLock, temp_name
@@ -54,11 +48,6 @@ class NoIntactCheckpoint(CheckpointError):
 
     why = ""
 
-    @property
-    def afresh(self) -> str:
-        """Training's one line when it starts such a run afresh."""
-        return f"no intact checkpoint ({self.why}); starting the run afresh, replacing its checkpoint files."
-
 
 def _no_intact(run_dir: Path, skipped: dict[str, str], what: str) -> NoIntactCheckpoint:
     why = "; ".join(f"{name}: {reason}" for name, reason in skipped.items()) or "trainer state without weights"
@@ -75,20 +64,17 @@ def _fsync_dir(path: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` through ``write(file)`` on a same-directory temporary file, fsync, then ``os.replace``.
-
-    If ``write`` or the rename raises, the temporary file is removed and ``path`` is left as it was. The file is
-    opened with mode 0666 so that the umask decides its permissions (``tempfile.mkstemp`` would make it 0600).
-    An OSError names ``path`` (a full disk's ENOSPC names no file of its own).
-    """
+    """Write ``path`` through ``write(file)`` on a same-directory temporary file, fsync, then ``os.replace``; if
+    ``write`` or the rename raises, the temporary file is removed and ``path`` is left as it was. The file is opened
+    with mode 0666 so that the umask decides its permissions (``tempfile.mkstemp`` would make it 0600). An OSError
+    names ``path`` (a full disk's ENOSPC names no file of its own)."""
     path = Path(path)
     tmp = temp_name(path)
     try:
@@ -102,10 +88,7 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as err:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        tmp.unlink(missing_ok=True)
         if isinstance(err, OSError) and err.filename is None:
             raise OSError(err.errno, err.strerror, str(path)) from err
         raise
@@ -126,14 +109,10 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 def create_dir_with(path: str | Path, files: dict[str, bytes], lock: RunLock | None = None) -> None:
     """Create directory ``path`` holding ``files`` (name -> bytes) in one rename, so that it never exists without
-    them, locked by ``lock`` (its :class:`~attnlab.train.lock.RunLock`) before it appears; if ``path`` already
-    exists the files are written into it, each atomically, once the lock is held. Raises RunLockedError when
-    another process holds it. Without ``lock``, one is taken for the call.
-
-    A run's own ``lock``, not yet held, that finds ``path`` existing is a ConfigError: another process made it
-    after the run began (which took the lock of a directory that existed then) and decided to train afresh."""
-    from attnlab.errors import ConfigError
-
+    them, locked by ``lock`` (a :class:`~attnlab.train.lock.RunLock`; without one, one is taken for the call) before
+    it appears; an existing ``path`` gets the files written into it, each atomically, once the lock is held
+    (RunLockedError if another process holds it). A run's own ``lock``, not yet held, that finds ``path`` existing
+    is a ConfigError: another process made it after the run began and decided to train afresh."""
     path = Path(path)
     own = lock is None
     lock = RunLock(path) if own else lock
@@ -156,9 +135,7 @@ def create_dir_with(path: str | Path, files: dict[str, bytes], lock: RunLock | N
                     raise
             finally:
                 if tmp.exists():
-                    for child in tmp.iterdir():
-                        child.unlink()
-                    tmp.rmdir()
+                    shutil.rmtree(tmp)
         if not lock.held:  # an existing directory: its own lock would have been taken when the run began
             lock.acquire()  # RunLockedError while another process holds it
             if not own:
@@ -243,12 +220,10 @@ def save_checkpoint(run_dir: str | Path, model: nn.Module, state: dict[str, Any]
                     previous: tuple[str, str] | None = (WEIGHTS, STATE)) -> None:
     """Write the checkpoint of epoch ``state["epoch"]`` as the latest pair, keeping ``previous`` as the previous pair.
 
-    ``previous`` names the files (weights, state) of the intact pair to keep, by default the current latest pair
-    (files that do not exist are skipped); they are renamed to the previous pair's names, then the new weights and
-    state are written, each atomically. ``None`` keeps no previous pair. The epoch and a fresh save id go into
-    both files, and each records the sha256 of its own content (:func:`content_sha256`), so that a kill between
-    any two of these steps leaves an intact pair for :func:`find_checkpoint` and never a mixed one, and damage is
-    noticed on reading.
+    ``previous`` names the files (weights, state) of the intact pair to keep (default: the latest pair; missing
+    files are skipped; ``None`` keeps none); they are renamed to the previous pair's names, then the new files are
+    written, each atomically, with the epoch, a fresh save id and their sha256, so that a kill between any two of
+    these steps leaves an intact pair for :func:`find_checkpoint` and never a mixed one.
     """
     run_dir = Path(run_dir)
     epoch = int(state["epoch"])
@@ -324,6 +299,18 @@ def _weights_meta(path: Path) -> tuple[int, str]:
     return epoch, meta.get("save_id", f"epoch {epoch}")
 
 
+def _heads(run_dir: Path, skipped: dict[str, str]) -> list[tuple[int, str, str]]:
+    """(epoch, save id, file) of each weights file whose header reads; why the others do not into ``skipped``."""
+    heads = []
+    for name in (WEIGHTS, PREV_WEIGHTS):
+        if (run_dir / name).exists():
+            try:
+                heads.append((*_weights_meta(run_dir / name), name))
+            except Exception as err:  # noqa: BLE001 -- a damaged file fails in its reader's own way
+                skipped[name] = _reason(err)
+    return heads
+
+
 def _read_weights(path: Path, map_location, model: nn.Module | None) -> dict[str, torch.Tensor]:
     """The tensors of a weights file, its names and shapes checked against ``model``'s from the header first, then
     its content against the sha256 in its metadata (files without one are older and unchecked)."""
@@ -372,14 +359,7 @@ def find_checkpoint(run_dir: str | Path, map_location: str | torch.device = "cpu
     CheckpointError) if there are checkpoint files but no intact pair."""
     run_dir = Path(run_dir)
     skipped: dict[str, str] = {}
-    heads: list[tuple[int, str, str]] = []  # (epoch, save id, weights file)
-    for name in (WEIGHTS, PREV_WEIGHTS):
-        if not (run_dir / name).exists():
-            continue
-        try:
-            heads.append((*_weights_meta(run_dir / name), name))
-        except Exception as err:  # noqa: BLE001 -- a damaged file fails in its reader's own way
-            skipped[name] = _reason(err)
+    heads = _heads(run_dir, skipped)
     states: dict[str, tuple[str, dict[str, Any]]] = {}  # save id -> (state file, state)
     for name in (STATE, PREV_STATE):
         if not (run_dir / name).exists():
@@ -413,7 +393,7 @@ def resume_point(run_dir: str | Path, model: nn.Module | None = None, state_keys
     try:
         found = find_checkpoint(run_dir, "cpu", model=model, state_keys=state_keys)
     except NoIntactCheckpoint as err:
-        return None, err.afresh
+        return None, f"no intact checkpoint ({err.why}); starting the run afresh, replacing its checkpoint files."
     return found, found.note if found is not None else None
 
 
@@ -424,15 +404,8 @@ def find_weights(run_dir: str | Path, map_location: str | torch.device = "cpu", 
     NoIntactCheckpoint when none of its weights files is intact."""
     run_dir = Path(run_dir)
     skipped: dict[str, str] = {}
-    heads: list[tuple[int, str]] = []
-    for name in (WEIGHTS, PREV_WEIGHTS):
-        if not (run_dir / name).exists():
-            continue
-        try:
-            heads.append((_weights_meta(run_dir / name)[0], name))
-        except Exception as err:  # noqa: BLE001
-            skipped[name] = _reason(err)
-    for epoch, name in sorted(heads, reverse=True):
+    heads = _heads(run_dir, skipped)
+    for epoch, name in sorted(((epoch, name) for epoch, _, name in heads), reverse=True):
         try:
             return Checkpoint(epoch, (name,), _read_weights(run_dir / name, map_location, model), {}, skipped)
         except Exception as err:  # noqa: BLE001

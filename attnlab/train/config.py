@@ -22,14 +22,9 @@ from attnlab.errors import ConfigError, did_you_mean
 
 @dataclass
 class TrainConfig:
-    """One training run. Defaults are the ``ns_cifar`` recipe of the NS-Attn paper (Sec. 3.1).
-
-    Recipe: AdamW (lr 1e-3, weight decay 0.05, batch 128), ``warmup_epochs`` of linear warm-up from
-    ``warmup_lr`` to ``lr`` then cosine decay to ``min_lr``, stepped every iteration; CIFAR AutoAugment,
-    random crop, flip and random erasing (the dataset's ``augment="recipe"``); Mixup (alpha 0.8) / CutMix
-    (alpha 1.0) applied to a batch with probability ``mixup_prob``; label smoothing 0.1; repeated
-    augmentation x3; drop-path from the model preset unless ``drop_path`` is set.
-    """
+    """One training run. Defaults are the ``ns_cifar`` recipe of the NS-Attn paper (Sec. 3.1: AdamW, warm-up then
+    cosine decay, AutoAugment, Mixup/CutMix, label smoothing, repeated augmentation); docs/training.md, "The
+    recipe", gives each value and its source."""
 
     # --- what is trained
     recipe: str = field(default="ns_cifar", metadata={"help": "named recipe the other defaults come from"})
@@ -274,11 +269,7 @@ def type_words(key: str) -> str:
 
 def coerce(key: str, value: Any) -> Any:
     """``value`` (YAML or command-line text) converted to config key ``key``'s type, or ConfigError."""
-    return _coerce(key, value, _field_types()[key])
-
-
-def _coerce(key: str, value: Any, typ: Any) -> Any:
-    """Convert a YAML or command-line value to the field's type, or raise ConfigError."""
+    typ = _field_types()[key]
     args = typing.get_args(typ)
     if typing.get_origin(typ) in (typing.Union, types.UnionType):
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
@@ -334,7 +325,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"config key '{key}' is {getattr(cfg, key)!r}, but it must be one of {', '.join(allowed)}.")
     if cfg.threads is not None and cfg.threads < 1:
         raise ConfigError(f"config key 'threads' is {cfg.threads}, but it must be at least 1 (or null for torch's default).")
-    for key in ("epochs", "batch_size", "repeated_aug", "log_every", "probe_images"):
+    for key in ("epochs", "batch_size", "repeated_aug", "log_every", "probe_images", "eval_iters", "grad_accum"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"config key '{key}' is {getattr(cfg, key)}, but it must be at least 1.")
     for key in ("lr", "weight_decay", "warmup_epochs", "warmup_lr", "min_lr", "mixup", "cutmix", "num_workers",
@@ -347,9 +338,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if not 0 <= cfg.seed <= MAX_SEED:
         raise ConfigError(f"config key 'seed' is {cfg.seed}, but it must be an integer from 0 to 2**63 - 1 (torch and "
                           "NumPy seed their generators with non-negative integers).")
-    if not cfg.momentum < 1.0:
-        raise ConfigError(f"config key 'momentum' is {cfg.momentum}, but it must lie in [0, 1) (LARS keeps that share "
-                          "of the previous step; 0.9 is usual).")
+    for key, hint in (("momentum", "LARS keeps that share of the previous step; 0.9 is usual"),
+                      ("ema_decay", "0.9998 averages about the last 5,000 steps"), ("z_loss", "Wortsman et al.: 1e-4")):
+        if not 0.0 <= getattr(cfg, key) < 1.0:
+            raise ConfigError(f"config key '{key}' is {getattr(cfg, key)}, but it must lie in [0, 1) ({hint}).")
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"config key 'min_lr' is {cfg.min_lr}, above lr {cfg.lr}; the cosine decay ends at min_lr, "
                           f"so give --min-lr at most {cfg.lr} (or a larger --lr).")
@@ -359,15 +351,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.warmup_steps is not None and cfg.max_steps is not None and cfg.warmup_steps > cfg.max_steps:
         raise ConfigError(f"config key 'warmup_steps' is {cfg.warmup_steps}, longer than the {cfg.max_steps} steps of "
                           f"training (max_steps); give --warmup-steps at most {cfg.max_steps}.")
-    if not 0.0 <= cfg.ema_decay < 1.0:
-        raise ConfigError(f"config key 'ema_decay' is {cfg.ema_decay}, but it must lie in [0, 1) (0.9998 averages "
-                          "about the last 5,000 steps).")
-    if cfg.block_size is not None and cfg.block_size < 1:
-        raise ConfigError(f"config key 'block_size' is {cfg.block_size}, but it must be at least 1 (or null).")
-    if cfg.eval_iters < 1:
-        raise ConfigError(f"config key 'eval_iters' is {cfg.eval_iters}, but it must be at least 1.")
-    if not 0.0 <= cfg.z_loss < 1.0:
-        raise ConfigError(f"config key 'z_loss' is {cfg.z_loss}, but it must lie in [0, 1) (Wortsman et al.: 1e-4).")
     if not 0.0 < cfg.beta2 < 1.0:
         raise ConfigError(f"config key 'beta2' is {cfg.beta2}, but it must lie in (0, 1).")
     if cfg.layer_decay is not None and not 0.0 < cfg.layer_decay <= 1.0:
@@ -376,12 +359,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.clip_grad is not None and not cfg.clip_grad > 0:
         raise ConfigError(f"config key 'clip_grad' is {cfg.clip_grad}, but it must be positive (or null for no "
                           "clipping).")
-    for key in ("max_steps", "eval_every", "warmup_steps"):
-        if getattr(cfg, key) is not None and getattr(cfg, key) < 1 - (key == "warmup_steps"):
-            raise ConfigError(f"config key '{key}' is {getattr(cfg, key)}, but it must be at least "
-                              f"{1 - (key == 'warmup_steps')} (or null).")
-    if cfg.grad_accum < 1:
-        raise ConfigError(f"config key 'grad_accum' is {cfg.grad_accum}, but it must be at least 1.")
+    for key, least in (("max_steps", 1), ("eval_every", 1), ("warmup_steps", 0), ("block_size", 1)):
+        if getattr(cfg, key) is not None and getattr(cfg, key) < least:
+            raise ConfigError(f"config key '{key}' is {getattr(cfg, key)}, but it must be at least {least} "
+                              "(or null).")
     if cfg.batch_size % cfg.grad_accum:
         raise ConfigError(f"batch_size {cfg.batch_size} must split evenly into grad_accum={cfg.grad_accum} "
                           f"micro-batches; use a multiple of {cfg.grad_accum}.")
@@ -423,8 +404,7 @@ def make_config(base: TrainConfig | str | None = None, **overrides: Any) -> Trai
     if unknown:
         raise ConfigError(f"unknown config key {unknown[0]!r}{did_you_mean(unknown[0], valid)}; valid keys are: "
                           f"{', '.join(valid)}.")
-    if "recipe" in overrides:
-        base = overrides["recipe"]
+    base = overrides.get("recipe", base)
     if base is None:
         base = "ns_cifar"
     if isinstance(base, str):
@@ -432,8 +412,7 @@ def make_config(base: TrainConfig | str | None = None, **overrides: Any) -> Trai
             raise ConfigError(f"unknown recipe {base!r}{did_you_mean(base, RECIPES)}; valid recipes are: "
                               f"{', '.join(RECIPES)}.")
         base = RECIPES[base]
-    hints = _field_types()
-    values = {k: _coerce(k, v, hints[k]) for k, v in overrides.items()}
+    values = {k: coerce(k, v) for k, v in overrides.items()}
     return validate(dataclasses.replace(base, **values))
 
 
@@ -498,10 +477,8 @@ def read_yaml(path: str | Path, what: str) -> Any:
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
-    """Read a YAML config (a mapping of TrainConfig keys; ``recipe:`` picks the base) and apply overrides.
-
-    Precedence: recipe defaults < YAML file < ``overrides`` (keyword arguments, e.g. CLI flags).
-    """
+    """Read a YAML config (a mapping of TrainConfig keys; ``recipe:`` picks the base) and apply ``overrides``
+    (keyword arguments, e.g. CLI flags): recipe defaults < YAML file < overrides."""
     data: dict[str, Any] = {}
     if path is not None:
         loaded = read_yaml(path, "config file")

@@ -1,25 +1,18 @@
-"""Data-parallel training under torchrun: process group, data sharding, reductions, errors that end every rank.
+"""Data-parallel training under torchrun: process group, data sharding, reductions, errors that end every rank
+(docs/training.md, "Several GPUs").
 
-``torchrun --nproc_per_node=N -m attnlab train ...`` starts N copies of the run; :func:`session` joins them into
-one process group from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``): gloo on the CPU, nccl on CUDA, one device per local rank. ``--batch-size`` stays the global batch
-B, so each rank takes B/N images a step, and the step's gradient, DDP's average of the N per-rank means, is the
-mean over the B images of the one-process step. The data order is the one-process order split by rank:
+:func:`session` joins torchrun's process group (gloo on the CPU, nccl on CUDA, one device per local rank).
+``--batch-size`` stays the global batch B, so each of the N ranks takes B/N a step, from the one-process order
+split by rank (timm's RepeatAugSampler strides its list the same way):
 
     global order o_0, o_1, ... (the same on every rank, a function of (seed, epoch))
     rank r, step s:  {o_p : sB <= p < (s+1)B, p = r mod N}
 
-so the union of the ranks' step-s batches is the one-process batch s (timm's RepeatAugSampler strides its list the
-same way). Randomness that is per sample or per batch on a rank (augmentation, Mixup/CutMix, drop-path) is seeded
-from (seed, epoch, rank): it differs from a one-process run, by design, so that ranks do not repeat each other.
-
-Errors. A user error either happens on every rank alike (options, data, a run to resume; a non-finite loss, read
-from a flag all-reduced at the same check point on every rank) or is exchanged: at the points where no other
-collective can be pending (the end of set-up, the end of each epoch) every rank calls :func:`agree` with its error
-or None, and all of them raise the same error. The command line prints such an error on rank 0 alone, which
-exits with its code first (the other ranks wait a moment; torchrun then stops them). An error on one rank in the
-middle of the steps, where the others wait inside DDP's gradient all-reduce, is marked local: that rank prints it
-and exits, and torchrun stops the others.
+Per-sample and per-batch randomness (augmentation, Mixup/CutMix, drop-path) is seeded from (seed, epoch, rank), so
+that ranks do not repeat each other. A user error happens on every rank alike or is exchanged by :func:`agree`
+where no other collective can be pending (the end of set-up, of each epoch), and rank 0 alone prints it; an error
+inside the steps, where the others wait in DDP's all-reduce, is marked local: that rank prints it and exits, and
+torchrun stops the others.
 """
 
 from __future__ import annotations
@@ -61,12 +54,6 @@ class Ranks:
 
 SINGLE = Ranks()
 _current = SINGLE
-_in_steps = False  # inside a region where other collectives (DDP's) may be pending: no agree() there
-
-
-def current() -> Ranks:
-    """The ranks of the running session (one process outside torchrun)."""
-    return _current
 
 
 def env_ranks() -> Ranks:
@@ -91,22 +78,18 @@ def rank_device(device: torch.device, ranks: Ranks) -> torch.device:
 
 @contextmanager
 def session(device: torch.device) -> Iterator[Ranks]:
-    """Join torchrun's process group for the run (gloo on CPU, nccl on CUDA) and leave it at the end.
-
-    A process group the caller already started is used as it is and left running.
-    """
+    """Join torchrun's process group for the run (gloo on CPU, nccl on CUDA) and leave it at the end; a process
+    group the caller already started is used as it is and left running."""
     global _current
     ranks = env_ranks()
-    if dist.is_available() and dist.is_initialized():
+    joined = dist.is_available() and dist.is_initialized()
+    owned = ranks.distributed and not joined
+    if joined:
         ranks = Ranks(dist.get_world_size(), dist.get_rank(), ranks.local_rank)
-        owned = False
-    elif ranks.distributed:
+    elif owned:
         if device.type == "cuda":
             torch.cuda.set_device(rank_device(device, ranks))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        owned = True
-    else:
-        owned = False
     previous, _current = _current, ranks
     try:
         yield ranks
@@ -119,16 +102,6 @@ def session(device: torch.device) -> Iterator[Ranks]:
 def rank_seed(seed: int, epoch: int, rank: int) -> int:
     """Seed of rank ``rank``'s random streams in epoch ``epoch`` (augmentation, mixing, drop-path)."""
     return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
-
-
-def seed_rank(seed: int, epoch: int, rank: int) -> None:
-    """Seed python's, numpy's and torch's global streams (all devices) from (seed, epoch, rank)."""
-    import random
-
-    s = rank_seed(seed, epoch, rank)
-    random.seed(s)
-    np.random.seed(s % 2**32)
-    torch.manual_seed(s)
 
 
 class ShardedSampler(Sampler[int]):
@@ -156,11 +129,8 @@ def rank_batch_size(batch_size: int, ranks: Ranks) -> int:
 
 
 def reduce_sums(*values: torch.Tensor | float) -> list[torch.Tensor]:
-    """Sums over the ranks of each value (float64 on the values' device; one all-reduce for all of them).
-
-    The training step's statistics (loss sum, correct, seen, a non-finite flag) are read through this function,
-    so a one-process run and an N-rank run log the same quantities.
-    """
+    """Sums over the ranks of each value (float64 on the values' device; one all-reduce for all of them): the
+    step statistics are read through it, so a one-process run and an N-rank run log the same quantities."""
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
     if _current.distributed and dist.get_backend() == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -173,16 +143,12 @@ def reduce_sums(*values: torch.Tensor | float) -> list[torch.Tensor]:
 @contextmanager
 def steps() -> Iterator[None]:
     """Marks the training steps, where DDP's collectives may be pending: an error there is this rank's alone."""
-    global _in_steps
-    _in_steps = True
     try:
         yield
     except BaseException as err:
         if not getattr(err, "attnlab_shared", False):
             err.attnlab_local = True  # type: ignore[attr-defined]
         raise
-    finally:
-        _in_steps = False
 
 
 def agree(error: BaseException | None) -> None:

@@ -1,5 +1,5 @@
 """The names of a run directory's files, named once for every reader and writer (no torch: the command line's
-argument checks read them too). :mod:`attnlab.train.run` describes what each holds."""
+argument checks read them too); docs/training.md, "Run directory", says what each holds."""
 
 from __future__ import annotations
 

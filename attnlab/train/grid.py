@@ -11,7 +11,7 @@ from typing import Any
 from attnlab.errors import ConfigError
 from attnlab.spec import split_specs
 
-from .config import GRID_PRESETS, TrainConfig, check_grid, make_config, read_yaml
+from .config import GRID_KEYS, GRID_PRESETS, TrainConfig, check_grid, make_config, read_yaml
 from .files import RESULT, result_line
 from .loop import check_run, train
 from .run import run_dir_of
@@ -45,12 +45,10 @@ def grid_runs(base_cfg: TrainConfig, variants: Sequence[str], seeds: Sequence[in
 def plan_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Sequence[int],
               datasets: Sequence[str] | None, models: Sequence[str] | None, runs_dir: str | Path,
               variations: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """Check every run of the grid before any of them trains, and say what :func:`run_grid` would do with each.
-
-    Each run goes through :func:`~attnlab.train.loop.check_run` (options, spec, device, dataset files, model, its
-    run directory), each dataset and model once; the first problem raises its AttnlabError, so a grid with one
-    bad run trains nothing. Two runs with one run directory are an error too. Returns check_run's dicts in grid
-    order, each with the run's config under ``"cfg"``. Arguments as for :func:`run_grid`.
+    """Check every run of the grid before any of them trains (:func:`~attnlab.train.loop.check_run`, each dataset
+    and model once; two runs with one run directory are an error too), raising the first problem's AttnlabError.
+    Returns check_run's dicts in grid order, each with the run's config under ``"cfg"``. Arguments as for
+    :func:`run_grid`.
     """
     variants = demo_variants() if variants is None else list(variants)
     cache: dict = {}
@@ -93,16 +91,12 @@ def run_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Seque
     """Train every (model, dataset, seed, variant) of the grid; return their result dicts in grid order.
 
     Every run is checked first (:func:`plan_grid`, and the launcher), so a grid with a bad run trains or submits
-    nothing. A run whose ``result.json`` exists is skipped (its stored result returned); a run interrupted earlier
-    resumes from its last checkpoint. ``variants=None`` means :func:`demo_variants`; ``datasets`` / ``models``
-    ``None`` mean the base config's; ``variations`` as in :func:`grid_runs`. ``jobs=1`` trains one run after
-    another; ``jobs=N`` trains N at a time in worker processes placed on the CUDA devices
-    (:mod:`attnlab.train.launch`; each run seeded as alone, so results do not depend on N; on CPU give each
-    ``threads`` so that N x threads fits the cores, e.g. the demo's 2 x 1 on 2 cores). ``launcher="submitit"``
-    (or ``"submitit-local"``) submits one job per run instead, ``launcher_options`` being
-    :data:`~attnlab.train.launch.SLURM_OPTIONS` keys. ``probe`` goes to :func:`~attnlab.train.loop.train` (runs
-    with ``probe_every`` need one; a module-level function, for workers). ``plans``: :func:`plan_grid`'s result
-    for these arguments, when the caller has checked the grid already.
+    nothing; a finished run is skipped, an interrupted one resumes. ``variants=None`` means :func:`demo_variants`;
+    ``datasets`` / ``models`` ``None`` mean the base config's. ``jobs=N`` trains N at a time in worker processes
+    (:mod:`attnlab.train.launch`; each run seeded as alone, so results do not depend on N); ``launcher`` submitit
+    submits one job per run instead, with ``launcher_options`` (:data:`~attnlab.train.launch.SLURM_OPTIONS`).
+    ``probe`` goes to :func:`~attnlab.train.loop.train` (a module-level function, for workers). ``plans``:
+    :func:`plan_grid`'s result for these arguments, when the caller has checked the grid already.
     """
     from .launch import check_launcher, run_local, run_submitit
 
@@ -152,16 +146,10 @@ def _seeds(value: Any) -> list[int]:
 
 
 def load_grid(path: str | Path | None = None, preset: str | None = None, **overrides: Any) -> dict[str, Any]:
-    """A grid description from a preset and/or YAML file, with overrides applied (``None`` values ignored).
-
-    YAML layout: ``variants: [standard, ns]``, ``seeds: [0, 1, 3]``, ``datasets: [...]``, ``models: [...]``,
-    ``runs_dir: runs`` and ``base:`` a mapping of TrainConfig keys (``recipe: ns_cifar``, ``epochs: 100``, ...);
-    TrainConfig keys may also sit at the top level; optional ``variations:`` maps a tag to TrainConfig overrides
-    (recipe variations compared separately); optional ``launcher:`` a launcher name or a mapping ``{name: submitit,
-    partition: gpu, time: 240, ...}`` (:data:`~attnlab.train.launch.SLURM_OPTIONS`). Overrides ``launcher`` and
-    ``launcher_options`` (a dict; its non-None values replace the file's). Returns ``{"base": TrainConfig,
-    "variants", "seeds", "datasets", "models", "runs_dir", "variations", "jobs", "launcher",
-    "launcher_options"}`` ready for :func:`run_grid`.
+    """A grid description from a preset and/or YAML file (layout: docs/training.md, "Grids"), with overrides
+    applied (``None`` values ignored; ``launcher_options``' non-None values replace the file's ``launcher:``
+    options). Returns ``{"base": TrainConfig, "variants", "seeds", "datasets", "models", "runs_dir", "variations",
+    "jobs", "launcher", "launcher_options"}`` ready for :func:`run_grid`.
     """
     from .launch import check_launcher
 
@@ -190,23 +178,18 @@ def load_grid(path: str | Path | None = None, preset: str | None = None, **overr
             raise ConfigError(f"'launcher' in grid file {path} must be a launcher name or a mapping such as "
                               "{name: submitit, partition: gpu, time: 240}.")
         launcher.update(launcher_part or {})
-        for key in ("variants", "seeds", "datasets", "models", "runs_dir", "variations", "jobs"):
-            if key in data:
-                grid[key] = data.pop(key)
+        grid.update({k: data.pop(k) for k in GRID_KEYS if k in data})  # base and launcher are popped already
         if grid["variations"] is not None and not isinstance(grid["variations"], dict):
             raise ConfigError(f"'variations' in grid file {path} must map a tag to training config keys, "
                               "e.g. no_warmup: {warmup_epochs: 0}.")
         check_grid(grid, data, f"grid file {path}")
         base.update(data)  # remaining top-level keys are TrainConfig keys
     for key in ("variants", "seeds", "datasets", "models", "runs_dir", "jobs"):
-        if overrides.get(key) is not None:
-            grid[key] = overrides.pop(key)
-        else:
-            overrides.pop(key, None)
-    if overrides.get("launcher") is not None:
-        launcher["name"] = overrides["launcher"]
+        if (value := overrides.pop(key, None)) is not None:
+            grid[key] = value
+    if (name := overrides.pop("launcher", None)) is not None:
+        launcher["name"] = name
     launcher.update({k: v for k, v in (overrides.pop("launcher_options", None) or {}).items() if v is not None})
-    overrides.pop("launcher", None)
     base.update({k: v for k, v in overrides.items() if v is not None})
     for key in ("variants", "datasets", "models"):
         if isinstance(grid[key], str):

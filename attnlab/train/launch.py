@@ -1,27 +1,20 @@
-"""Where a grid's runs train: worker processes on this machine placed on its devices, or one cluster job per run.
+"""Where a grid's runs train: worker processes on this machine placed on its devices, or one cluster job per run
+(docs/training.md, "Grids").
 
-``local`` (``attnlab compare --jobs N``): N slots, each one spawned worker process for the whole grid, each slot
-training one run at a time. A run whose device is ``auto`` or ``cuda`` on a machine with G visible CUDA devices
-trains on ``cuda:(slot mod G)`` (:func:`device_for`): with G >= N one run per GPU, with G = 1 all N runs packed on
-the one GPU (small models leave most of it idle), in between N spread evenly. Indices are logical: torch numbers
-the devices listed in ``CUDA_VISIBLE_DEVICES`` from 0 and the workers inherit the parent's environment, so
-``cuda:K`` names the same device in both. The parent puts the device in the run's config instead of setting
-``CUDA_VISIBLE_DEVICES`` in each worker: one device count decides, config.yaml records where each run trained, and
-nothing depends on when a worker first touches CUDA. A run on ``cpu`` or on a numbered device stays there.
+``local`` (``attnlab compare --jobs N``): N slots, each one spawned worker process training one run at a time. A
+run on ``auto`` or ``cuda`` trains on ``cuda:(slot mod G)`` of the G visible CUDA devices (:func:`device_for`),
+written into the run's config by the parent. Workers never outlive the parent: each runs in a process group of
+its own, which the parent kills when it stops for any reason but a run's error; if the parent is killed outright,
+``PR_SET_PDEATHSIG`` (Linux) and a thread watching the parent's pid end the worker's group.
 
-Workers never outlive the parent: each runs in a process group of its own (with its DataLoader workers), which the
-parent kills when it stops for any reason but a run's error (Ctrl-C, SIGTERM); if the parent is killed outright,
-the kernel tells each worker (``PR_SET_PDEATHSIG`` on Linux) and a watcher thread notices the parent's pid change
-(everywhere), and the worker ends its group. Each run holds its directory's lock (:mod:`attnlab.train.lock`) while
-it trains, so a second grid over the same runs refuses those still training.
-
-``submitit`` / ``submitit-local``: one job per run through submitit, on SLURM or as local processes (the same code
-path, used by the tests). Jobs train into the same run directories with ``resume``, so a job that SLURM preempts
-or times out is requeued and continues from its last epoch; submitit's files go to ``<runs_dir>/.submitit/``.
+``submitit`` / ``submitit-local``: one job per run through submitit, on SLURM or as local processes (the tests').
+Jobs train with ``resume``, so a preempted or timed-out job is requeued and continues from its last epoch;
+submitit's files go to ``<runs_dir>/.submitit/``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import importlib.util
@@ -57,11 +50,6 @@ def device_for(device: str, slot: int, cuda_count: int) -> str:
     if device in ("auto", "cuda") and cuda_count > 0:
         return f"cuda:{slot % cuda_count}"
     return device
-
-
-def cuda_count() -> int:
-    """Visible CUDA devices (torch counts those of CUDA_VISIBLE_DEVICES), 0 without CUDA."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def train_placed(cfg: TrainConfig, probe=None) -> dict[str, Any]:
@@ -101,10 +89,8 @@ def _worker_init(parent: int) -> None:
     os.setpgid(0, 0)
     signal.signal(signal.SIGTERM, _end_group)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which ends the workers
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux
-        pass
     if os.getppid() != parent:  # the parent died before the line above
         _end_group()
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="attnlab-parent-watch").start()
@@ -116,10 +102,8 @@ def _end_workers(slots) -> None:
         return
     for pool in slots:
         for pid in list(getattr(pool, "_processes", None) or {}):
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 def run_local(todo: Sequence[TrainConfig], jobs: int, probe=None, progress: bool = True) -> None:
@@ -131,7 +115,7 @@ def run_local(todo: Sequence[TrainConfig], jobs: int, probe=None, progress: bool
     from collections import deque
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-    count = cuda_count()
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0  # those of CUDA_VISIBLE_DEVICES
     pending = deque(todo)
     # spawn, not fork: a forked child of a process that already ran torch's thread pools can deadlock
     spawn = multiprocessing.get_context("spawn")

@@ -1,22 +1,18 @@
 """One writer per run directory: an exclusive OS lock, and the removal of what killed writers left behind.
 
-A run directory is written by the process that holds ``RUN_DIR/.lock``: an exclusive ``fcntl.flock`` on that
-file, which holds the holder's pid and host. The kernel releases the lock when its process ends in any way
-(SIGKILL included), so a lock is never stale; a second writer finds it held and stops with :class:`RunLockedError`
-naming the holder. Readers (``report``, ``eval``, ``analyze``, ``export``) never take it. A new run directory is
-locked before it appears: :func:`attnlab.train.checkpoint.create_dir_with` takes the lock inside the temporary
-directory it then renames, so no second process can slip in between.
-
-Temporary files and directories (:func:`temp_name`) carry their writer's pid; the next holder of the lock removes
-those whose process is gone (a kill in the middle of an atomic write or of ``create_dir_with``).
-
-Where ``fcntl`` does not exist (Windows), or the file system does not lock (``ENOLCK``, ``ENOTSUP``), there is no
-lock.
+The writer holds an exclusive ``fcntl.flock`` on ``RUN_DIR/.lock``, which names its pid and host; the kernel
+releases it however the process ends (SIGKILL included), so it is never stale, and a second writer stops with
+:class:`RunLockedError`. Readers never take it. A new run directory is locked before it appears, inside the
+temporary directory that :func:`attnlab.train.checkpoint.create_dir_with` renames to it. Temporary names
+(:func:`temp_name`) carry their writer's pid; the next holder removes those whose process is gone. Without
+``fcntl`` (Windows), or on a file system that cannot lock (``ENOLCK``, ``ENOTSUP``), there is no lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import glob
 import os
 import re
 import secrets
@@ -69,17 +65,13 @@ def _stale(name: str, target: str | None = None) -> bool:
 def remove_stale(run_dir: Path) -> None:
     """Remove the temporary files in ``run_dir``, and the temporary directories of ``create_dir_with`` beside
     it, that processes which have ended left behind."""
-    for path in (*run_dir.iterdir(), *run_dir.parent.glob(f".{glob_escape(run_dir.name)}.*.tmp")):
+    for path in (*run_dir.iterdir(), *run_dir.parent.glob(f".{glob.escape(run_dir.name)}.*.tmp")):
         if not _stale(path.name, None if path.parent == run_dir else run_dir.name):
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-
-
-def glob_escape(name: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 def _holder(lock_file: Path) -> str:
@@ -120,12 +112,10 @@ def check_unlocked(run_dir: str | Path) -> None:
 
 
 class RunLock:
-    """The exclusive lock of ``run_dir`` for one writer, as a context manager.
-
-    Entering takes it if ``run_dir`` exists (else :func:`~attnlab.train.checkpoint.create_dir_with` takes it when
-    it makes the directory); leaving releases it. ``enabled=False`` (the other ranks under torchrun, which write
-    nothing) makes it a no-op. Raises :class:`RunLockedError` when another process holds it.
-    """
+    """The exclusive lock of ``run_dir`` for one writer, as a context manager: entering takes it if ``run_dir``
+    exists (else :func:`~attnlab.train.checkpoint.create_dir_with` takes it when it makes the directory), leaving
+    releases it; :class:`RunLockedError` when another process holds it. ``enabled=False`` (the other ranks under
+    torchrun, which write nothing) makes it a no-op."""
 
     def __init__(self, run_dir: str | Path, enabled: bool = True):
         self.run_dir = Path(run_dir)
@@ -195,11 +185,9 @@ class RunLock:
             return
         fd, self._fd = self._fd, None
         _held.discard(self)
-        try:
+        with contextlib.suppress(OSError):
             if os.stat(self._file).st_ino == os.fstat(fd).st_ino:
                 os.unlink(self._file)
-        except OSError:
-            pass
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 
@@ -209,10 +197,8 @@ def _drop_in_child() -> None:
     process that took it; closing a copy does not unlock the parent's."""
     for lock in list(_held):
         if lock._fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(lock._fd)
-            except OSError:
-                pass
             lock._fd = None
     _held.clear()
 

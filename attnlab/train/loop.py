@@ -50,11 +50,8 @@ from .run import Plan, Run, compile_mode
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
-    """Seed of epoch ``epoch``'s data order and worker RNGs: a hash of (seed, epoch), so epochs never share a stream.
-
-    Deriving it rather than carrying a generator forward makes an epoch's data a function of (seed, epoch) alone,
-    which is what resuming at an epoch boundary needs.
-    """
+    """Seed of epoch ``epoch``'s data order and worker RNGs: a hash of (seed, epoch), so epochs never share a stream
+    and an epoch's data is a function of (seed, epoch) alone, which resuming at an epoch boundary needs."""
     return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
 
 
@@ -94,19 +91,16 @@ def train_one_epoch(model, batches: Iterator[Any], optimizer, scheduler, step_lo
                     amp_dtype, epoch: int, epochs: int, num_updates: int, clip_grad: float | None, log_every: int,
                     progress: bool, on_step=None, cudagraphs: bool = False, accum: int = 1,
                     describe=None) -> tuple[dict[str, float], int]:
-    """``steps`` optimizer steps over ``batches`` (each step ``accum`` micro-batches on the device, the loss of
-    each scaled by 1/accum). ``step_loss(model, batch) -> (loss, sums)`` is the task's (see
-    :meth:`Task.loss <attnlab.train.tasks.base.Task.loss>`). Returns (sums, num_updates): the epoch's sums over
-    steps and ranks, ``loss`` (loss x seen), ``seen`` and the task's own, plus ``seconds``. ``on_step(num_updates)``
-    runs after every optimizer step (the probe and the EMA; the probe must leave the model in train mode).
-    ``describe(sums, seconds) -> dict`` gives the progress bar's numbers (the task's ``train_stats``).
+    """``steps`` optimizer steps over ``batches`` (each step ``accum`` micro-batches, the loss of each scaled by
+    1/accum), ``step_loss`` being the task's :meth:`~attnlab.train.tasks.base.Task.loss`. Returns (sums,
+    num_updates): the epoch's sums over steps and ranks (``loss`` x seen, ``seen``, the task's own) and ``seconds``.
+    ``on_step(num_updates)`` runs after every optimizer step (the probe and the EMA; the probe must leave the model
+    in train mode); ``describe(sums, seconds) -> dict`` gives the progress bar's numbers (``train_stats``).
 
-    Nothing in a step waits for the device: the sums and a non-finite flag (the first bad step and its loss)
-    accumulate there and are read every ``log_every`` steps (on CUDA at least 100, where each read drains the
-    queue of launched steps) and at the end, where a non-finite loss raises
-    NonFiniteLossError naming its step and the window it was found in. ``cudagraphs``: mark each forward's start
-    for torch.compile's CUDA graphs (mode reduce-overhead), whose outputs the next replay overwrites. Under DDP
-    the gradients of all but the last micro-batch of a step are not all-reduced (``no_sync``).
+    No step waits for the device (docs/training.md, "One epoch"): the sums and a non-finite flag are read every
+    ``log_every`` steps (on CUDA at least 100) and at the end, where a non-finite loss raises NonFiniteLossError.
+    ``cudagraphs``: mark each forward's start for torch.compile's CUDA graphs, whose outputs the next replay
+    overwrites. Under DDP, all but the last micro-batch of a step skip the gradient all-reduce (``no_sync``).
     """
     model.train()
     autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
@@ -177,14 +171,11 @@ def train_one_epoch(model, batches: Iterator[Any], optimizer, scheduler, step_lo
 def train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     """Train ``cfg`` into ``<runs_dir>/<name>/`` and return the result dict (also written to result.json).
 
-    ``cfg.resume``: continue from the last completed epoch if the run directory holds a checkpoint (on CPU the
-    final weights equal an uninterrupted run's), return the stored result if it already finished, start afresh
-    otherwise. Without it an existing checkpoint is an error, so that no run is overwritten by accident.
-    Raises NonFiniteLossError (epoch and step in the message) at a NaN/inf loss, keeping the last checkpoint.
-    With ``cfg.probe_every > 0``, ``probe(model, inputs) -> dict`` runs every that many steps on the first
-    ``cfg.probe_images`` test inputs; each epoch's metrics line lists its results under ``probes`` as
-    ``{"step": n, ...}``. The caller supplies the probe (the command line passes
-    ``attnlab.analysis.training_probe``), since the instruments sit in a layer above training.
+    ``cfg.resume``: continue from the last completed epoch, return the stored result of a finished run, or start
+    afresh; without it an existing checkpoint is an error, so that no run is overwritten by accident. A NaN/inf
+    loss raises NonFiniteLossError, keeping the last checkpoint. With ``cfg.probe_every > 0``,
+    ``probe(model, inputs) -> dict`` (the command line passes ``attnlab.analysis.training_probe``, a layer above
+    training) runs every that many steps; each epoch's metrics line lists its results under ``probes``.
     """
     run = Run(cfg)
     cfg = run.cfg
@@ -216,13 +207,12 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
 
     from .tb import require
 
-    cfg, task, ranks, device = run.cfg, run.task, run.ranks, run.device
-    amp_dtype = run.amp_dtype
+    cfg, task, ranks, device, amp_dtype = run.cfg, run.task, run.ranks, run.device, run.amp_dtype
     micro_batch = distributed.rank_batch_size(cfg.batch_size, ranks) // cfg.grad_accum
     main = ranks.is_main  # rank 0 alone writes files, prints and logs
     require(cfg.log)
 
-    plan: Plan = run.plan(check=False, read_checkpoint=False)
+    plan: Plan = run.plan(check=False)
     if plan.action == "skip":
         return plan.result
     resuming = plan.action == "resume"
@@ -231,9 +221,8 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     seed_everything(cfg.seed)
     model = run.build_model(pretrained=not resuming).to(device)  # a checkpoint replaces the weights
     # the newest pair that is intact and fits the model; with none (a kill in the first save) start afresh, saying so
-    found, note = None, None
-    if resuming:
-        found, note = resume_point(run.dir, model, RESUME_KEYS + (("ema",) if cfg.ema else ()))
+    keys = RESUME_KEYS + (("ema",) if cfg.ema else ())
+    found, note = resume_point(run.dir, model, keys) if resuming else (None, None)
     if note and main:
         print(f"{run.name}: {note}", file=sys.stderr, flush=True)
     if resuming and found is None and (cfg.pretrained or cfg.pretrained_file):
@@ -325,21 +314,14 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
                    + (f", resuming after epoch {start_epoch}" if start_epoch else ""))
 
     probes: list[dict[str, Any]] = []
-    after_step = []
-    if ema is not None:
-        after_step.append(lambda step: ema.update(model, step=step))  # timm's decay is 0 at step 1: a copy
-    if cfg.probe_every > 0 and main:
-        probe_inputs = task.inputs(cfg.probe_images).to(device)
-
-        def run_probe(step: int) -> None:
-            if step % cfg.probe_every == 0:
-                probes.append({"step": step, **probe(model, probe_inputs)})
-                model.train()
-        after_step.append(run_probe)
+    probe_inputs = task.inputs(cfg.probe_images).to(device) if cfg.probe_every > 0 and main else None
 
     def on_step(step: int) -> None:
-        for fn in after_step:
-            fn(step)
+        if ema is not None:
+            ema.update(model, step=step)  # timm's decay is 0 at step 1: a copy
+        if probe_inputs is not None and step % cfg.probe_every == 0:
+            probes.append({"step": step, **probe(model, probe_inputs)})
+            model.train()
 
     if task.eval_at_init and found is None and main:  # the loss at initialisation (LR sensitivity), eager
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -351,14 +333,14 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
         epoch_start = time.perf_counter()
         probes.clear()
         if ranks.distributed:  # augmentation, mixing and drop-path: each rank its own streams
-            distributed.seed_rank(cfg.seed, epoch, ranks.rank)
+            seed_everything(distributed.rank_seed(cfg.seed, epoch, ranks.rank))
         steps = min(per_epoch, total - (epoch - 1) * per_epoch)
         with distributed.steps():
             sums, num_updates = train_one_epoch(
                 forward, data.batches(epoch), optimizer, scheduler, task.loss, steps=steps, device=device,
                 amp_dtype=amp_dtype, epoch=epoch, epochs=epochs, num_updates=num_updates, clip_grad=cfg.clip_grad,
-                log_every=cfg.log_every, progress=progress, on_step=on_step if after_step else None,
-                cudagraphs=cudagraphs, accum=cfg.grad_accum, describe=task.train_stats)
+                log_every=cfg.log_every, progress=progress, cudagraphs=cudagraphs, accum=cfg.grad_accum,
+                on_step=on_step if ema is not None or probe_inputs is not None else None, describe=task.train_stats)
         if not main:
             distributed.agree(None)  # while rank 0 evaluates and writes the epoch
             continue

@@ -15,13 +15,9 @@ NO_DECAY_NAMES = ("pos_embed", "cls_token", "dist_token", "reg_token", "relative
 
 
 def no_weight_decay(name: str, param: torch.Tensor, model_says: frozenset[str] = frozenset()) -> bool:
-    """True for parameters that AdamW should not decay.
-
-    Weight decay pulls a parameter towards 0, which only makes sense for a matrix whose scale the following
-    normalisation or softmax undoes. Biases and norm gains/shifts (all 1-D), learned scalars, position
-    embeddings, the class token and Swin's relative-position bias tables are not such matrices: decaying them
-    just drags offsets, scales and positional information towards 0.
-    """
+    """True for parameters that AdamW should not decay: for them 0 is not a neutral value (docs/training.md,
+    "Optimizer"). Biases, norm gains and shifts, learned scalars, position embeddings, the class token and Swin's
+    relative-position bias tables, and what the model's ``no_weight_decay()`` lists (``model_says``)."""
     return (
         param.ndim <= 1                      # biases, LayerNorm weight/bias, per-head scalars
         or name.endswith(".bias")
@@ -122,8 +118,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int, warmu
     For update t (0-based), W = ``warmup_steps`` (at most T - 1), T = ``total_steps``:
       t < W:  lr = warmup_lr + t * (lr_peak - warmup_lr) / W
       t >= W: lr = min_lr + (lr_peak - min_lr) * (1 + cos(pi * (t - W) / (T - W))) / 2
-    Stepping per iteration rather than per epoch keeps a 10-epoch warm-up smooth and makes the schedule
-    independent of how many epochs have run, which resume relies on (the state is just ``num_updates``).
+    Per-iteration stepping makes the schedule a function of ``num_updates`` alone, which resume relies on.
     ``schedule="step"``: ViTDet's instead, the same warm-up then lr_peak x 0.1 ** (milestones passed), the
     milestones at :data:`STEP_MILESTONES` of ``total_steps`` (counted from step 0, warm-up included);
     ``min_lr`` is unused.
@@ -135,32 +130,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int, warmu
         return MultiStepLRScheduler(optimizer, decay_t=[round(f * total_steps) for f in STEP_MILESTONES],
                                     decay_rate=0.1, warmup_t=warmup_t, warmup_lr_init=warmup_lr,
                                     warmup_prefix=False, t_in_epochs=False)
-    t_initial = max(total_steps - warmup_t, 1)
     # One step left after warm-up (a 1-epoch run whose warm-up fills it, or a 1-step run) is a cosine of one step:
     # timm warns that it "will have no effect", which is what the schedule above means, so that warning alone is
     # dropped, and only while this scheduler is built.
-    quiet = _DropNoEffect() if t_initial == 1 else None
     logger = logging.getLogger(CosineLRScheduler.__module__)
-    if quiet:
-        logger.addFilter(quiet)
-    try:
-        return CosineLRScheduler(
-            optimizer,
-            t_initial=t_initial,
-            lr_min=min_lr,
-            warmup_t=warmup_t,
-            warmup_lr_init=warmup_lr,
-            warmup_prefix=True,  # cosine starts at the peak once warm-up ends ("warm-up followed by cosine decay")
-            t_in_epochs=False,
-        )
+    quiet = lambda record: "will have no effect" not in record.getMessage()  # noqa: E731
+    logger.addFilter(quiet)
+    try:  # warmup_prefix: the cosine starts at the peak once warm-up ends ("warm-up followed by cosine decay")
+        return CosineLRScheduler(optimizer, t_initial=max(total_steps - warmup_t, 1), lr_min=min_lr,
+                                 warmup_t=warmup_t, warmup_lr_init=warmup_lr, warmup_prefix=True, t_in_epochs=False)
     finally:
-        if quiet:
-            logger.removeFilter(quiet)
-
-
-class _DropNoEffect(logging.Filter):
-    """Drops timm's "Cosine annealing scheduler will have no effect" warning (see :func:`build_scheduler`)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "will have no effect" not in record.getMessage()
-
+        logger.removeFilter(quiet)

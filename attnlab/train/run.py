@@ -1,25 +1,17 @@
 """A run: one training configuration, resolved once, and its directory ``<runs_dir>/<name>/``.
 
 :class:`Run` validates the config once, parses the spec once (the canonical form is what every later step sees),
-resolves device, precision and ranks once, names the run directory's files, and says what training would do with
-it (:meth:`Run.plan`: train, resume or skip), which both a grid's check and training itself use. Readers of a
-finished or partial run (report, analysis, eval, export) go through :meth:`Run.open`.
-
-The files of a run directory (every reader and writer uses these names):
-
-    config.yaml                  everything needed to rerun, written with the directory
-    metrics.jsonl                one line per epoch
-    checkpoint.safetensors + trainer_state.pt          the latest checkpoint pair (attnlab.train.checkpoint)
-    checkpoint.prev.safetensors + trainer_state.prev.pt  the one before
-    ema.safetensors              the EMA weights (``ema``), beside each checkpoint
-    tensorboard/                 ``--log tensorboard``
-    result.json                  when finished
+resolves device, precision and ranks once, and says what training would do with it (:meth:`Run.plan`: train,
+resume or skip), which both a grid's check and training itself use. Readers of a finished or partial run (report,
+analysis, eval, export) go through :meth:`Run.open`. The directory's files are named in :mod:`attnlab.train.files`
+(what each holds: docs/training.md, "Run directory").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -82,10 +74,8 @@ class Plan:
 
 
 class Run:
-    """One run: its config validated, its spec parsed, its task, dataset entry and directory (module docstring).
-
-    ``Run(cfg)`` for a run to train (or to check); ``Run.open(path)`` for one on disk.
-    """
+    """One run: its config validated, its spec parsed, its task, dataset entry and directory (module docstring);
+    ``Run(cfg)`` for a run to train (or to check), ``Run.open(path)`` for one on disk."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         from attnlab.data.registry import dataset
@@ -134,15 +124,13 @@ class Run:
                                                   world_size=self.ranks.world_size))
 
     # ---- what training would do ------------------------------------------------------------------------------
-    def plan(self, cache: dict | None = None, *, check: bool = True, read_checkpoint: bool = True) -> Plan:
+    def plan(self, cache: dict | None = None, *, check: bool = True) -> Plan:
         """Say what :func:`~attnlab.train.loop.train` would do with this run, raising the AttnlabError it would
-        raise before its first step: with ``check``, the device, the data (both splits, at least one step) and
-        the model (built once, its options and geometry), and that no other process holds the run's lock;
-        always, a run directory it could not continue (another config, a checkpoint without ``resume``).
-        ``cache``, a dict kept across calls, makes a grid load each dataset and build each model once.
-        A run whose checkpoint files hold no intact pair (a kill inside the first save) plans "train" with a
-        note: it starts afresh. ``read_checkpoint=False`` plans "resume" for any checkpoint files without
-        reading them (training reads them once, when the model exists)."""
+        raise before its first step: with ``check``, the device, the data, the model and the run's lock (``cache``,
+        kept across calls, makes a grid load each dataset and build each model once); always, a run directory it
+        could not continue (another config, a checkpoint without ``resume``). Checkpoint files without an intact
+        pair plan "train" with a note (it starts afresh); ``check=False`` (training itself, which reads them once
+        the model exists) plans "resume" for any checkpoint files without reading them."""
         from .checkpoint import has_checkpoint, resume_point
         from .lock import check_unlocked
 
@@ -161,7 +149,7 @@ class Run:
             self.check_same_config()
         if cfg.resume and finished:
             return Plan("skip", result=self.result())
-        if resumable and not read_checkpoint:
+        if resumable and not check:
             return Plan("resume")
         if resumable:
             found, note = resume_point(self.dir)  # None: no intact pair, the run starts afresh
@@ -200,11 +188,8 @@ class Run:
                 return
             raise
         except Exception as err:  # noqa: BLE001 - timm and torch raise what they raise for a shape
-            given = f" with model options {self.cfg.model_options}" if self.cfg.model_options else ""
-            reason = " ".join(str(err).split()) or type(err).__name__
-            raise ConfigError(f"model {self.cfg.model}{given} cannot be built for dataset {self.cfg.dataset}: it "
-                              f"does not take the dataset's inputs ({type(err).__name__}: {reason[:200]}); check "
-                              f"the options against the data (image size, channels, length).") from None
+            raise self._cannot_build(err, ": it does not take the dataset's inputs",
+                                     "the data (image size, channels, length)") from None
 
     def check_same_config(self) -> None:
         saved = yaml.safe_load((self.dir / CONFIG).read_text()) or {}
@@ -228,11 +213,14 @@ class Run:
         except Exception as err:  # noqa: BLE001 - timm and torch raise what they raise for a geometry
             if not self.cfg.model_options and not checking:
                 raise
-            reason = " ".join(str(err).split()) or type(err).__name__
-            given = f" with model options {self.cfg.model_options}" if self.cfg.model_options else ""
-            raise ConfigError(f"model {self.cfg.model}{given} cannot be built for dataset {self.cfg.dataset} "
-                              f"({type(err).__name__}: {reason[:200]}); check the options against the model's "
-                              f"constructor.") from None
+            raise self._cannot_build(err, "", "the model's constructor") from None
+
+    def _cannot_build(self, err: Exception, why: str, check: str) -> ConfigError:
+        """One line for a model that the run's options (or data) make fail, naming the options given."""
+        given = f" with model options {self.cfg.model_options}" if self.cfg.model_options else ""
+        reason = " ".join(str(err).split()) or type(err).__name__
+        return ConfigError(f"model {self.cfg.model}{given} cannot be built for dataset {self.cfg.dataset}{why} "
+                           f"({type(err).__name__}: {reason[:200]}); check the options against {check}.")
 
     # ---- reading a run on disk ---------------------------------------------------------------------------------
     @classmethod
@@ -248,10 +236,6 @@ class Run:
         run.name, run.dir = path.name, path
         return run
 
-    def metrics(self) -> list[dict[str, Any]]:
-        """The epochs logged so far (metrics.jsonl, one object per line)."""
-        return read_jsonl(self.dir / METRICS)
-
     def result(self) -> dict[str, Any]:
         try:
             return json.loads((self.dir / RESULT).read_text())
@@ -261,8 +245,6 @@ class Run:
     def load_model(self, map_location: str | torch.device = "cpu") -> nn.Module:
         """The model of the run's newest intact checkpoint, in eval mode on ``map_location`` (``"cpu"``,
         ``"cuda:1"``); the checkpoint's weights must fit the model its config.yaml describes (one line if not)."""
-        import sys
-
         from .checkpoint import NoIntactCheckpoint, find_weights
 
         model = self.build_model(pretrained=False)
@@ -276,26 +258,20 @@ class Run:
         note = found.fallback("using")  # analysis and eval read a run too: say which epoch they measure
         if note:
             print(f"{self.name}: {note}", file=sys.stderr, flush=True)
-        missing, unexpected = _key_mismatch(model, found.weights)
-        if missing or unexpected:
-            what = (f"missing {', '.join(missing[:3])}" if missing else "") + \
-                   ("; " if missing and unexpected else "") + \
-                   (f"unexpected {', '.join(unexpected[:3])}" if unexpected else "")
+        own, theirs = set(model.state_dict()), set(found.weights)
+        what = "; ".join(f"{word} {', '.join(sorted(keys)[:3])}" for word, keys in
+                         (("missing", own - theirs), ("unexpected", theirs - own)) if keys)
+        if not what:
+            try:
+                model.load_state_dict(found.weights)
+            except RuntimeError as err:  # same keys, other shapes
+                first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
+                what = first[:200] or type(err).__name__  # never empty: an empty one would return the model unloaded
+        if what:
             raise ConfigError(f"the checkpoint of {self.dir} does not fit the model its {CONFIG} describes "
                               f"({what}); was config.yaml edited or replaced?")
-        try:
-            model.load_state_dict(found.weights)
-        except RuntimeError as err:  # same keys, other shapes
-            first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
-            raise ConfigError(f"the checkpoint of {self.dir} does not fit the model its {CONFIG} describes "
-                              f"({first[:200]}); was config.yaml edited or replaced?") from None
         # built on the CPU and then moved, as training does: sigma's set-up calls .item(), which meta cannot
         return model.to(map_location).eval()
-
-
-def _key_mismatch(model: nn.Module, weights: dict) -> tuple[list[str], list[str]]:
-    own = set(model.state_dict())
-    return sorted(own - set(weights)), sorted(set(weights) - own)
 
 
 def run_dir_of(cfg: TrainConfig) -> Path:

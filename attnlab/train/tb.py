@@ -1,9 +1,6 @@
-"""``--log tensorboard``: each epoch's metrics line as TensorBoard scalars, in ``<run_dir>/tensorboard/``.
-
-``metrics.jsonl`` stays the source of truth; this is a view of it, written by PyTorch's ``SummaryWriter`` (the
-``tensorboard`` package, an optional extra: ``pip install attnlab[tensorboard]``). Every scalar is plotted
-against the optimizer step (``num_updates``), so that the epoch scalars and the ``--probe-every`` instruments
-share one axis: epoch scalars at the step that ends the epoch, probe values at the step they were taken.
+"""``--log tensorboard``: each epoch's metrics line as TensorBoard scalars, in ``<run_dir>/tensorboard/``
+(docs/training.md, "TensorBoard"). ``metrics.jsonl`` stays the source of truth; every scalar is plotted against
+the optimizer step, so that epoch scalars and ``--probe-every`` values share one axis.
 """
 
 from __future__ import annotations
@@ -40,25 +37,22 @@ class TensorBoardLog:
     after that many optimizer steps, events past it that an earlier attempt wrote are hidden (TensorBoard's
     ``purge_step``), so the curves show each step once."""
 
-    def __init__(self, run_dir: str | Path, start_step: int = 0, writer_class=None):
-        if writer_class is None:
-            require("tensorboard")
-            from torch.utils.tensorboard import SummaryWriter as writer_class
+    def __init__(self, run_dir: str | Path, start_step: int = 0):
+        require("tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
         kwargs = {"purge_step": start_step + 1} if start_step > 0 else {}
-        self.writer = writer_class(log_dir=str(Path(run_dir) / LOG_DIR), **kwargs)
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / LOG_DIR), **kwargs)
 
     def epoch(self, record: dict[str, Any], step: int) -> None:
         """One epoch's record: the scalars of ``EPOCH_SCALARS``, hook statistics (any other number) under
         ``train/``, and each probe's numbers under ``probe/`` at its own step."""
         for key, value in record.items():
-            number = _number(value)
-            if key in ("epoch", "epoch_seconds") or number is None:
-                continue
-            self.writer.add_scalar(EPOCH_SCALARS.get(key, f"train/{key}"), number, step)
+            if key not in ("epoch", "epoch_seconds") and (number := _number(value)) is not None:
+                self.writer.add_scalar(EPOCH_SCALARS.get(key, f"train/{key}"), number, step)
         for probe in record.get("probes", ()):
             for key, value in probe.items():
-                number = _number(value)
-                if key != "step" and number is not None:
+                if key != "step" and (number := _number(value)) is not None:
                     self.writer.add_scalar(f"probe/{key}", number, int(probe["step"]))
         self.writer.flush()
 

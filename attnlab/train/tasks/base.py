@@ -1,21 +1,10 @@
 """The Task seam: everything about a run that depends on its task family, in one object per run.
 
 The training loop (:mod:`attnlab.train.loop`) owns the epoch and step loop, optimizer and schedule, AMP, compile,
-DDP, EMA, checkpoints and resume, logging and the error contract, and asks the run's Task for the rest:
-
-    check(cache)              before any training: the data loads (both splits) and gives at least one step
-    build_model(pretrained)   the model sized for the data (``DatasetInfo.model_kwargs``), any spec applied
-    train_data(...)           the train split as batches on the device, one epoch at a time (:class:`TrainData`)
-    loss(model, batch)        forward and loss of one (micro-)batch, with device-side sums for the log
-    train_stats(sums, s)      an epoch's training numbers (train_loss, ...) from those sums
-    evaluate(model, ...)      the evaluation metrics of an epoch (``metrics`` names them)
-    inputs(n)                 the first n test inputs (probes, instruments); example_input(b): zeros of that form
-    result(record)            what result.json reports, ``headline`` first (with ``eval_at_init``, also
-                              ``init``: :meth:`evaluate` before the first step)
-
-A subclass sets ``name``, ``metrics``, ``headline``, ``higher_is_better`` (and for the report ``report_columns``
-and ``percent``); ``line(record)`` is an epoch's
-progress line.
+DDP, EMA, checkpoints and resume, logging and the error contract, and asks the run's Task for the rest, in this
+order: ``check``, ``build_model``, ``train_data``, then per step ``loss`` and per epoch ``train_stats``,
+``evaluate`` and ``line``, at the end ``result`` (each method's docstring says what it gives). A subclass sets
+``name``, ``metrics``, ``headline``, ``higher_is_better`` (and for the report ``report_columns`` and ``percent``).
 """
 
 from __future__ import annotations
@@ -74,14 +63,26 @@ class Task:
         as when a checkpoint replaces them)."""
         from attnlab import models  # looked up at call time, so that a test can wrap build_model
 
+        return models.build_model(self.cfg.model, attn=self.run.spec, norm=self.cfg.norm,
+                                  **self._model_kwargs(pretrained))
+
+    def _model_kwargs(self, pretrained: bool) -> dict[str, Any]:
+        """The model's keyword arguments: sized for the dataset, then pretrained, drop-path and model options."""
         cfg = self.cfg
         kwargs = dict(self.run.info.model_kwargs())
         if pretrained and (cfg.pretrained or cfg.pretrained_file):
             kwargs.update(pretrained=True, pretrained_file=cfg.pretrained_file)
         if cfg.drop_path is not None:
             kwargs["drop_path_rate"] = cfg.drop_path
-        kwargs.update(cfg.model_options)
-        return models.build_model(cfg.model, attn=self.run.spec, norm=cfg.norm, **kwargs)
+        return {**kwargs, **cfg.model_options}
+
+    def _split(self, train: bool):
+        """The dataset's train or evaluation split (augmented as configured when training)."""
+        from attnlab.data import build_dataset
+
+        cfg = self.cfg
+        return build_dataset(cfg.dataset, train, data_dir=cfg.data_dir, download=cfg.download,
+                             augment=cfg.augment if train else "none", **cfg.data_options)
 
     # ---- training ----------------------------------------------------------------------------------------------
     def train_data(self, batch_size: int, device: torch.device) -> TrainData:  # pragma: no cover - abstract

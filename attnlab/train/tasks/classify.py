@@ -87,17 +87,17 @@ def evaluate(model, loader, *, device, amp_dtype, num_classes: int, pad_to: int 
 class _HostData:
     """The train split through a DataLoader: the epoch's order from a generator seeded by (seed, epoch) alike on
     every rank (so N ranks split the one-process order), the workers' seeds from another seeded by (seed, epoch)
-    or, under torchrun, (seed, epoch, rank). Workers are not persistent, so that each epoch's are seeded anew;
-    torch seeds random, numpy and torch in each worker."""
+    or, under torchrun, (seed, epoch, rank); workers are not persistent, so each epoch's are seeded anew."""
 
-    def __init__(self, task: Classification, train_set, batch_size: int, device: torch.device, mixup_fn) -> None:
+    def __init__(self, task: Classification, train_set, batch_size: int, device: torch.device, mixup_fn,
+                 collate_fn=None) -> None:
         cfg, ranks = task.cfg, task.run.ranks
         self.cfg, self.ranks, self.device, self.mixup_fn = cfg, ranks, device, mixup_fn
         self.order_gen, self.data_gen = torch.Generator(), torch.Generator()
         self.sampler = train_sampler(cfg, train_set, self.order_gen, ranks)
         self.loader = DataLoader(train_set, batch_size=batch_size, sampler=self.sampler, drop_last=True,
                                  num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
-                                 generator=self.data_gen)
+                                 generator=self.data_gen, collate_fn=collate_fn)
         self.steps = check_steps(cfg, len(self.sampler) * ranks.world_size)
 
     def batches(self, epoch: int):
@@ -150,39 +150,25 @@ class Classification(Task):
     higher_is_better = True
     robustness_eval = True
 
-    def __init__(self, run) -> None:
-        super().__init__(run)
-        self._test_set = None
-
-    def _data_key(self) -> tuple:
-        cfg = self.cfg
-        return ("data", cfg.dataset, cfg.data_dir, cfg.download, cfg.augment, repr(sorted(cfg.data_options.items())))
-
-    def _split(self, train: bool):
-        from attnlab.data import build_dataset
-
-        cfg = self.cfg
-        return build_dataset(cfg.dataset, train, data_dir=cfg.data_dir, download=cfg.download,
-                             augment=cfg.augment if train else "none", **cfg.data_options)
-
     def prepare_eval(self) -> None:
         self.test_set()
 
     def test_set(self):
-        if self._test_set is None:
+        if getattr(self, "_test_set", None) is None:  # built once
             self._test_set = self._split(False)
         return self._test_set
 
     def check(self, cache: dict) -> None:
-        key = self._data_key()
+        cfg = self.cfg
+        key = ("data", cfg.dataset, cfg.data_dir, cfg.download, cfg.augment, repr(sorted(cfg.data_options.items())))
         if key not in cache:
             n_train = len(self._split(True))
             self.test_set()
             cache[key] = n_train
-        check_steps(self.cfg, len(train_sampler(self.cfg, range(cache[key]), torch.Generator())))
+        check_steps(cfg, len(train_sampler(cfg, range(cache[key]), torch.Generator())))
 
     def on_device(self) -> bool:
-        """Whether the train split lives on the device: the image task's ``data_on_device`` (None: on CUDA for
+        """Whether the train split lives on the device: never here; for images ``data_on_device`` (None: on CUDA for
         the datasets the device pipeline holds)."""
         return False
 
@@ -224,8 +210,7 @@ class Classification(Task):
     def loss(self, model, batch):
         return self.step(model, batch)
 
-    def train_stats(self, sums, seconds):
-        return classification_stats(sums, seconds)
+    train_stats = staticmethod(classification_stats)
 
     def evaluate(self, model, *, device, amp_dtype, static_shapes: bool = False) -> dict[str, float]:
         if getattr(self, "_test_loader", None) is None:

@@ -1,12 +1,10 @@
 """Detection and instance segmentation: torchvision's Mask R-CNN (Faster R-CNN with ``masks: false``) around a
 ViTDet or Swin backbone carrying the run's spec (:func:`attnlab.models.build_detector`), on COCO-format data
-(:mod:`attnlab.data.coco`: COCO itself, or the synthetic shapes set).
+(:mod:`attnlab.data.coco`: COCO itself, or the synthetic shapes set); docs/training.md, "Detection".
 
-A batch is ``(images, targets)`` on the device: lists, as torchvision's detectors take them (images (3, H, W) in
-[0, 1], targets with ``boxes``, ``labels``, ``masks``). The loss is the sum of torchvision's loss dict (RPN
-objectness and box regression, RoI classification, box regression and mask), each part logged per epoch.
-Evaluation: COCO box and mask AP, AP50, AP75, APs/APm/APl in per cent (pycocotools' COCOeval) on the
-evaluation split; a metric with no object of its size is null. The headline is box AP.
+A batch is ``(images, targets)`` on the device, lists as torchvision's detectors take them; the loss is the sum of
+torchvision's loss dict, each part logged per epoch. Evaluation: COCO box and mask AP (pycocotools' COCOeval),
+null for a size without objects; the headline is box AP.
 """
 
 from __future__ import annotations
@@ -28,17 +26,7 @@ LOSSES = ("loss_classifier", "loss_box_reg", "loss_mask", "loss_objectness", "lo
 
 class _DetectionData(_HostData):
     """The classification task's seeded, rank-sharded loader (:class:`~attnlab.train.tasks.classify._HostData`),
-    batching lists (images differ in size) and moving them to the device."""
-
-    def __init__(self, task: "Detection", train_set, batch_size: int, device: torch.device) -> None:
-        from torch.utils.data import DataLoader
-
-        from attnlab.data.coco import collate
-
-        super().__init__(task, train_set, batch_size, device, mixup_fn=None)
-        self.loader = DataLoader(train_set, batch_size=batch_size, sampler=self.sampler, drop_last=True,
-                                 num_workers=self.cfg.num_workers, pin_memory=device.type == "cuda",
-                                 generator=self.data_gen, collate_fn=collate)
+    batching lists (images differ in size, ``attnlab.data.coco.collate``) and moving them to the device."""
 
     def batches(self, epoch: int):
         from attnlab.data.coco import to_device
@@ -59,19 +47,8 @@ class Detection(Task):
     #: the training-curve panels (metric, title)
     curve_panels = (("train_loss", "train loss"), ("box_AP", "box AP (%)"), ("box_AP50", "box AP50 (%)"))
 
-    def __init__(self, run) -> None:
-        super().__init__(run)
-        self._val = None
-
-    def _split(self, train: bool):
-        from attnlab.data import build_dataset
-
-        cfg = self.cfg
-        return build_dataset(cfg.dataset, train, data_dir=cfg.data_dir, download=cfg.download,
-                             augment=cfg.augment if train else "none", **cfg.data_options)
-
     def val_set(self):
-        if self._val is None:
+        if getattr(self, "_val", None) is None:  # built once
             self._val = self._split(False)
         return self._val
 
@@ -97,15 +74,9 @@ class Detection(Task):
         by the dataset (categories, canvas); any other model is one line saying what the task takes."""
         from attnlab import models
 
-        cfg = self.cfg
-        kwargs = dict(self.run.info.model_kwargs())
-        if pretrained and (cfg.pretrained or cfg.pretrained_file):
-            kwargs.update(pretrained=True, pretrained_file=cfg.pretrained_file)
-        if cfg.drop_path is not None:
-            kwargs["drop_path_rate"] = cfg.drop_path
-        kwargs.update(cfg.model_options)
+        kwargs = self._model_kwargs(pretrained)
         kwargs.setdefault("masks", self._data_masks())
-        return models.build_detector(cfg.model, attn=self.run.spec, norm=cfg.norm, **kwargs)
+        return models.build_detector(self.cfg.model, attn=self.run.spec, norm=self.cfg.norm, **kwargs)
 
     def _data_masks(self) -> bool:
         from attnlab.data.registry import resolve_options
@@ -113,7 +84,9 @@ class Detection(Task):
         return resolve_options(self.cfg.dataset, self.cfg.data_options)["masks"]
 
     def train_data(self, batch_size: int, device: torch.device):
-        return _DetectionData(self, self._split(True), batch_size, device)
+        from attnlab.data.coco import collate
+
+        return _DetectionData(self, self._split(True), batch_size, device, mixup_fn=None, collate_fn=collate)
 
     def loss(self, model, batch):
         images, targets = batch

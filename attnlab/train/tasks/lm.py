@@ -51,12 +51,8 @@ class LanguageModelling(Task):
         self._splits: dict[bool, object] = {}
 
     def _split(self, train: bool):
-        if train not in self._splits:
-            from attnlab.data import build_dataset
-
-            cfg = self.cfg
-            self._splits[train] = build_dataset(cfg.dataset, train, data_dir=cfg.data_dir, download=cfg.download,
-                                                augment="none", **cfg.data_options)
+        if train not in self._splits:  # built once (augment is "none": the config refuses others for token streams)
+            self._splits[train] = super()._split(train)
         return self._splits[train]
 
     @property
@@ -112,8 +108,7 @@ class LanguageModelling(Task):
         return loss, {"seen": (y != IGNORE).sum()}
 
     def train_stats(self, sums, seconds):
-        seen = max(sums.get("seen", 0.0), 1.0)
-        return {"train_loss": sums.get("loss", 0.0) / seen, "train_seconds": seconds,
+        return {**super().train_stats(sums, seconds),
                 "tokens_per_s": sums.get("seen", 0.0) / seconds if seconds > 0 else 0.0}
 
     def evaluate(self, model, *, device, amp_dtype, static_shapes: bool = False) -> dict[str, float]:

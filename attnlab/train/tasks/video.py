@@ -1,10 +1,7 @@
-"""Video classification (TimeSformer on clips): the image task's training with clips for images, and the video
-evaluation (several views per clip averaged; top-1, top-5 and mean class accuracy, Toyota Smarthome's metric).
-
-A training batch is ``(clips (B, C, T, H, W), labels, labels)`` on the device from the CPU loader (no Mixup/CutMix:
-the video datasets refuse them). Evaluation batches hold ``(B, V, C, T, H, W)`` when the split gives several views
-(``clips`` x ``crops``); the views' softmax probabilities are averaged (:mod:`attnlab.data.video_metrics`). The run's
-``video_metric`` (top1, or mean_class_accuracy for Smarthome) is what result.json reports first and a report compares.
+"""Video classification (TimeSformer on clips): the image task's training with clips for images (no Mixup/CutMix),
+and the video evaluation, the softmax of several views per clip averaged (top-1, top-5 and mean class accuracy;
+docs/training.md, "Video"). The run's ``video_metric`` (top1, or mean_class_accuracy for Smarthome) is what
+result.json reports first and a report compares.
 """
 
 from __future__ import annotations
