@@ -1,7 +1,14 @@
-"""One kernel cache for the whole test run: the fused CPU kernels are compiled once, by the first test that needs
-them, and every later test and every subprocess it starts (they inherit the environment) loads that build. Tests of
-the cache itself (tests/ops/test_ckernel.py, tests/security) give their subprocesses a fresh one. A cache the caller
-set (.ci/run's no-compiler pass) is kept."""
+"""Session-wide settings for the test run.
+
+One kernel cache: the fused CPU kernels are compiled once, by the first test that needs them, and every later test
+and every subprocess it starts (they inherit the environment) loads that build. Tests of the cache itself
+(tests/ops/test_ckernel.py, tests/security) give their subprocesses a fresh one. A cache the caller set (.ci/run's
+no-compiler pass) is kept.
+
+One core's worth of threads per pytest-xdist worker: N workers that each run torch's default of one thread per core
+spin against each other (two workers on two cores spent 3.5x the CPU time on tests/attention and tests/analysis,
+docs/perf.md). Subprocesses inherit the setting; a test that needs more threads sets its own environment.
+"""
 
 import os
 import shutil
@@ -14,6 +21,9 @@ def pytest_configure(config):
     if not os.environ.get("ATTNLAB_CACHE"):
         _made.append(tempfile.mkdtemp(prefix="attnlab-test-kernels-"))
         os.environ["ATTNLAB_CACHE"] = os.path.join(_made[0], "kernels")
+    workers = getattr(config.option, "numprocesses", None) or 0  # pytest-xdist's -n, in the controller
+    if isinstance(workers, int) and workers > 0 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_unconfigure(config):

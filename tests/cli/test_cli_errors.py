@@ -1,4 +1,5 @@
-"""A user's mistake gives one line on stderr and exit code 2, never a traceback (run as a real process)."""
+"""A user's mistake gives one line on stderr and exit code 2, never a traceback (``attnlab.cli.main`` in this process,
+read as a real process: tests/cli/test_bad_inputs.py checks that the two agree)."""
 
 import os
 import subprocess
@@ -6,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import in_process
 
 CASES = [
     (["train", "--model", "no_such_model", "--dataset", "digits"], "unknown model 'no_such_model'"),
@@ -20,8 +22,7 @@ CASES = [
 @pytest.mark.parametrize("argv,expected", CASES, ids=["model", "dataset", "spec", "bench-spec", "missing-cifar",
                                                       "analyze-no-target"])
 def test_bad_input_is_one_line_exit_2(argv, expected, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "attnlab", *argv, *(["--runs-dir", str(tmp_path)]
-                           if argv[0] == "train" else [])], capture_output=True, text=True, timeout=120)
+    proc = in_process([*argv, *(["--runs-dir", str(tmp_path)] if argv[0] == "train" else [])], cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr

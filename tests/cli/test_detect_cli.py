@@ -4,11 +4,9 @@ backbone, and flags that only classification takes are one line."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from cli_runner import in_process
 
 pytest.importorskip("pycocotools")
 
@@ -16,8 +14,7 @@ SMALL = {"train_images": 8, "val_images": 3, "image_size": 64, "min_size": 8, "m
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "attnlab", *map(str, args)], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return in_process(list(args))
 
 
 @pytest.fixture(scope="module")

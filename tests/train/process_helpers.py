@@ -10,6 +10,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from cli_runner import in_process
+
 # `python -c PAUSING CLI-ARGS...`: attnlab's command line, where training forward number $ATTNLAB_TEST_PAUSE_AT
 # (default 1) writes this process's pid to $ATTNLAB_TEST_READY and then waits until a file named that plus ".go"
 # exists: the test acts while the run is held, then lets it go on (or kills it).
@@ -41,9 +43,10 @@ PAUSING = textwrap.dedent("""
 """)
 
 
-def attnlab(*argv, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "attnlab", *map(str, argv)], capture_output=True, text=True,
-                          timeout=timeout, **kwargs)
+def attnlab(*argv) -> subprocess.CompletedProcess:
+    """``attnlab ARGV`` run inside this process as a fresh one would run it (tests/cli_runner.py): the readers and
+    resumes that follow a fault need no interpreter of their own; the faulty runs themselves are real processes."""
+    return in_process(list(argv))
 
 
 def start_paused(ready: Path, *argv, pause_at: int = 1) -> subprocess.Popen:

@@ -91,7 +91,7 @@ def _tensor_bytes(path) -> int:
 
 
 def _resume(run, runs):
-    """`train --resume RUN` as a process: its one stderr line; the run must end as the uninterrupted one did."""
+    """`attnlab train --resume RUN`: its one stderr line; the run must end as the uninterrupted one did."""
     proc = attnlab("train", "--resume", run)
     assert proc.returncode == 0, proc.stderr
     assert _same_weights(runs / "full" / NAME, run)

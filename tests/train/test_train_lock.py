@@ -161,15 +161,12 @@ def test_a_second_writer_gets_one_line_naming_the_first(tmp_path):
     grid = tmp_path / "grid.yaml"
     grid.write_text(yaml.safe_dump({"variants": ["standard", "ns"], "seeds": [0], "runs_dir": str(runs),
                                     "base": {"recipe": "demo", "epochs": 2, "batch_size": 64}}))
-    second = [subprocess.Popen([sys.executable, "-m", "attnlab", *map(str, argv)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # all at once
-              for argv in (["train", *TRAIN, "--attn", "ns", "--name", name, "--runs-dir", runs],  # another config
-                           ["train", "--resume", run],
-                           ["compare", "--config", grid])]
-    for proc in second:
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 2, err
-        line = one_line(err)
+    for argv in (["train", *TRAIN, "--attn", "ns", "--name", name, "--runs-dir", runs],  # another config
+                 ["train", "--resume", run],
+                 ["compare", "--config", grid]):
+        proc = attnlab(*argv)
+        assert proc.returncode == 2, proc.stderr
+        line = one_line(proc.stderr)
         assert f"is being written by process {pid}" in line and str(run) in line, line
     assert (run / "config.yaml").read_bytes() == config
     assert not (runs / "vit_digits-digits-ns-s0").exists()  # the grid trained nothing
