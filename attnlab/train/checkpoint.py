@@ -1,13 +1,7 @@
-"""Atomic files, checkpoints and RNG state of a run directory (layout and guarantees: docs/training.md, "Run
-directory").
-
-The last two completed epochs are kept, each a pair of weights (``checkpoint[.prev].safetensors``) and trainer
-state (``trainer_state[.prev].pt``). Both files of a save record its epoch, a random save id and the sha256 of their
-own content (:func:`content_sha256`), so a pair is never mixed from two saves and damage that still parses is
-noticed; resuming takes the newest intact pair wherever its files lie (a kill mid-rotation leaves one renamed).
-Readers of a run's weights (:func:`find_weights`) never read the trainer state. Every file is written to a
-same-directory temporary file, fsynced, then moved over the old one with ``os.replace``: a crash leaves the old or
-the new file, never a torn one. One process writes a run directory at a time (:mod:`attnlab.train.lock`).
+"""Atomic files, checkpoints and RNG state of a run directory. The last two completed epochs are kept as pairs of
+weights and trainer state, matched by a save id and checked by their sha256 (:func:`content_sha256`); every file is
+replaced atomically; readers of the weights (:func:`find_weights`) never read the trainer state. Layout and
+guarantees: docs/training.md, "Run directory"; one writer at a time: :mod:`attnlab.train.lock`.
 """
 
 from __future__ import annotations
@@ -59,15 +53,12 @@ def _no_intact(run_dir: Path, skipped: dict[str, str], what: str) -> NoIntactChe
 
 def _fsync_dir(path: Path) -> None:
     """Make renames in ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
+    with contextlib.suppress(OSError):
         dir_fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
+        try:
             os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
@@ -285,15 +276,11 @@ def _reason(err: Exception) -> str:
     return str(err) if isinstance(err, _Unusable) else f"unreadable ({type(err).__name__})"
 
 
-def _open_weights(path: Path):
-    from attnlab.models.pretrained import open_safetensors
-
-    return open_safetensors(path)
-
-
 def _weights_meta(path: Path) -> tuple[int, str]:
     """(epoch, save id) from a weights file's header."""
-    with _open_weights(path) as f:
+    from attnlab.models.pretrained import open_safetensors
+
+    with open_safetensors(path) as f:
         meta = f.metadata() or {}
     epoch = int(meta["epoch"])
     return epoch, meta.get("save_id", f"epoch {epoch}")
@@ -314,9 +301,9 @@ def _heads(run_dir: Path, skipped: dict[str, str]) -> list[tuple[int, str, str]]
 def _read_weights(path: Path, map_location, model: nn.Module | None) -> dict[str, torch.Tensor]:
     """The tensors of a weights file, its names and shapes checked against ``model``'s from the header first, then
     its content against the sha256 in its metadata (files without one are older and unchecked)."""
-    from attnlab.models.pretrained import mismatch, safetensors_header, shapes
+    from attnlab.models.pretrained import mismatch, open_safetensors, safetensors_header, shapes
 
-    with _open_weights(path) as f:
+    with open_safetensors(path) as f:
         meta = f.metadata() or {}
         if model is not None:
             why = mismatch(shapes(model.state_dict()), {k: s for k, (_, s) in safetensors_header(f).items()},
