@@ -68,10 +68,6 @@ def provenance(device: torch.device) -> dict[str, str]:
             "machine": f"{where}, {platform.system()}, torch {torch.__version__}", "attnlab_version": __version__}
 
 
-def count_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def check_run(cfg: TrainConfig, cache: dict | None = None) -> dict[str, Any]:
     """What :func:`train` would do with ``cfg``, checked without training (:meth:`Run.plan`), as a dict:
     ``{"name", "run_dir", "action", "epoch", "note", "result"}``."""
@@ -306,7 +302,7 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     # evaluation runs on rank 0 alone, outside DDP, whose forward would wait for the other ranks
     evaluate_with = forward if not ranks.distributed else compiled(model)
     cudagraphs = mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
-    params = count_params(model)
+    params = sum(p.numel() for p in model.parameters())
     progress = cfg.progress and main
     if progress:
         tqdm.write(f"{run.name}: {params / 1e6:.2f}M parameters, {device.type}"
@@ -394,4 +390,4 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     return distributed.from_main(result)
 
 
-__all__ = ["check_run", "count_params", "epoch_seed", "train", "train_one_epoch"]
+__all__ = ["check_run", "epoch_seed", "train", "train_one_epoch"]
