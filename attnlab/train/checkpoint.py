@@ -276,11 +276,15 @@ def _reason(err: Exception) -> str:
     return str(err) if isinstance(err, _Unusable) else f"unreadable ({type(err).__name__})"
 
 
-def _weights_meta(path: Path) -> tuple[int, str]:
-    """(epoch, save id) from a weights file's header."""
+def _open_weights(path: Path):
     from attnlab.models.pretrained import open_safetensors
 
-    with open_safetensors(path) as f:
+    return open_safetensors(path)
+
+
+def _weights_meta(path: Path) -> tuple[int, str]:
+    """(epoch, save id) from a weights file's header."""
+    with _open_weights(path) as f:
         meta = f.metadata() or {}
     epoch = int(meta["epoch"])
     return epoch, meta.get("save_id", f"epoch {epoch}")
@@ -301,9 +305,9 @@ def _heads(run_dir: Path, skipped: dict[str, str]) -> list[tuple[int, str, str]]
 def _read_weights(path: Path, map_location, model: nn.Module | None) -> dict[str, torch.Tensor]:
     """The tensors of a weights file, its names and shapes checked against ``model``'s from the header first, then
     its content against the sha256 in its metadata (files without one are older and unchecked)."""
-    from attnlab.models.pretrained import mismatch, open_safetensors, safetensors_header, shapes
+    from attnlab.models.pretrained import mismatch, safetensors_header, shapes
 
-    with open_safetensors(path) as f:
+    with _open_weights(path) as f:
         meta = f.metadata() or {}
         if model is not None:
             why = mismatch(shapes(model.state_dict()), {k: s for k, (_, s) in safetensors_header(f).items()},
