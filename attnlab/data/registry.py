@@ -54,21 +54,16 @@ class Option:
             if text in ("0", "false", "no", "off"):
                 return False
             raise ConfigError(f"{where} is not a boolean; use true or false")
-        if isinstance(default, int):
+        if isinstance(default, (int, float)):
+            integer = isinstance(default, int)
             try:
-                number = int(value) if not isinstance(value, float) or value.is_integer() else None
-                if isinstance(value, bool) or number is None:
+                if isinstance(value, bool) or (integer and isinstance(value, float) and not value.is_integer()):
+                    raise ValueError
+                number = int(value) if integer else float(value)
+                if not integer and not math.isfinite(number):
                     raise ValueError
             except (TypeError, ValueError):
-                raise ConfigError(f"{where} is not an integer") from None
-            return self._bounded(where, number)
-        if isinstance(default, float):
-            try:
-                number = float(value)
-                if isinstance(value, bool) or not math.isfinite(number):
-                    raise ValueError
-            except (TypeError, ValueError):
-                raise ConfigError(f"{where} is not a finite number") from None
+                raise ConfigError(f"{where} is not {'an integer' if integer else 'a finite number'}") from None
             return self._bounded(where, number)
         if value is None or isinstance(value, str) and default is None and value.lower() in ("none", "null"):
             return None
