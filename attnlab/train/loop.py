@@ -1,10 +1,7 @@
 """The training loop, written once for every task family: one :class:`~attnlab.train.run.Run` into
-``runs/<name>/``.
-
-Reads top to bottom in the order a run meets it: the plan (train, resume or skip), the run directory, model and
-data (from the run's Task), optimizer and schedule, (resume), then per epoch: train, evaluate, log, checkpoint;
-finally ``result.json``. An epoch is one pass over the training set, or ``eval_every`` optimizer steps (streams,
-step-based recipes); ``max_steps`` ends a run mid-epoch.
+``runs/<name>/``. Reads top to bottom in the order a run meets it: the plan (train, resume or skip), the run
+directory, model and data (from the run's Task), optimizer and schedule, (resume), then per epoch: train, evaluate,
+log, checkpoint; finally ``result.json``. What an epoch is: docs/training.md, "A run, its task, its data".
 """
 
 from __future__ import annotations
