@@ -209,13 +209,9 @@ def _weights_digest(meta: Mapping[str, str], weights: Mapping[str, torch.Tensor]
 
 def save_checkpoint(run_dir: str | Path, model: nn.Module, state: dict[str, Any],
                     previous: tuple[str, str] | None = (WEIGHTS, STATE)) -> None:
-    """Write the checkpoint of epoch ``state["epoch"]`` as the latest pair, keeping ``previous`` as the previous pair.
-
-    ``previous`` names the files (weights, state) of the intact pair to keep (default: the latest pair; missing
-    files are skipped; ``None`` keeps none); they are renamed to the previous pair's names, then the new files are
-    written, each atomically, with the epoch, a fresh save id and their sha256, so that a kill between any two of
-    these steps leaves an intact pair for :func:`find_checkpoint` and never a mixed one.
-    """
+    """Write the checkpoint of epoch ``state["epoch"]`` as the latest pair, keeping ``previous`` as the previous pair:
+    the files (weights, state) of the intact pair to keep (default: the latest pair; missing files are skipped;
+    ``None`` keeps none), renamed before the new files are written (why that order: docs/training.md)."""
     run_dir = Path(run_dir)
     epoch = int(state["epoch"])
     save_id = f"{epoch}-{secrets.token_hex(8)}"
