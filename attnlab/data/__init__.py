@@ -11,7 +11,6 @@ from attnlab.data.registry import (
     DATASET_TABLE,
     DATASETS,
     DEFAULT_DATASET,
-    OPTIONS,
     Dataset,
     DatasetInfo,
     DeviceData,
@@ -32,6 +31,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["AUGMENTS", "DATASETS", "DATASET_TABLE", "DEFAULT_DATASET", "OPTIONS", "AugmentRecipe", "Dataset",
-           "DatasetInfo", "DeviceBatch", "DeviceData", "DevicePipeline", "Option", "build_dataset",
-           "build_device_pipeline", "build_transform", "dataset", "dataset_info"]
+__all__ = ["AUGMENTS", "DATASETS", "DATASET_TABLE", "DEFAULT_DATASET", "AugmentRecipe", "Dataset", "DatasetInfo",
+           "DeviceBatch", "DeviceData", "DevicePipeline", "Option", "build_dataset", "build_device_pipeline",
+           "build_transform", "dataset", "dataset_info"]

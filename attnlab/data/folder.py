@@ -61,11 +61,17 @@ def folder_transform(train: bool, augment: str, *, image_size: int = 224, auto_a
     return create_transform(image_size, is_training=False, mean=mean, std=std)
 
 
-def build_folder(data_dir, train: bool, transform) -> ImageFolder:
+# ---- the dataset table's entry (attnlab.data.registry)
+def info(data_dir, *, image_size: int, **_recipe) -> DatasetInfo:
+    """The class count of ``<data_dir>/train`` (or val/test), ImageNet's statistics."""
+    return DatasetInfo("imagefolder", len(folder_classes(data_dir)), image_size, 3, IMAGENET_MEAN, IMAGENET_STD)
+
+
+def build(train: bool, *, data_dir, download: bool, augment: str, **options) -> ImageFolder:
     path = split_dir(data_dir, train)
-    classes = folder_classes(data_dir)
     try:
-        ds = _ImageFolder(str(path), classes, transform, allow_empty=not train)
+        ds = _ImageFolder(str(path), folder_classes(data_dir), folder_transform(train, augment, **options),
+                          allow_empty=not train)
     except FileNotFoundError as err:
         raise DatasetError(f"imagefolder found no images in {path} ({err}); accepted extensions are "
                            f"{' '.join(IMG_EXTENSIONS)}") from None
@@ -73,16 +79,3 @@ def build_folder(data_dir, train: bool, transform) -> ImageFolder:
         raise DatasetError(f"imagefolder found no images in {path}; put images ({' '.join(IMG_EXTENSIONS)}) "
                            f"in one subfolder per class")
     return ds
-
-
-# ---- the dataset table's entry (attnlab.data.registry)
-def info(data_dir, *, image_size: int, **_recipe) -> DatasetInfo:
-    """The class count of ``<data_dir>/train`` (or val/test), ImageNet's statistics."""
-    return DatasetInfo("imagefolder", len(folder_classes(data_dir)), image_size, 3, IMAGENET_MEAN, IMAGENET_STD)
-
-
-transform = folder_transform
-
-
-def build(train: bool, *, data_dir, download: bool, augment: str, **options) -> ImageFolder:
-    return build_folder(data_dir, train, transform(train, augment, **options))

@@ -54,21 +54,16 @@ class Option:
             if text in ("0", "false", "no", "off"):
                 return False
             raise ConfigError(f"{where} is not a boolean; use true or false")
-        if isinstance(default, int):
+        if isinstance(default, (int, float)):
+            integer = isinstance(default, int)
             try:
-                number = int(value) if not isinstance(value, float) or value.is_integer() else None
-                if isinstance(value, bool) or number is None:
+                if isinstance(value, bool) or (integer and isinstance(value, float) and not value.is_integer()):
+                    raise ValueError
+                number = int(value) if integer else float(value)
+                if not integer and not math.isfinite(number):
                     raise ValueError
             except (TypeError, ValueError):
-                raise ConfigError(f"{where} is not an integer") from None
-            return self._bounded(where, number)
-        if isinstance(default, float):
-            try:
-                number = float(value)
-                if isinstance(value, bool) or not math.isfinite(number):
-                    raise ValueError
-            except (TypeError, ValueError):
-                raise ConfigError(f"{where} is not a finite number") from None
+                raise ConfigError(f"{where} is not {'an integer' if integer else 'a finite number'}") from None
             return self._bounded(where, number)
         if value is None or isinstance(value, str) and default is None and value.lower() in ("none", "null"):
             return None
@@ -198,8 +193,7 @@ def check_augment(name: str, augment: str) -> str:
 
 def dataset_info(name: str, *, data_dir="data", **options) -> DatasetInfo:
     """Classes, sizes, channels and normalisation of a dataset, without loading its examples where it can."""
-    entry = dataset(name)
-    return entry.call("info", data_dir, **resolve_options(name, options))
+    return dataset(name).call("info", data_dir, **resolve_options(name, options))
 
 
 def build_transform(name: str, train: bool, *, augment: str = "none", **options):
@@ -208,9 +202,8 @@ def build_transform(name: str, train: bool, *, augment: str = "none", **options)
     entry = dataset(name)
     opts = resolve_options(name, options)
     if entry.transform is None:
-        with_transform = [e.name for e in DATASET_TABLE.values() if e.transform]
         raise DatasetError(f"dataset {entry.name} has no PIL transform; build_transform takes "
-                           f"{', '.join(with_transform)}")
+                           f"{', '.join(e.name for e in DATASET_TABLE.values() if e.transform)}")
     return entry.call("transform", train, check_augment(name, augment), **opts)
 
 
@@ -219,10 +212,9 @@ def build_dataset(name: str, train: bool, *, data_dir="data", download=False, au
     split), normalised by :func:`dataset_info`'s statistics. ``augment``: ``"none"`` or ``"recipe"`` (the NS-Attn
     paper's training transforms for images; applied to the train split only). What an item is depends on the task
     family: (image (C, H, W) float, label int) for images, (token ids (N,) int64, label) for sequences."""
-    entry = dataset(name)
     opts = resolve_options(name, options)
-    check_augment(name, augment)
-    return entry.call("build", train, data_dir=data_dir, download=download, augment=augment, **opts)
+    return dataset(name).call("build", train, data_dir=data_dir, download=download,
+                              augment=check_augment(name, augment), **opts)
 
 
 def device_data(name: str, *, data_dir="data", download=False, augment: str = "recipe", **options) -> DeviceData:
@@ -232,8 +224,7 @@ def device_data(name: str, *, data_dir="data", download=False, augment: str = "r
     if entry.device is None:
         raise DatasetError(f"the device pipeline holds {', '.join(on_device_datasets())}, not {entry.name}; train "
                            f"{entry.name} with the CPU loader (data_on_device off)")
-    check_augment(name, augment)
-    return entry.call("device", data_dir=data_dir, download=download, augment=augment, **opts)
+    return entry.call("device", data_dir=data_dir, download=download, augment=check_augment(name, augment), **opts)
 
 
 def on_device_datasets() -> tuple[str, ...]:
@@ -255,13 +246,10 @@ _CIFAR_OPTIONS = {
     "image_size": Option(32, 1, help="resize to this size (backbones that expect larger inputs)"),
     "verify_md5": Option(True, help="check the files against the official md5 sums (false: a repacked copy)"),
 }
-register(Dataset("cifar10", "image", "CIFAR-10 (torchvision; --download)", "attnlab.data.cifar:info_cifar10",
-                 "attnlab.data.cifar:build_cifar10", _CIFAR_OPTIONS, AUGMENTS, "attnlab.data.cifar:transform_cifar10",
-                 "attnlab.data.cifar:device_cifar10", download=True, mixing=True))
-register(Dataset("cifar100", "image", "CIFAR-100 (torchvision; --download)", "attnlab.data.cifar:info_cifar100",
-                 "attnlab.data.cifar:build_cifar100", _CIFAR_OPTIONS, AUGMENTS,
-                 "attnlab.data.cifar:transform_cifar100", "attnlab.data.cifar:device_cifar100", download=True,
-                 mixing=True))
+for _n in ("10", "100"):  # one builder file for both
+    _at = f"attnlab.data.cifar:{{}}_cifar{_n}".format
+    register(Dataset(f"cifar{_n}", "image", f"CIFAR-{_n} (torchvision; --download)", _at("info"), _at("build"),
+                     _CIFAR_OPTIONS, AUGMENTS, _at("transform"), _at("device"), download=True, mixing=True))
 register(Dataset("digits", "image", "scikit-learn's 8x8 digits, the embedded default", "attnlab.data.tensor:info_digits",
                  "attnlab.data.tensor:build_digits", {"image_size": Option(8, 1, help="upsample to this size")},
                  AUGMENTS, device="attnlab.data.tensor:device_digits", mixing=True))
@@ -274,7 +262,8 @@ register(Dataset("synthetic", "image", "random normal images and labels (benchma
 register(Dataset("imagefolder", "image", "an ImageNet-style folder tree <data_dir>/train|val/<class>/",
                  "attnlab.data.folder:info", "attnlab.data.folder:build",
                  {"image_size": Option(224, 1), "auto_augment": Option(True, help="RandAugment in the recipe"),
-                  "random_erasing": Option(0.25, 0.0, 1.0)}, AUGMENTS, "attnlab.data.folder:transform", mixing=True))
+                  "random_erasing": Option(0.25, 0.0, 1.0)}, AUGMENTS, "attnlab.data.folder:folder_transform",
+                 mixing=True))
 # Long Range Arena: token sequences, LRA's defaults
 register(Dataset("listops", "sequence", "LRA ListOps, generated locally once", "attnlab.data.listops:info",
                  "attnlab.data.listops:build",
@@ -348,4 +337,3 @@ register(Dataset("coco", "detect", "a COCO-format instance set, MS-COCO 2017 by 
                  AUGMENTS))
 
 DATASETS: tuple[str, ...] = tuple(DATASET_TABLE)
-OPTIONS: dict[str, dict[str, Any]] = {n: {k: o.default for k, o in e.options.items()} for n, e in DATASET_TABLE.items()}

@@ -1,13 +1,7 @@
-"""Atomic files, checkpoints and RNG state of a run directory (layout and guarantees: docs/training.md, "Run
-directory").
-
-The last two completed epochs are kept, each a pair of weights (``checkpoint[.prev].safetensors``) and trainer
-state (``trainer_state[.prev].pt``). Both files of a save record its epoch, a random save id and the sha256 of their
-own content (:func:`content_sha256`), so a pair is never mixed from two saves and damage that still parses is
-noticed; resuming takes the newest intact pair wherever its files lie (a kill mid-rotation leaves one renamed).
-Readers of a run's weights (:func:`find_weights`) never read the trainer state. Every file is written to a
-same-directory temporary file, fsynced, then moved over the old one with ``os.replace``: a crash leaves the old or
-the new file, never a torn one. One process writes a run directory at a time (:mod:`attnlab.train.lock`).
+"""Atomic files, checkpoints and RNG state of a run directory. The last two completed epochs are kept as pairs of
+weights and trainer state, matched by a save id and checked by their sha256 (:func:`content_sha256`); every file is
+replaced atomically; readers of the weights (:func:`find_weights`) never read the trainer state. Layout and
+guarantees: docs/training.md, "Run directory"; one writer at a time: :mod:`attnlab.train.lock`.
 """
 
 from __future__ import annotations
@@ -59,15 +53,12 @@ def _no_intact(run_dir: Path, skipped: dict[str, str], what: str) -> NoIntactChe
 
 def _fsync_dir(path: Path) -> None:
     """Make renames in ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
+    with contextlib.suppress(OSError):
         dir_fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
+        try:
             os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
@@ -218,13 +209,9 @@ def _weights_digest(meta: Mapping[str, str], weights: Mapping[str, torch.Tensor]
 
 def save_checkpoint(run_dir: str | Path, model: nn.Module, state: dict[str, Any],
                     previous: tuple[str, str] | None = (WEIGHTS, STATE)) -> None:
-    """Write the checkpoint of epoch ``state["epoch"]`` as the latest pair, keeping ``previous`` as the previous pair.
-
-    ``previous`` names the files (weights, state) of the intact pair to keep (default: the latest pair; missing
-    files are skipped; ``None`` keeps none); they are renamed to the previous pair's names, then the new files are
-    written, each atomically, with the epoch, a fresh save id and their sha256, so that a kill between any two of
-    these steps leaves an intact pair for :func:`find_checkpoint` and never a mixed one.
-    """
+    """Write the checkpoint of epoch ``state["epoch"]`` as the latest pair, keeping ``previous`` as the previous pair:
+    the files (weights, state) of the intact pair to keep (default: the latest pair; missing files are skipped;
+    ``None`` keeps none), renamed before the new files are written (why that order: docs/training.md)."""
     run_dir = Path(run_dir)
     epoch = int(state["epoch"])
     save_id = f"{epoch}-{secrets.token_hex(8)}"

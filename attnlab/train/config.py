@@ -251,17 +251,13 @@ def config_keys() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainConfig)]
 
 
-def _field_types() -> dict[str, Any]:
-    return typing.get_type_hints(TrainConfig)
-
-
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string",
                dict: "a mapping such as '{depth: 2}'"}
 
 
 def type_words(key: str) -> str:
     """What config key ``key`` accepts, in words ('an integer', 'a number or null', ...)."""
-    typ = _field_types()[key]
+    typ = typing.get_type_hints(TrainConfig)[key]
     args = [a for a in typing.get_args(typ) if a is not type(None)]
     words = _TYPE_WORDS.get(args[0] if args else typ, getattr(typ, "__name__", str(typ)))
     return words + (" or null" if len(args) < len(typing.get_args(typ)) else "")
@@ -269,12 +265,11 @@ def type_words(key: str) -> str:
 
 def coerce(key: str, value: Any) -> Any:
     """``value`` (YAML or command-line text) converted to config key ``key``'s type, or ConfigError."""
-    typ = _field_types()[key]
-    args = typing.get_args(typ)
+    typ = typing.get_type_hints(TrainConfig)[key]
     if typing.get_origin(typ) in (typing.Union, types.UnionType):
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
-        typ = next(a for a in args if a is not type(None))
+        typ = next(a for a in typing.get_args(typ) if a is not type(None))
     try:
         if typ is bool:
             if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
@@ -309,10 +304,8 @@ def coerce(key: str, value: Any) -> Any:
     except ConfigError:
         raise
     except (TypeError, ValueError, yaml.YAMLError):
-        pass
-    else:
-        return value
-    raise ConfigError(f"config key '{key}' got {value!r}, but it must be {type_words(key)}.")
+        raise ConfigError(f"config key '{key}' got {value!r}, but it must be {type_words(key)}.") from None
+    return value
 
 
 MAX_SEED = 2**63 - 1  # the largest seed every generator takes (torch's is 64-bit, int64 in tensors)

@@ -9,10 +9,8 @@ split by rank (timm's RepeatAugSampler strides its list the same way):
     rank r, step s:  {o_p : sB <= p < (s+1)B, p = r mod N}
 
 Per-sample and per-batch randomness (augmentation, Mixup/CutMix, drop-path) is seeded from (seed, epoch, rank), so
-that ranks do not repeat each other. A user error happens on every rank alike or is exchanged by :func:`agree`
-where no other collective can be pending (the end of set-up, of each epoch), and rank 0 alone prints it; an error
-inside the steps, where the others wait in DDP's all-reduce, is marked local: that rank prints it and exits, and
-torchrun stops the others.
+that ranks do not repeat each other. How an error ends every rank (:func:`agree`, :func:`steps`, :func:`settle`):
+the docs' "Errors".
 """
 
 from __future__ import annotations

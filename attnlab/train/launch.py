@@ -1,11 +1,8 @@
 """Where a grid's runs train: worker processes on this machine placed on its devices, or one cluster job per run
 (docs/training.md, "Grids").
 
-``local`` (``attnlab compare --jobs N``): N slots, each one spawned worker process training one run at a time. A
-run on ``auto`` or ``cuda`` trains on ``cuda:(slot mod G)`` of the G visible CUDA devices (:func:`device_for`),
-written into the run's config by the parent. Workers never outlive the parent: each runs in a process group of
-its own, which the parent kills when it stops for any reason but a run's error; if the parent is killed outright,
-``PR_SET_PDEATHSIG`` (Linux) and a thread watching the parent's pid end the worker's group.
+``local`` (``attnlab compare --jobs N``): N slots, each one spawned worker process training one run at a time,
+placed by :func:`device_for`; workers never outlive the parent (:func:`run_local`, :func:`_worker_init`).
 
 ``submitit`` / ``submitit-local``: one job per run through submitit, on SLURM or as local processes (the tests').
 Jobs train with ``resume``, so a preempted or timed-out job is requeued and continues from its last epoch;
@@ -110,7 +107,7 @@ def run_local(todo: Sequence[TrainConfig], jobs: int, probe=None, progress: bool
     """Train ``todo`` ``jobs`` at a time, each slot a spawned worker process placed by :func:`device_for`; the
     next run goes to the first slot that frees. The first run that fails raises its error once the others
     running then have finished; runs not started are not started. Anything else that stops the parent (Ctrl-C,
-    SIGTERM) ends the workers at once; so does the parent's death (see the module docstring)."""
+    SIGTERM) ends the workers at once; so does the parent's death (:func:`_worker_init`)."""
     import multiprocessing
     from collections import deque
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait

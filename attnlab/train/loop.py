@@ -1,10 +1,7 @@
 """The training loop, written once for every task family: one :class:`~attnlab.train.run.Run` into
-``runs/<name>/``.
-
-Reads top to bottom in the order a run meets it: the plan (train, resume or skip), the run directory, model and
-data (from the run's Task), optimizer and schedule, (resume), then per epoch: train, evaluate, log, checkpoint;
-finally ``result.json``. An epoch is one pass over the training set, or ``eval_every`` optimizer steps (streams,
-step-based recipes); ``max_steps`` ends a run mid-epoch.
+``runs/<name>/``. Reads top to bottom in the order a run meets it: the plan (train, resume or skip), the run
+directory, model and data (from the run's Task), optimizer and schedule, (resume), then per epoch: train, evaluate,
+log, checkpoint; finally ``result.json``. What an epoch is: docs/training.md, "A run, its task, its data".
 """
 
 from __future__ import annotations
@@ -66,10 +63,6 @@ def provenance(device: torch.device) -> dict[str, str]:
                                                                               platform.machine())
     return {"finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": f"{where}, {platform.system()}, torch {torch.__version__}", "attnlab_version": __version__}
-
-
-def count_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def check_run(cfg: TrainConfig, cache: dict | None = None) -> dict[str, Any]:
@@ -306,7 +299,7 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     # evaluation runs on rank 0 alone, outside DDP, whose forward would wait for the other ranks
     evaluate_with = forward if not ranks.distributed else compiled(model)
     cudagraphs = mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
-    params = count_params(model)
+    params = sum(p.numel() for p in model.parameters())
     progress = cfg.progress and main
     if progress:
         tqdm.write(f"{run.name}: {params / 1e6:.2f}M parameters, {device.type}"
@@ -394,4 +387,4 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     return distributed.from_main(result)
 
 
-__all__ = ["check_run", "count_params", "epoch_seed", "train", "train_one_epoch"]
+__all__ = ["check_run", "epoch_seed", "train", "train_one_epoch"]

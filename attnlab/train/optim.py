@@ -45,15 +45,14 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | Non
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     ids, num_layers = layer_ids([n for n, _ in named]) if layer_decay is not None else ({}, 0)
     groups: dict[tuple[int, bool], dict] = {}
-    depths = (num_layers + 1, *range(num_layers + 1)) if layer_decay is not None else (0,)
+    depths = (num_layers + 1, *range(num_layers + 1)) if layer_decay is not None else (1,)
     for depth in depths:  # scale 1 first, then from the input up
         for decays in (True, False):
             groups[depth, decays] = {"params": [], "weight_decay": weight_decay if decays else 0.0}
             if layer_decay is not None:
                 groups[depth, decays]["lr_scale"] = layer_decay ** (num_layers + 1 - depth)
-    for name, param in named:
-        depth = ids.get(name, num_layers + 1) if layer_decay is not None else 0
-        groups[depth, not no_weight_decay(name, param, model_says)]["params"].append(param)
+    for name, param in named:  # without layer_decay every parameter is at depth num_layers + 1 = 1
+        groups[ids.get(name, num_layers + 1), not no_weight_decay(name, param, model_says)]["params"].append(param)
     return list(groups.values())  # decay and no-decay alternate (a group may be empty)
 
 

@@ -1,10 +1,6 @@
-"""A run: one training configuration, resolved once, and its directory ``<runs_dir>/<name>/``.
-
-:class:`Run` validates the config once, parses the spec once (the canonical form is what every later step sees),
-resolves device, precision and ranks once, and says what training would do with it (:meth:`Run.plan`: train,
-resume or skip), which both a grid's check and training itself use. Readers of a finished or partial run (report,
-analysis, eval, export) go through :meth:`Run.open`. The directory's files are named in :mod:`attnlab.train.files`
-(what each holds: docs/training.md, "Run directory").
+"""A run: one training configuration, resolved once (config, spec, device, precision, ranks), what training would
+do with it (:meth:`Run.plan`), and its directory ``<runs_dir>/<name>/``, which readers open with :meth:`Run.open`
+(docs/training.md, "A run, its task, its data"; the files: :mod:`attnlab.train.files`).
 """
 
 from __future__ import annotations

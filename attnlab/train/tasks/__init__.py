@@ -1,10 +1,6 @@
-"""Task families: what differs between image classification, sequence classification, language modelling,
-detection and video, one :class:`~attnlab.train.tasks.base.Task` subclass per family. The training loop
-(:mod:`attnlab.train.loop`) is written once for all of them and asks the run's task for batches, losses and
-metrics; a dataset's table entry (:mod:`attnlab.data.registry`) names the family that trains it.
-
-Adding a family is one file (its Task subclass) plus one line below; targets are "module:Class" strings imported
-on first use, so that this table loads no torch.
+"""Task families, one :class:`~attnlab.train.tasks.base.Task` subclass each (image and sequence classification,
+language modelling, detection, video), named by a dataset's table entry. Adding a family is one file plus one line
+below; targets are "module:Class" strings imported on first use, so that this table loads no torch.
 """
 
 from __future__ import annotations

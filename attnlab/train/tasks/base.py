@@ -1,10 +1,8 @@
-"""The Task seam: everything about a run that depends on its task family, in one object per run.
-
-The training loop (:mod:`attnlab.train.loop`) owns the epoch and step loop, optimizer and schedule, AMP, compile,
-DDP, EMA, checkpoints and resume, logging and the error contract, and asks the run's Task for the rest, in this
-order: ``check``, ``build_model``, ``train_data``, then per step ``loss`` and per epoch ``train_stats``,
-``evaluate`` and ``line``, at the end ``result`` (each method's docstring says what it gives). A subclass sets
-``name``, ``metrics``, ``headline``, ``higher_is_better`` (and for the report ``report_columns`` and ``percent``).
+"""The Task seam: everything about a run that depends on its task family, in one object per run; what the loop
+owns and what it asks the Task: docs/training.md, "A run, its task, its data". It asks, in this order: ``check``,
+``build_model``, ``train_data``, then per step ``loss`` and per epoch ``train_stats``, ``evaluate`` and ``line``, at
+the end ``result``. A subclass sets ``name``, ``metrics``, ``headline``, ``higher_is_better`` (and for the report
+``report_columns`` and ``percent``).
 """
 
 from __future__ import annotations

@@ -173,15 +173,13 @@ class Classification(Task):
         return False
 
     def train_data(self, batch_size: int, device: torch.device):
-        cfg = self.cfg
-        mixup_fn = None
-        if uses_mixing(cfg) and batch_size % 2:
-            ranks = self.run.ranks
+        cfg, ranks, mixing = self.cfg, self.run.ranks, uses_mixing(self.cfg)
+        if mixing and batch_size % 2:
             raise ConfigError(f"batch_size {cfg.batch_size} over {ranks.world_size} rank(s) and {cfg.grad_accum} "
                               f"micro-batch(es) gives {batch_size} images per micro-batch, but Mixup/CutMix pair "
                               f"each micro-batch's images and need an even number; use a multiple of "
                               f"{2 * ranks.world_size * cfg.grad_accum}.")
-        if uses_mixing(cfg):
+        if mixing:
             from timm.loss import SoftTargetCrossEntropy
 
             self.criterion = SoftTargetCrossEntropy()
@@ -191,7 +189,6 @@ class Classification(Task):
         if self.on_device():
             from attnlab.data import build_device_pipeline
 
-            ranks = self.run.ranks
             pipe = build_device_pipeline(
                 cfg.dataset, device=device, batch_size=batch_size, seed=cfg.seed, data_dir=cfg.data_dir,
                 download=cfg.download, augment=cfg.augment, repeated_aug=cfg.repeated_aug,
@@ -199,7 +196,8 @@ class Classification(Task):
                 mix_prob=cfg.mixup_prob, switch_prob=cfg.mixup_switch_prob, label_smoothing=cfg.label_smoothing,
                 **cfg.data_options)  # the pipeline mixes itself, with the same numbers
             return _DeviceData(pipe, cfg.grad_accum)
-        if uses_mixing(cfg):
+        mixup_fn = None
+        if mixing:
             from timm.data import Mixup
 
             mixup_fn = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mixup_prob,
