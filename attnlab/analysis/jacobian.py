@@ -34,6 +34,7 @@ from torch.func import jacrev
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..models import attention_modules
+from .maps import eval_mode, forward_batches
 
 
 def head_attention(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
@@ -45,9 +46,7 @@ def head_attention(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: t
                    real: torch.Tensor | None = None) -> torch.Tensor:
     """One head's output softmax(q k^T * scale + bias) v, (N, D). x: (N, C); w_*: (D, C); b_*: (D,); bias: (N, N)
     (masked keys -inf); ``real`` (N,) bool: the sequence's real tokens (the others' rows are zero)."""
-    q = x @ w_q.T + (b_q if b_q is not None else 0)
-    k = x @ w_k.T + (b_k if b_k is not None else 0)
-    v = x @ w_v.T + (b_v if b_v is not None else 0)
+    q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
     logits = (q * scale) @ k.T
@@ -132,18 +131,16 @@ def _capture_inputs(model: nn.Module, modules: list[tuple[str, nn.Module]], imag
     """Each attention module's input x and its call's mask (Swin's windows, causal order, key padding) in one
     forward pass."""
     seen: dict[str, tuple[torch.Tensor, object]] = {}
-    handles = []
-    for name, module in modules:
-        def hook(mod, args, kwargs, name=name):
+
+    def hook(name):
+        def record(mod, args, kwargs):
             x, mask = mod.forward_mask(args, kwargs)
             seen[name] = (x.detach(), mask)
-        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(images)
-    finally:
-        for h in handles:
-            h.remove()
+        return record
+
+    with torch.no_grad():
+        forward_batches(model, images, len(images),
+                        [m.register_forward_pre_hook(hook(n), with_kwargs=True) for n, m in modules])
     return seen
 
 
@@ -159,9 +156,7 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
     chosen = [found[i] for i in (range(len(found)) if blocks is None else blocks)]
     for name, module in chosen:
         _check(module, name)
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         inputs = _capture_inputs(model, chosen, images)
         sequences = [0] if sequences is None else list(sequences)
         results = []
@@ -202,8 +197,6 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
                     per_seq.append(torch.stack(condition_number(j)))
                 per_head.append(torch.stack(per_seq))
             results.append((head_list, torch.stack(per_head)))  # (heads, sequences, 3)
-    finally:
-        model.train(was_training)
     # Swin's stages differ in head count: heads a block does not have are NaN
     all_heads = sorted({h for hs, _ in results for h in hs})
     out = torch.full((len(results), len(all_heads), len(sequences), 3), float("nan"), dtype=dtype)

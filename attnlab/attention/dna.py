@@ -107,10 +107,9 @@ def dna_branches(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_po
     ``is_causal`` (without biases): query i sees keys j <= i in both branches.
     """
     o_pos = sdpa(q_pos, k, v_pos, attn_mask=bias_pos, dropout_p=dropout_p, scale=scale_pos, is_causal=is_causal)
-    if negates_query(q_neg.device, is_causal):
-        o_neg = sdpa(-q_neg, k, v_neg, attn_mask=bias_neg, dropout_p=dropout_p, scale=scale_neg, is_causal=is_causal)
-    else:
-        o_neg = sdpa(q_neg, k, v_neg, attn_mask=bias_neg, dropout_p=dropout_p, scale=-scale_neg, is_causal=is_causal)
+    negate = negates_query(q_neg.device, is_causal)
+    o_neg = sdpa(-q_neg if negate else q_neg, k, v_neg, attn_mask=bias_neg, dropout_p=dropout_p,
+                 scale=scale_neg if negate else -scale_neg, is_causal=is_causal)
     return o_pos, o_neg
 
 
@@ -228,10 +227,9 @@ def add_input_bias(heads: tuple[torch.Tensor, ...], input_bias) -> tuple[torch.T
     out: list[torch.Tensor] = []
     for i, (t, b) in enumerate(zip(heads, input_bias)):
         prev = next((out[j] for j in range(i) if heads[j] is t and input_bias[j] is b), None)
-        if prev is not None:
-            out.append(prev)
-        else:
-            out.append(t if b is None else t + b.to(t.dtype).reshape(1, t.shape[1], 1, t.shape[-1]))
+        if prev is None:
+            prev = t if b is None else t + b.to(t.dtype).reshape(1, t.shape[1], 1, t.shape[-1])
+        out.append(prev)
     return tuple(out)
 
 
@@ -370,21 +368,17 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         sep = [n for n in ("q_neg", "v_neg") if prefix + f"{n}.weight" in state_dict]
         if not sep or prefix + "qkv.weight" not in state_dict:
             return
-        A = self.attn_dim
-        parts = {"weight": {}, "bias": {}}
         for kind in ("weight", "bias"):
             qkv = state_dict.get(prefix + f"qkv.{kind}")
             if qkv is None:
                 continue
-            for i, name in enumerate(("q_pos", "k", "v_pos")):
-                parts[kind][name] = qkv[i * A:(i + 1) * A]
+            parts = dict(zip(("q_pos", "k", "v_pos"), qkv.split(self.attn_dim)))
             for name in sep:
                 t = state_dict.pop(prefix + f"{name}.{kind}", None)
                 if t is not None:
-                    parts[kind][name] = t
-            aliases = {"q": "q_pos", "v": "v_pos"}
+                    parts[name] = t
             try:
-                fused = [parts[kind][aliases.get(n, n)] for n in self.qkv_blocks]
+                fused = [parts[{"q": "q_pos", "v": "v_pos"}.get(n, n)] for n in self.qkv_blocks]
                 state_dict[prefix + f"qkv.{kind}"] = torch.cat(fused)
             except KeyError as err:
                 raise SpecError(f"checkpoint at {prefix!r} lacks {err.args[0]}.{kind} that dna(variant="
@@ -516,9 +510,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         """(output, {"pos": softmax(s^+), "neg": softmin(s^-) with coefficient alpha_h}) on the explicit path."""
         q, k, (v_pos, v_neg) = self.project(x)
         w_pos, w_neg = self.weights(q, k, mask)
-        alpha = torch.ones(self.num_heads, dtype=w_neg.dtype, device=w_neg.device) if self.alpha is None \
-            else self.alpha.to(w_neg.dtype)
-        e_neg = alpha.view(-1, 1, 1) * w_neg
+        e_neg = w_neg if self.alpha is None else self.alpha.to(w_neg.dtype).view(-1, 1, 1) * w_neg
         o = w_pos @ v_pos + e_neg @ v_neg
         return self.finish(o, mask, x), {"pos": Branch(w_pos, w_pos), "neg": Branch(w_neg, e_neg)}
 

@@ -10,8 +10,6 @@ Example: attnlab export runs/sigma_vs_qk/vit_cifar-cifar100-paper-sigma-s0 --out
 from __future__ import annotations
 
 import argparse
-import json
-import struct
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -28,16 +26,13 @@ def configure(p: argparse.ArgumentParser) -> None:
 def _is_export(path: Path) -> bool:
     """Whether ``path`` is a safetensors file an export wrote (its header metadata names attnlab_folded_from); only
     the header is read."""
+    from ..models.pretrained import SafetensorError, open_safetensors
+
     try:
-        with open(path, "rb") as f:
-            size = struct.unpack("<Q", f.read(8))[0]
-            if size > 1 << 24:
-                return False
-            header = json.loads(f.read(size))
-    except (OSError, struct.error, ValueError):
+        with open_safetensors(path) as f:
+            return "attnlab_folded_from" in (f.metadata() or {})
+    except (OSError, ValueError, SafetensorError):
         return False
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    return isinstance(meta, dict) and "attnlab_folded_from" in meta
 
 
 def check_out(out: Path, run_dir: Path, own_names: frozenset[str]) -> None:
