@@ -129,11 +129,8 @@ def generate_shapes(root: str | os.PathLike, options: ShapesOptions | None = Non
     root = Path(root).expanduser()
     record = root / GENERATOR_FILE
     if record.is_file():  # ours: kept when written from the same options, else written again
-        try:
-            if json.loads(record.read_text()) == asdict(opt):
-                return root
-        except (OSError, ValueError):
-            pass
+        if _written_from(record, opt):
+            return root
     elif root.exists() and any(root.iterdir()):
         raise DatasetError(f"{root} exists and is not a shapes set (no {GENERATOR_FILE}); give an empty or new "
                            f"folder.")
@@ -143,16 +140,28 @@ def generate_shapes(root: str | os.PathLike, options: ShapesOptions | None = Non
     for split, count in zip(SPLITS, (opt.train_images, opt.val_images)):
         _write_split(tmp, split, count, rng, opt)
     (tmp / GENERATOR_FILE).write_text(json.dumps(asdict(opt)))
-    if root.exists():  # a set of other options: replaced whole
+    # another process (a grid's runs, DDP ranks: they start together) may have written the same set meanwhile:
+    # it is kept, never removed under a reader; only a set of other options is replaced whole
+    if _written_from(record, opt):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return root
+    if root.exists():
         shutil.rmtree(root)
     root.parent.mkdir(parents=True, exist_ok=True)
     try:
         tmp.replace(root)
-    except OSError:  # another process wrote the same set meanwhile (a grid's runs start together)
+    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not record.is_file() or json.loads(record.read_text()) != asdict(opt):
+        if not _written_from(record, opt):
             raise
     return root
+
+
+def _written_from(record: Path, opt: ShapesOptions) -> bool:
+    try:
+        return json.loads(record.read_text()) == asdict(opt)
+    except (OSError, ValueError):
+        return False
 
 
 __all__ = ["CATEGORIES", "ShapesOptions", "generate_shapes", "set_dir"]

@@ -91,3 +91,24 @@ def test_read_through_the_coco_path(tmp_path):
     assert image.shape == (3, 64, 64) and ((target["labels"] >= 1) & (target["labels"] <= 3)).all()
     other = build_shapes(False, data_dir=tmp_path, **{**options, "val_images": 2})
     assert len(other) == 2 and len(build_shapes(False, data_dir=tmp_path, **options)) == 4
+
+
+def test_a_set_another_process_wrote_meanwhile_is_kept_under_its_readers(tmp_path, monkeypatch):
+    # DDP ranks and a grid's runs generate together: the one that finishes second must not remove the first one's
+    # set (which its readers already use) to put its own copy in place
+    import attnlab.data.shapes as shapes
+
+    root, write = tmp_path / "s", shapes._write_split
+    first = []
+
+    def other_process_finishes_first(*args):
+        if not first:
+            first.append(True)
+            generate_shapes(root, SMALL)
+            (root / "in use").touch()  # a reader's view of the set
+        write(*args)
+
+    monkeypatch.setattr(shapes, "_write_split", other_process_finishes_first)
+    assert generate_shapes(root, SMALL) == root
+    assert (root / "in use").exists() and json.loads((root / "generator.json").read_text())["seed"] == SMALL.seed
+    assert [p.name for p in tmp_path.iterdir()] == ["s"]  # no temporary copy left
