@@ -1,14 +1,13 @@
-"""`attnlab sample`: its bad inputs end as one line on stderr with exit code 2 (a real process each)."""
+"""`attnlab sample`: its bad inputs end as one line on stderr with exit code 2 (``attnlab.cli.main`` in this process,
+read as a real process: tests/cli/test_bad_inputs.py checks that the two agree)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from cli_runner import in_process
 
 
-def attnlab(*argv) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "attnlab", *map(str, argv)], capture_output=True, text=True,
-                          timeout=300)
+def attnlab(*argv):
+    return in_process(list(argv))
 
 
 def test_not_a_run_directory_is_one_line(tmp_path):
