@@ -110,8 +110,9 @@ def _torchrun(args: list[str], *, script: list[str] | None = None, wait: bool = 
 
 
 def _single(args: list[str]):
-    return subprocess.run([sys.executable, "-m", "attnlab", *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    from cli_runner import in_process
+
+    return in_process(args)  # the one-process reference needs no interpreter of its own (--threads 1 in args)
 
 
 def _root_cause(stderr: str) -> tuple[int, str]:
