@@ -8,9 +8,6 @@ no-compiler pass) is kept.
 One core's worth of threads per pytest-xdist worker: N workers that each run torch's default of one thread per core
 spin against each other (two workers on two cores spent 3.5x the CPU time on tests/attention and tests/analysis,
 docs/perf.md). Subprocesses inherit the setting; a test that needs more threads sets its own environment.
-
-The files with slow (end-to-end) tests run first, each file's tests still together: pytest-xdist hands tests out in
-order, so the run ends on short tests instead of one worker finishing a minute-long one while the other waits.
 """
 
 import os
@@ -27,11 +24,6 @@ def pytest_configure(config):
     workers = getattr(config.option, "numprocesses", None) or 0  # pytest-xdist's -n, in the controller
     if isinstance(workers, int) and workers > 0 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
-
-
-def pytest_collection_modifyitems(config, items):
-    slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_files)  # stable: file order kept
 
 
 def pytest_unconfigure(config):
