@@ -33,6 +33,7 @@ the host never waits for it. Numbers and measurements: ``docs/perf.md``.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
@@ -49,11 +50,12 @@ CIFAR10_POLICY = tuple(AutoAugment(AutoAugmentPolicy.CIFAR10).policies)
 NUM_BINS = 10
 
 
-def magnitudes(op: str, height: int, width: int) -> tuple[list[float], bool]:
+@functools.lru_cache(maxsize=64)  # asked 50 times a batch (2 stages x 25 sub-policies), once per image size
+def magnitudes(op: str, height: int, width: int) -> tuple[tuple[float, ...], bool]:
     """(the 10 magnitudes of ``op``, whether its sign is random): torchvision's ``_augmentation_space(10, (H, W))``
     (float32, as torchvision draws them), zeros for the ops without a magnitude."""
     mags, signed = AutoAugment()._augmentation_space(NUM_BINS, (height, width)).get(op, (torch.tensor(0.0), False))
-    return (mags.tolist() if mags.ndim else [0.0] * NUM_BINS), signed
+    return tuple(mags.tolist() if mags.ndim else [0.0] * NUM_BINS), signed
 
 
 def apply_op(images: torch.Tensor, op: str, magnitude: float) -> torch.Tensor:

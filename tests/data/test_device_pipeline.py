@@ -61,7 +61,7 @@ def test_magnitude_table_is_torchvisions(size):
     space = T.AutoAugment()._augmentation_space(10, size)
     for op, (mags, signed) in space.items():
         ours, our_signed = dp.magnitudes(op, *size)
-        expected = mags.tolist() if mags.ndim else [0.0] * 10
+        expected = tuple(mags.tolist() if mags.ndim else [0.0] * 10)
         assert (ours, our_signed) == (expected, signed), op
 
 
