@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 
 from attnlab.cli import COMMANDS
@@ -266,8 +267,8 @@ def run_case(argv, files, damage, tmp_path, finished_run, process=False):
     argv = [a.replace(RUN, str(run)).replace("{tmp}", str(tmp_path)) for a in argv]
     before = _listing(tmp_path)
     if process:
-        proc = subprocess.run([sys.executable, "-m", "attnlab", *argv], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=300)
+        proc = forked.run([sys.executable, "-m", "attnlab", *argv], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)  # a real process: tests/forked.py's start as a fresh interpreter's
     else:
         proc = in_process(argv, tmp_path)
     return proc, before, _listing(tmp_path)
@@ -288,7 +289,8 @@ def test_bad_input_is_one_line_exit_2_nothing_made(argv, expected, files, damage
 @pytest.mark.parametrize("id_", ["command-typo", "report-missing", "compare-seeds-type", "eval-checkpoint-garbage",
                                  "train-lra-text-missing"])
 def test_in_process_reads_as_a_real_process(id_, tmp_path, finished_run):
-    """The in-process runner of the torch cases prints what a fresh interpreter prints, and exits alike."""
+    """The in-process runner of the torch cases prints what a real process prints, and exits alike (the process
+    starts as a fresh interpreter would, tests/train/test_forked.py)."""
     argv, _, files, damage = next(c.values for c in CASES if c.id == id_)
     codes, errs = [], []
     for how, process in (("process", True), ("here", False)):

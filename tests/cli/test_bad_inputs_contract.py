@@ -16,6 +16,7 @@ import subprocess
 import sys
 import zlib
 
+import forked
 import pytest
 from PIL import Image
 from test_bad_inputs import case, finished_run, run_case  # noqa: F401  (finished_run: the fixture)
@@ -102,8 +103,8 @@ def test_contract_case(argv, expected, files, damage, tmp_path, finished_run):  
 
 
 def attnlab(*argv, cwd, **kwargs):
-    return subprocess.run([sys.executable, "-m", "attnlab", *map(str, argv)], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, **kwargs)
+    return forked.run([sys.executable, "-m", "attnlab", *map(str, argv)], cwd=cwd, capture_output=True, text=True,
+                      timeout=300, **kwargs)
 
 
 def test_stdout_reader_gone_is_quiet(tmp_path):
@@ -122,7 +123,7 @@ def test_stdout_reader_gone_is_quiet(tmp_path):
 def _vm_size_with_torch() -> int:
     code = ("import torch, timm, attnlab.cli.bench, attnlab.bench, attnlab.models\n"
             "print(open('/proc/self/status').read().split('VmSize:')[1].split()[0])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = forked.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     return int(out.stdout) * 1024
 
 
@@ -134,7 +135,7 @@ def test_bench_batch_out_of_memory_names_one_that_fits(tmp_path):
     limit = _vm_size_with_torch() + (3 << 30)
     proc = attnlab("bench", "--model", "vit_digits", "--attn", "standard", "--batch-size", 100_000_000, "--warmup",
                    0, "--iters", 1, "--rounds", 1, "--device", "cpu", cwd=tmp_path,
-                   preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY)))
+                   rlimits={"RLIMIT_AS": (limit, resource.RLIM_INFINITY)})
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith("attnlab bench: error: batch 100000000 does not fit in memory on cpu "

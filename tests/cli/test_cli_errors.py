@@ -2,10 +2,10 @@
 read as a real process: tests/cli/test_bad_inputs.py checks that the two agree)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 from cli_runner import in_process
 
@@ -74,8 +74,8 @@ cli.main(["report", sys.argv[2]])
 def test_a_torchrun_worker_exits_without_interpreter_shutdown(case, tmp_path):
     # gloo threads can still release tensors while Python finalises, which aborts the process: workers skip it
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0"}
-    proc = subprocess.run([sys.executable, "-c", WORKER_EXIT, case, str(tmp_path)], capture_output=True, text=True,
-                          timeout=120, env=env)
+    proc = forked.run([sys.executable, "-c", WORKER_EXIT, case, str(tmp_path)], capture_output=True, text=True,
+                      timeout=120, env=env)
     assert proc.stdout == "buffered output", proc.stdout
     if case == "error":
         assert proc.returncode == 2

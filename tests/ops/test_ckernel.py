@@ -3,10 +3,10 @@ threads where it does not (checked in a fresh process with a compiler that rejec
 
 import os
 import platform
-import subprocess
 import sys
 import textwrap
 
+import forked
 import pytest
 
 pytestmark = pytest.mark.usefixtures("c_compiler")
@@ -36,7 +36,7 @@ def _run(tmp_path, cc=None):
     env = dict(os.environ)
     if cc:  # another compiler builds into a fresh cache; the default one shares the test run's (tests/conftest.py)
         env.update(CC=cc, ATTNLAB_CACHE=str(tmp_path / "cache"))
-    out = subprocess.run([sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=300)
+    out = forked.run([sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -87,5 +87,5 @@ def test_dna_kernel_exp_clamp_and_masks_in_both_code_paths(tmp_path, build):
         cc.write_text('#!/bin/sh\nexec cc "$@" -mno-avx512f\n')
         cc.chmod(0o755)
         env["CC"] = str(cc)
-    out = subprocess.run([sys.executable, "-c", PORTABLE], env=env, capture_output=True, text=True, timeout=300)
+    out = forked.run([sys.executable, "-c", PORTABLE], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr

@@ -4,17 +4,16 @@ of the C side (version / struct handshake, private cache, no large stack arrays)
 
 import os
 import stat
-import subprocess
 import sys
 import textwrap
 
+import forked
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import attnlab
 from attnlab.ops import ckernel, dna_cpu
-
 
 
 def _kernel_or_skip():
@@ -157,7 +156,7 @@ SMALL_STACK = textwrap.dedent("""
 def test_kernel_runs_on_a_thread_with_a_small_stack(tmp_path):
     _kernel_or_skip()
     env = dict(os.environ, OMP_NUM_THREADS="1")  # the test run's kernel cache (tests/conftest.py)
-    out = subprocess.run([sys.executable, "-c", SMALL_STACK], env=env, capture_output=True, text=True, timeout=300)
+    out = forked.run([sys.executable, "-c", SMALL_STACK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok (1, 2, 1024, 64)" in out.stdout, (out.returncode, out.stderr[-2000:])
 
 
@@ -182,5 +181,5 @@ NO_COMPILER = textwrap.dedent("""
 def test_without_a_compiler_everything_runs_on_the_torch_paths(tmp_path):
     env = dict(os.environ, ATTNLAB_CACHE=str(tmp_path / "cache"), CC=str(tmp_path / "missing" / "cc"))
     env.pop("ATTNLAB_KERNELS", None)
-    out = subprocess.run([sys.executable, "-c", NO_COMPILER], env=env, capture_output=True, text=True, timeout=300)
+    out = forked.run([sys.executable, "-c", NO_COMPILER], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

@@ -5,10 +5,10 @@ set by tests/conftest.py), so they never touch the user's ~/.cache.
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 import torch
@@ -214,6 +214,6 @@ def test_without_a_compiler_auto_falls_back(tmp_path):
         "    print(err)\n"
     )
     env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), ATTNLAB_CACHE=str(tmp_path / "cache"))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = forked.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "could not be built" in out.stdout

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 import torch
@@ -44,8 +45,8 @@ def attnlab(*argv, cwd=None, process=False) -> subprocess.CompletedProcess:
     """The command in this process (tests/cli_runner.py), or with ``process`` as a fresh interpreter."""
     if not process:
         return in_process(list(argv), cwd)
-    return subprocess.run([sys.executable, "-m", "attnlab", *map(str, argv)], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    return forked.run([sys.executable, "-m", "attnlab", *map(str, argv)], capture_output=True, text=True,
+                      timeout=300, cwd=cwd)
 
 
 def assert_refused(proc: subprocess.CompletedProcess, marker: Path, *fragments: str) -> None:

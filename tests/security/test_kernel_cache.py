@@ -19,6 +19,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import forked
 import pytest
 
 from attnlab.ops import ckernel
@@ -71,8 +72,8 @@ def genuine(tmp_path_factory, compiler) -> Path:
     """A cache holding the genuinely built DnA kernel and its record, built in a fresh process."""
     cache = tmp_path_factory.mktemp("genuine") / "cache"
     env = dict(os.environ, ATTNLAB_CACHE=str(cache))
-    proc = subprocess.run([sys.executable, "-c", "from attnlab.ops import dna_cpu; print(dna_cpu.unavailable())"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = forked.run([sys.executable, "-c", "from attnlab.ops import dna_cpu; print(dna_cpu.unavailable())"],
+                      env=env, capture_output=True, text=True, timeout=600)
     assert proc.stdout.strip() == "None", proc.stdout + proc.stderr
     return cache
 
@@ -94,8 +95,8 @@ def _plant(genuine: Path, cache: Path, marker: Path, compiler: str, *, record_ma
 
 
 def _probe(cases: dict[str, Path]) -> dict[str, list]:
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps([[c, str(p)] for c, p in cases.items()])],
-                          capture_output=True, text=True, timeout=600)
+    proc = forked.run([sys.executable, "-c", PROBE, json.dumps([[c, str(p)] for c, p in cases.items()])],
+                      capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -2,7 +2,10 @@
 without find_unused_parameters (what attnlab's trainer uses), eager and optionally compiled, trains 2 steps on each
 rank's half of a batch; writes rank RANK's gradients and its one-process full-batch gradients to OUT/RANK.pt.
 
-    python ddp_variants_worker.py OUT SPECS [--compile BACKEND]   (under torch.multiprocessing.spawn, below)
+    python ddp_variants_worker.py OUT SPECS [--compile BACKEND]
+
+The two ranks are forks of this process (torch.multiprocessing, below), which has computed nothing yet: they need
+not import torch again.
 """
 
 import sys
@@ -51,4 +54,5 @@ def rank_main(rank: int, out: str, specs: list[str], backend: str | None) -> Non
 
 if __name__ == "__main__":
     backend = sys.argv[sys.argv.index("--compile") + 1] if "--compile" in sys.argv else None
-    mp.spawn(rank_main, args=(sys.argv[1], sys.argv[2].split(";"), backend), nprocs=2, join=True)
+    mp.start_processes(rank_main, args=(sys.argv[1], sys.argv[2].split(";"), backend), nprocs=2, join=True,
+                       start_method="fork")

@@ -10,6 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import forked
 from cli_runner import in_process
 
 # `python -c PAUSING CLI-ARGS...`: attnlab's command line, where training forward number $ATTNLAB_TEST_PAUSE_AT
@@ -53,8 +54,8 @@ def start_paused(ready: Path, *argv, pause_at: int = 1) -> subprocess.Popen:
     """Start ``attnlab ARGV`` that pauses at training forward ``pause_at`` (see PAUSING); wait with :func:`wait_for`
     for ``ready`` to exist, let it go on with :func:`go`."""
     env = dict(os.environ, ATTNLAB_TEST_READY=str(ready), ATTNLAB_TEST_PAUSE_AT=str(pause_at))
-    return subprocess.Popen([sys.executable, "-c", PAUSING, *map(str, argv)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return forked.popen([sys.executable, "-c", PAUSING, *map(str, argv)], env=env, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True)
 
 
 def go(ready: Path) -> None:

@@ -8,10 +8,10 @@ splits the graph at the buckets; through aot_eager), and compare the averaged gr
 of the whole batch (about 25 and 45 s of CPU). NCCL itself needs GPUs.
 """
 
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,8 +44,8 @@ def test_windowed_and_composed_specs_give_every_parameter_a_gradient(spec):
 
 
 def run_ranks(tmp_path, specs, *extra):
-    proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path), ";".join(specs), *extra], capture_output=True,
-                          text=True, timeout=600)
+    proc = forked.run([sys.executable, str(WORKER), str(tmp_path), ";".join(specs), *extra], capture_output=True,
+                      text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
 

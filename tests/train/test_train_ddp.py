@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from torch.utils.data import RandomSampler
@@ -26,7 +27,6 @@ from train_helpers import weights
 from attnlab.errors import ConfigError
 from attnlab.train.distributed import Ranks, ShardedSampler, rank_batch_size
 
-VENV_BIN = Path(sys.executable).parent
 WORKER = Path(__file__).with_name("ddp_fail_worker.py")
 DEMO = ["train", "--recipe", "demo", "--batch-size", "64", "--no-progress"]
 
@@ -101,12 +101,15 @@ def _free_port() -> int:
 
 
 def _torchrun(args: list[str], *, script: list[str] | None = None, wait: bool = True):
-    cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node=2", f"--master-port={_free_port()}",
-           *(script or ["-m", "attnlab"]), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    """``torchrun --nproc_per_node=2 SCRIPT ARGS``: torchrun's agent and its ranks are forks of tests/forked.py's
+    zygote (``python -m torch.distributed.run`` is the torchrun command), each rank behind a stand-in that torchrun
+    starts, signals and watches as it would the rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}",
+           "--no-python", *forked.torchrun_rank(), *(script or ["-m", "attnlab"]), *args]
+    env = forked.rank_env({**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)})
     if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        return forked.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return forked.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
 def _single(args: list[str]):
@@ -163,7 +166,8 @@ def test_two_ranks_train_the_one_process_model(tmp_path, repeated_aug):
 
 
 def _rank_pid(torchrun: subprocess.Popen, rank: int) -> int:
-    """The pid of the worker with RANK=rank among torchrun's children."""
+    """The pid of the worker with RANK=rank among torchrun's children (the rank's stand-in: killing it kills the
+    rank, tests/forked.py)."""
     for child in Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split():
         environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
         if f"RANK={rank}".encode() in environ:

@@ -9,8 +9,8 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
+import forked
 import pytest
 import torch
 from train_helpers import arm_kill, weights
@@ -96,8 +96,8 @@ SCRIPT = arm_kill("build_detector") + textwrap.dedent("""
 
 
 def _run(data_dir, runs_dir, kill_at: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT, str(data_dir), str(runs_dir), str(kill_at)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return forked.run([sys.executable, "-c", SCRIPT, str(data_dir), str(runs_dir), str(kill_at)],
+                      capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import zipfile
 
+import forked
 import pytest
 import torch
 from process_helpers import alive, attnlab, children, one_line, start_paused, wait_for
@@ -189,8 +190,8 @@ FAULTY_FSYNC = textwrap.dedent("""
 def _faulty(fault: str, *argv) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([sys.executable, "-c", FAULTY_FSYNC, *map(str, argv)], capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, FAULT=fault))
+    return forked.run([sys.executable, "-c", FAULTY_FSYNC, *map(str, argv)], capture_output=True, text=True,
+                      timeout=600, env=dict(os.environ, FAULT=fault))
 
 
 TRAIN = ["train", "--recipe", "demo", "--epochs", "2", "--batch-size", "64", "--no-progress"]

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import forked
 import pytest
 import yaml
 from process_helpers import alive, children, one_line, wait_for
@@ -36,8 +37,8 @@ def test_grid_workers_end_with_their_parent(tmp_path, sig):
     grid.write_text(yaml.safe_dump({  # long enough never to finish here
         "variants": ["standard", "ns"], "seeds": [0], "runs_dir": str(runs), "jobs": 2,
         "base": {"recipe": "demo", "epochs": 500, "batch_size": 64, "num_workers": 1}}))
-    parent = subprocess.Popen([sys.executable, "-m", "attnlab", "compare", "--config", str(grid)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    parent = forked.popen([sys.executable, "-m", "attnlab", "compare", "--config", str(grid)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     workers = wait_for(lambda: _holders([runs / r for r in RUNS]), "both workers to hold their runs", parent)
     assert set(workers) <= set(children(parent.pid)), (workers, children(parent.pid))
     loaders = [c for w in workers for c in children(w)]  # their DataLoader workers, when between batches

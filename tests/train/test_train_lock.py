@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import forked
 import pytest
 import yaml
 from process_helpers import attnlab, one_line, start_paused, wait_for
@@ -132,7 +133,7 @@ FORKED = textwrap.dedent("""
 def test_the_lock_ends_with_the_process_not_with_its_forked_children(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    proc = subprocess.run([sys.executable, "-c", FORKED, str(run)], capture_output=True, text=True, timeout=300)
+    proc = forked.run([sys.executable, "-c", FORKED, str(run)], capture_output=True, text=True, timeout=300)
     word, child = proc.stdout.split()
     assert word == "held", proc.stderr
     try:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import forked
 import pytest
 import torch
 from train_helpers import ARM_KILL, weights
@@ -26,8 +27,8 @@ SCRIPT = ARM_KILL + textwrap.dedent("""
 
 
 def _run(runs_dir, kill_at: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT, str(runs_dir), str(kill_at)], capture_output=True,
-                          text=True, timeout=600)
+    return forked.run([sys.executable, "-c", SCRIPT, str(runs_dir), str(kill_at)], capture_output=True,
+                      text=True, timeout=600)
 
 
 @pytest.mark.slow

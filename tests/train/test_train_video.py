@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import forked
 import numpy as np
 import pytest
 import torch
@@ -110,8 +111,8 @@ SCRIPT = ARM_KILL + textwrap.dedent("""
 
 
 def _run(runs_dir, data_dir, kill_at: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT, str(runs_dir), str(data_dir), str(kill_at)],
-                          capture_output=True, text=True, timeout=600)
+    return forked.run([sys.executable, "-c", SCRIPT, str(runs_dir), str(data_dir), str(kill_at)],
+                      capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow
