@@ -42,7 +42,8 @@ def hostile_pickle(marker: Path, protocol: int = 2, wrap=lambda p: p) -> bytes:
 
 
 def attnlab(*argv, cwd=None, process=False) -> subprocess.CompletedProcess:
-    """The command in this process (tests/cli_runner.py), or with ``process`` as a fresh interpreter."""
+    """The command in this process (tests/cli_runner.py), or with ``process`` in a process of its own
+    (tests/forked.py)."""
     if not process:
         return in_process(list(argv), cwd)
     return forked.run([sys.executable, "-m", "attnlab", *map(str, argv)], capture_output=True, text=True,

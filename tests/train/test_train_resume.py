@@ -13,9 +13,9 @@ import pytest
 import torch
 from train_helpers import ARM_KILL, weights
 
-# Runs in a fresh interpreter: argv = runs_dir, kill_at (training forward count at which the process SIGKILLs
-# itself; 0 = never). The config uses every random part of the recipe: augmentation in 2 DataLoader workers,
-# Mixup/CutMix, repeated augmentation (1280 images = 20 batches of 64 per epoch), drop-path, label smoothing.
+# Runs in a process of its own (tests/forked.py): argv = runs_dir, kill_at (training forward count at which the
+# process SIGKILLs itself; 0 = never). The config uses every random part of the recipe: augmentation in 2 DataLoader
+# workers, Mixup/CutMix, repeated augmentation (1280 images = 20 batches of 64 per epoch), drop-path, label smoothing.
 SCRIPT = ARM_KILL + textwrap.dedent("""
     runs_dir = sys.argv[1]
     cfg = dataclasses.replace(

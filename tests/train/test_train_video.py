@@ -97,9 +97,9 @@ def test_eval_of_a_video_run_prints_its_task_metrics_over_the_views(tmp_path, ca
     assert "--noise applies to image and sequence classification runs" in capsys.readouterr().err
 
 
-# Runs in a fresh interpreter: argv = runs_dir, data_dir, kill_at (training forward count at which the process
-# SIGKILLs itself; 0 = never). Every random part of the video recipe is on: temporal jitter, scale jitter, crop and
-# flip in 2 DataLoader workers, drop-path.
+# Runs in a process of its own (tests/forked.py): argv = runs_dir, data_dir, kill_at (training forward count at which
+# the process SIGKILLs itself; 0 = never). Every random part of the video recipe is on: temporal jitter, scale jitter,
+# crop and flip in 2 DataLoader workers, drop-path.
 SCRIPT = ARM_KILL + textwrap.dedent("""
     runs_dir, data_dir = sys.argv[1], sys.argv[2]
     cfg = dataclasses.replace(

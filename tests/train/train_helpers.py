@@ -24,7 +24,7 @@ def weights(path):
 
 
 def arm_kill(builder: str = "build_model") -> str:
-    """The start of a training script run in a fresh interpreter (argv[-1] = kill_at): ``attnlab.models.<builder>``
+    """The start of a training script run as a process of its own (argv[-1] = kill_at): ``attnlab.models.<builder>``
     is wrapped so that the process SIGKILLs itself at the kill_at-th training forward (0: never). Used by the
     SIGKILL-then-resume tests of every task family."""
     return _ARM_KILL.replace("build_model", builder)
