@@ -9,7 +9,7 @@ import textwrap
 import forked
 import pytest
 
-pytestmark = pytest.mark.usefixtures("c_compiler")
+pytestmark = [pytest.mark.usefixtures("c_compiler"), pytest.mark.compiler]
 
 CODE = textwrap.dedent("""
     import torch

@@ -86,6 +86,7 @@ def test_compile_fullgraph_of_an_eval_model(attn):
 
 
 @pytest.mark.slow  # inductor's C++ build of the graph: ~30 s on 2 cores
+@pytest.mark.compiler
 def test_compile_fullgraph_with_inductor_runs_the_kernel():
     _kernel_or_skip()
     import torch._dynamo

@@ -334,6 +334,7 @@ def test_bad_input(x):
 
 
 @pytest.mark.slow
+@pytest.mark.compiler
 def test_compiles_without_graph_breaks():
     # fullgraph=True raises on any graph break; the fast path has no branch on tensor values.
     fn = torch.compile(ns_transform, fullgraph=True, dynamic=False)

@@ -102,6 +102,7 @@ def _probe(cases: dict[str, Path]) -> dict[str, list]:
 
 
 @pytest.mark.slow
+@pytest.mark.compiler
 def test_a_planted_library_is_never_loaded(tmp_path, genuine, compiler):
     markers, cases = {}, {}
     for case in ("dir-world-writable", "dir-of-another-user", "library-of-another-user", "record-of-another-user",
@@ -143,6 +144,7 @@ def test_a_planted_library_is_never_loaded(tmp_path, genuine, compiler):
     assert stat.S_IMODE(cases["dir-world-writable"].stat().st_mode) == 0o777
 
 
+@pytest.mark.compiler
 def test_the_genuine_cache_is_private_and_recorded(genuine):
     (lib,) = genuine.glob("dna_kernel_*.so")
     assert stat.S_IMODE(genuine.stat().st_mode) & 0o077 == 0

@@ -38,6 +38,7 @@ def _first_epoch(runs_dir, spec, compile):
 
 
 @pytest.mark.slow
+@pytest.mark.compiler
 @pytest.mark.parametrize("spec", COMPOSITIONS)
 def test_compiled_epoch_matches_eager(tmp_path, spec):
     eager = _first_epoch(tmp_path / "eager", spec, False)

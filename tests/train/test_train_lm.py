@@ -98,6 +98,7 @@ def _lm_run(runs_dir, **overrides):
 
 
 @pytest.mark.slow
+@pytest.mark.compiler
 @pytest.mark.parametrize("spec", ["qkclip(tau=1)", "dna+sigma"])
 def test_compiled_lm_run_matches_eager(tmp_path, spec):
     """--compile on the lm recipe (inductor on the CPU, causal masks in the graph): the eager run's losses, with
