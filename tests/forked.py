@@ -262,12 +262,11 @@ def _serve(path: str) -> None:
     saved_out, saved_err = os.dup(1), os.dup(2)
     with tempfile.TemporaryFile() as printed:
         os.dup2(printed.fileno(), 1), os.dup2(printed.fileno(), 2)
-        failed = None
         for name in PRELOAD:
             try:
                 importlib.import_module(name)
-            except Exception as error:  # noqa: BLE001 - a library missing here is imported by the child, if at all
-                failed = failed or f"{name}: {error}"
+            except Exception:  # noqa: BLE001 - a library missing here is imported by the child, if at all
+                pass
         sys.stdout.flush(), sys.stderr.flush()
         os.dup2(saved_out, 1), os.dup2(saved_err, 2)
         printed.seek(0)
