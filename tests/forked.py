@@ -28,6 +28,7 @@ import json
 import os
 import resource
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -193,9 +194,7 @@ def _socket() -> str | None:
             if proc is not None:
                 proc.kill()
                 proc.wait()
-            for name in os.listdir(directory):
-                os.unlink(os.path.join(directory, name))
-            os.rmdir(directory)
+            shutil.rmtree(directory, ignore_errors=True)
 
         import atexit
 
@@ -231,12 +230,18 @@ def _ask(socket_path: str, request: dict, fds: list[int]) -> tuple[socket.socket
 
 
 # ----------------------------------------------------------------------------------------------- the zygote
+def _script(command: list[str]) -> tuple[list[str], bool]:
+    """``python [-u ...] REST``: (REST, whether -u was given)."""
+    rest = command[1:]
+    while rest and rest[0] == "-u":
+        rest = rest[1:]
+    return rest, len(rest) < len(command) - 1
+
+
 def _unfaithful(request: dict, own_env: dict, set_by_imports: dict) -> str | None:
     """Why forking from the zygote would not start ``request`` as a fresh interpreter would; None if it would.
     ``own_env``: the zygote's environment before its imports; ``set_by_imports``: what they set in it."""
-    argv = request["argv"][1:]
-    while argv and argv[0] == "-u":
-        argv = argv[1:]
+    argv, _ = _script(request["argv"])
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-c", "-m")) or argv[0] in ("-c", "-m") and \
             len(argv) < 2:
         return f"interpreter options {request['argv'][1:3]}"
@@ -348,16 +353,14 @@ def _child(request: dict, fds: list[int], base_path: list[str]) -> None:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    code, sig = 1, None
+    code = 1
     try:
         os.chdir(request["cwd"])
         env = request["env"]
         os.environ.clear()
         os.environ.update(env)
-        argv = request["argv"][1:]
-        while argv and argv[0] == "-u":
-            argv = argv[1:]
-        unbuffered = "-u" in request["argv"][1:2] or bool(env.get("PYTHONUNBUFFERED"))
+        argv, unbuffered = _script(request["argv"])
+        unbuffered = unbuffered or bool(env.get("PYTHONUNBUFFERED"))
         for name in ("stdout", "stderr"):
             stream = getattr(sys, name)
             setattr(sys, name, open(stream.fileno(), "w", buffering=1 if unbuffered or name == "stderr" else -1,
@@ -391,7 +394,7 @@ def _child(request: dict, fds: list[int], base_path: list[str]) -> None:
         except BaseException as error:  # noqa: BLE001 - what the interpreter prints, less this frame
             error = error.with_traceback(error.__traceback__.tb_next)
             sys.excepthook(type(error), error, error.__traceback__)
-            code, sig = 1, signal.SIGINT if isinstance(error, KeyboardInterrupt) else None
+            code = -signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1  # the interpreter dies of SIGINT
         try:
             threading._shutdown()  # the interpreter waits for non-daemon threads, then runs atexit
         except Exception:  # noqa: BLE001
@@ -407,19 +410,25 @@ def _child(request: dict, fds: list[int], base_path: list[str]) -> None:
 
         traceback.print_exc()
     finally:
-        if sig is not None:
-            signal.signal(sig, signal.SIG_DFL)
-            os.kill(os.getpid(), sig)
-        os._exit(code & 0xFF)
+        _end(code)
 
 
 def _exit_code(value) -> int:
+    """The exit status of ``SystemExit(value)``, as the interpreter takes it (a message printed: status 1)."""
     if value is None:
         return 0
     if isinstance(value, int):
-        return value
+        return value & 0xFF
     print(value, file=sys.stderr)
     return 1
+
+
+def _end(returncode: int) -> None:
+    """Exit with ``returncode``, or die of signal ``-returncode`` (subprocess's convention)."""
+    if returncode < 0:
+        signal.signal(-returncode, signal.SIG_DFL)
+        os.kill(os.getpid(), -returncode)
+    os._exit(returncode & 0xFF)
 
 
 # ----------------------------------------------------------------------------------------------- torchrun's rank
@@ -436,11 +445,7 @@ def _rank(argv: list[str]) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, lambda number, frame: _forward(pid, number))
     message = _receive(conn)
-    code = message["returncode"] if message else -signal.SIGKILL
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    os._exit(code & 0xFF)
+    _end(message["returncode"] if message else -signal.SIGKILL)
 
 
 def _forward(pid: int, sig: int) -> None:
