@@ -218,8 +218,27 @@ def analysis_figures(dirs: list[Path], skip: set[Path] = frozenset()) -> dict[st
     return {g: sorted(paths) for g, paths in groups.items()}
 
 
+_COSTS: dict[bytes, dict] = {}  # config.yaml's bytes -> its counts: the same config builds the same model
+
+
 def run_costs(run_dir: Path) -> dict:
-    """Parameters and batch-1 forward multiply-adds of the model a run trains, rebuilt from its config.yaml."""
+    """Parameters and batch-1 forward multiply-adds of the model a run trains, rebuilt from its config.yaml (once
+    per process for each distinct config.yaml)."""
+    from attnlab.train.run import CONFIG
+
+    try:
+        key = (Path(run_dir) / CONFIG).read_bytes()
+    except OSError:
+        key = None  # Run.open says what is wrong
+    if key not in _COSTS:
+        costs = _count_costs(run_dir)
+        if key is None:
+            return costs
+        _COSTS[key] = costs
+    return dict(_COSTS[key])
+
+
+def _count_costs(run_dir: Path) -> dict:
     import torch
 
     from attnlab.analysis.cost import count_macs
