@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# bytecode cached in __pycache__ even where the environment says not to: the suite starts ~100 interpreters (its
+# workers, the processes tests kill or time), each of which would otherwise compile attnlab and the tests again
+export PYTHONDONTWRITEBYTECODE :=
+
 # pytest-xdist: two worker processes (TEST_WORKERS=0 runs in this one); most slow tests wait on subprocesses
 TEST_WORKERS ?= 2
 
