@@ -11,20 +11,6 @@ import torch
 from train_helpers import tiny, weights
 
 from attnlab.train import launch, run_grid
-from attnlab.train.loop import train
-
-
-def test_parallel_grid_equals_sequential(tmp_path):
-    args = (["standard", "ns"], [0], None, None)
-    seq = run_grid(tiny(tmp_path / "seq", epochs=1), *args, tmp_path / "seq", progress=False, jobs=1)
-    par = run_grid(tiny(tmp_path / "par", epochs=1), *args, tmp_path / "par", progress=False, jobs=2)
-    assert [r["name"] for r in seq] == [r["name"] for r in par] == ["vit_digits-digits-standard-s0",
-                                                                    "vit_digits-digits-ns-s0"]
-    for a, b in zip(seq, par):
-        assert a["top1"] == b["top1"]
-        wa = weights(tmp_path / "seq" / a["name"] / "checkpoint.safetensors")
-        wb = weights(tmp_path / "par" / b["name"] / "checkpoint.safetensors")
-        assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 # the policy as docs/training.md states it: (device, slots, visible CUDA devices) -> device of each slot
@@ -43,25 +29,33 @@ def test_device_for_slots(device, jobs, gpus, expected):
 
 def record_then_train_on_cpu(cfg, probe=None):
     """Test stand-in for launch.train_placed in the workers: log the device the parent placed the run on, then train
-    it on the CPU (this machine has no CUDA device)."""
+    it on the CPU through the worker's own (unpatched) train_placed (this machine has no CUDA device)."""
     with open(os.environ["ATTNLAB_TEST_PLACEMENT_LOG"], "a") as f:
         f.write(json.dumps({"pid": os.getpid(), "device": cfg.device, "start": time.time()}) + "\n")
-    result = train(dataclasses.replace(cfg, device="cpu"), probe)
+    result = launch.train_placed(dataclasses.replace(cfg, device="cpu"), probe)
     with open(os.environ["ATTNLAB_TEST_PLACEMENT_LOG"], "a") as f:
         f.write(json.dumps({"pid": os.getpid(), "end": time.time()}) + "\n")
     return result
 
 
-def test_jobs_2_on_two_fake_gpus_one_run_per_gpu(tmp_path, monkeypatch):
+def test_jobs_2_on_two_fake_gpus_one_run_per_gpu_and_the_runs_of_one_after_another(tmp_path, monkeypatch):
+    grid = (["standard", "ns"], [0, 1], None, None)
+    seq = run_grid(tiny(tmp_path / "seq", epochs=1), *grid, tmp_path / "seq", progress=False, jobs=1)
     # only the device count is faked (in the parent, which places the runs); workers train on CPU through the stand-in
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(launch, "train_placed", record_then_train_on_cpu)
     log = tmp_path / "placement.jsonl"
     monkeypatch.setenv("ATTNLAB_TEST_PLACEMENT_LOG", str(log))
-    results = run_grid(tiny(tmp_path, epochs=1), ["standard", "ns"], [0, 1], None, None, tmp_path,
-                       progress=False, jobs=2)
-    assert len(results) == 4
+    par = run_grid(tiny(tmp_path / "par", epochs=1), *grid, tmp_path / "par", progress=False, jobs=2)
+    # the same runs as one after another, to the bit
+    assert [r["name"] for r in seq] == [r["name"] for r in par] == [
+        f"vit_digits-digits-{v}-s{s}" for s in (0, 1) for v in ("standard", "ns")]
+    for a, b in zip(seq, par):
+        assert a["top1"] == b["top1"]
+        wa = weights(tmp_path / "seq" / a["name"] / "checkpoint.safetensors")
+        wb = weights(tmp_path / "par" / b["name"] / "checkpoint.safetensors")
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     starts = [e for e in lines if "device" in e]
     assert len(starts) == 4
