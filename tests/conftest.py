@@ -7,7 +7,9 @@ no-compiler pass) is kept.
 
 One core's worth of threads per pytest-xdist worker: N workers that each run torch's default of one thread per core
 spin against each other (two workers on two cores spent 3.5x the CPU time on tests/attention and tests/analysis,
-docs/perf.md). Subprocesses inherit the setting; a test that needs more threads sets its own environment.
+docs/perf.md). Subprocesses inherit the setting; a test that needs more threads sets its own environment. Inductor's
+C++ builds follow it too (TORCHINDUCTOR_COMPILE_THREADS): at one thread a worker builds in its own process instead
+of starting a pool of compile processes, each a fresh interpreter importing torch.
 """
 
 import os
@@ -22,8 +24,9 @@ def pytest_configure(config):
         _made.append(tempfile.mkdtemp(prefix="attnlab-test-kernels-"))
         os.environ["ATTNLAB_CACHE"] = os.path.join(_made[0], "kernels")
     workers = getattr(config.option, "numprocesses", None) or 0  # pytest-xdist's -n, in the controller
-    if isinstance(workers, int) and workers > 0 and "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    if isinstance(workers, int) and workers > 0:
+        for name in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
+            os.environ.setdefault(name, str(max(1, (os.cpu_count() or 1) // workers)))
 
 
 def pytest_unconfigure(config):

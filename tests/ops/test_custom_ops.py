@@ -60,7 +60,7 @@ def test_the_dna_op_counts_two_sdpa_calls():
 
 def _tiny(attn):
     torch.manual_seed(0)
-    return attnlab.build_model("vit_cifar", num_classes=10, attn=attn, depth=2).eval()
+    return attnlab.build_model("vit_cifar", num_classes=10, attn=attn, depth=1).eval()
 
 
 @pytest.mark.parametrize("attn", ["dna", "ns"])
@@ -85,7 +85,7 @@ def test_compile_fullgraph_of_an_eval_model(attn):
     assert any(op.startswith("attnlab.") for op in ops), sorted(ops)  # the kernel is in the graph
 
 
-@pytest.mark.slow  # inductor's C++ build of the graph: ~30 s on 2 cores
+@pytest.mark.slow  # inductor's C++ build of the graph: ~30 s on 2 cores with a cold cache
 @pytest.mark.compiler
 def test_compile_fullgraph_with_inductor_runs_the_kernel():
     _kernel_or_skip()
