@@ -359,6 +359,7 @@ def _child(request: dict, fds: list[int], base_path: list[str]) -> None:
         env = request["env"]
         os.environ.clear()
         os.environ.update(env)
+        tempfile.tempdir = None  # looked up again from TMPDIR, as a fresh interpreter would
         argv, unbuffered = _script(request["argv"])
         unbuffered = unbuffered or bool(env.get("PYTHONUNBUFFERED"))
         for name in ("stdout", "stderr"):

@@ -21,7 +21,7 @@ PROBE = textwrap.dedent("""
         "argv": sys.argv, "cwd": os.getcwd(), "path": sys.path[:2], "name": __name__,
         "env": os.environ.get("PROBE"), "preimported": sorted(m for m in sys.modules if m.split(".")[0] in
                                                               ("attnlab", "process_helpers", "forked")),
-        "stdin": sys.stdin.read(),
+        "stdin": sys.stdin.read(), "tmp": __import__("tempfile").gettempdir(),
     }))
     import torch
     print(torch.get_num_threads())
@@ -46,13 +46,15 @@ def both(argv, **kwargs):
 
 @pytest.mark.parametrize("threads", ["1", "2"])
 def test_a_child_starts_and_ends_as_a_fresh_interpreter(tmp_path, threads):
-    env = dict(os.environ, PROBE="x", OMP_NUM_THREADS=threads, PYTHONPATH=os.pathsep.join([str(tmp_path), "/nowhere"]))
+    env = dict(os.environ, PROBE="x", OMP_NUM_THREADS=threads, PYTHONPATH=os.pathsep.join([str(tmp_path), "/nowhere"]),
+               TMPDIR=str(tmp_path))
     fork, fresh = both(["-c", PROBE, "3", "more"], env=env, cwd=tmp_path, stdin=subprocess.DEVNULL)
     assert fork == fresh
     (out, err), code = fork
     probe = json.loads(out.splitlines()[0])
     assert probe["argv"] == ["-c", "3", "more"] and probe["cwd"] == str(tmp_path) and probe["env"] == "x"
     assert probe["path"] == ["", str(tmp_path)] and probe["name"] == "__main__" and probe["preimported"] == []
+    assert probe["tmp"] == str(tmp_path)  # not the zygote's, which tempfile had already looked up
     assert out.splitlines()[1:] == [threads, "atexit ran"] and err == "to stderr\n" and code == 3
 
 

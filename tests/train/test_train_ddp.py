@@ -100,13 +100,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_SCRATCH: list[str] = []
+
+
+def _scratch() -> str:
+    """A temporary directory of this test process, removed when it exits."""
+    if not _SCRATCH:
+        import atexit
+        import shutil
+        import tempfile
+
+        _SCRATCH.append(tempfile.mkdtemp(prefix="attnlab-torchrun-"))
+        atexit.register(shutil.rmtree, _SCRATCH[0], True)
+    return _SCRATCH[0]
+
+
 def _torchrun(args: list[str], *, script: list[str] | None = None, wait: bool = True):
     """``torchrun --nproc_per_node=2 SCRIPT ARGS``: torchrun's agent and its ranks are forks of tests/forked.py's
     zygote (``python -m torch.distributed.run`` is the torchrun command), each rank behind a stand-in that torchrun
     starts, signals and watches as it would the rank."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}",
            "--no-python", *forked.torchrun_rank(), *(script or ["-m", "attnlab"]), *args]
-    env = forked.rank_env({**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)})
+    env = forked.rank_env({**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent),
+                           "TMPDIR": _scratch()})  # torchrun's log directories and error files, which it leaves
     if not wait:
         return forked.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     return forked.run(cmd, capture_output=True, text=True, env=env, timeout=600)
