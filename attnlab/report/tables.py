@@ -229,12 +229,9 @@ def run_costs(run_dir: Path) -> dict:
     try:
         key = (Path(run_dir) / CONFIG).read_bytes()
     except OSError:
-        key = None  # Run.open says what is wrong
+        return _count_costs(run_dir)  # Run.open says what is wrong
     if key not in _COSTS:
-        costs = _count_costs(run_dir)
-        if key is None:
-            return costs
-        _COSTS[key] = costs
+        _COSTS[key] = _count_costs(run_dir)
     return dict(_COSTS[key])
 
 
