@@ -10,6 +10,11 @@ spin against each other (two workers on two cores spent 3.5x the CPU time on tes
 docs/perf.md). Subprocesses inherit the setting; a test that needs more threads sets its own environment. Inductor's
 C++ builds follow it too (TORCHINDUCTOR_COMPILE_THREADS): at one thread a worker builds in its own process instead
 of starting a pool of compile processes, each a fresh interpreter importing torch.
+
+Longest first: the files with tests that build C++ (marked compiler), then those with end-to-end tests (marked slow),
+then the rest, each file's tests together and in order (module fixtures are set up once); pyproject.toml's
+--maxschedchunk=1 makes pytest-xdist hand each worker its next test when it is nearly done, instead of a quarter of
+the suite at the start, so the short tests fill the tail (docs/perf.md, "Test suite time").
 """
 
 import os
@@ -27,6 +32,15 @@ def pytest_configure(config):
     if isinstance(workers, int) and workers > 0:
         for name in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
             os.environ.setdefault(name, str(max(1, (os.cpu_count() or 1) // workers)))
+
+
+def pytest_collection_modifyitems(config, items):
+    rank: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        rank[path] = min(rank.get(path, 2), 0 if item.get_closest_marker("compiler") else
+                         1 if item.get_closest_marker("slow") else 2)
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
 
 
 def pytest_unconfigure(config):
