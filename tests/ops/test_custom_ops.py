@@ -13,6 +13,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import attnlab
+from attnlab.models import attention_modules
 from attnlab.ops import ckernel, dna_cpu
 
 
@@ -85,17 +86,20 @@ def test_compile_fullgraph_of_an_eval_model(attn):
     assert any(op.startswith("attnlab.") for op in ops), sorted(ops)  # the kernel is in the graph
 
 
-@pytest.mark.slow  # inductor's C++ build of the graph: ~30 s on 2 cores with a cold cache
+@pytest.mark.slow  # inductor's C++ build of the graph (tests/train/test_train_compile.py compiles whole models)
 @pytest.mark.compiler
 def test_compile_fullgraph_with_inductor_runs_the_kernel():
     _kernel_or_skip()
     import torch._dynamo
+    from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
-    model = _tiny("dna")
-    x = torch.randn(2, 3, 32, 32)
+    attn = attention_modules(_tiny("dna"))[0][1]  # the attention module alone: the fewest C++ kernels to build
+    x = torch.randn(2, 65, 192)
     with torch.no_grad():
-        torch.testing.assert_close(torch.compile(model, fullgraph=True)(x), model(x), rtol=1e-4, atol=1e-4)
+        got, code = run_and_get_code(torch.compile(attn, fullgraph=True), x)
+        torch.testing.assert_close(got, attn(x), rtol=1e-4, atol=1e-4)
+    assert "torch.ops.attnlab.dna_fused" in "\n".join(code)  # inductor calls the kernel, not a decomposition
 
 
 def test_fake_tensors_get_the_dna_op_shape_and_layout():
