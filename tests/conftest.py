@@ -12,7 +12,7 @@ C++ builds follow it too (TORCHINDUCTOR_COMPILE_THREADS): at one thread a worker
 of starting a pool of compile processes, each a fresh interpreter importing torch.
 
 Longest first: the files with tests that build C++ (marked compiler), then those with end-to-end tests (marked slow),
-then the rest, each file's tests together and in order (module fixtures are set up once); pyproject.toml's
+then the rest, each file's tests together and in order (a module fixture is set up once per worker); pyproject's
 --maxschedchunk=1 makes pytest-xdist hand each worker its next test when it is nearly done, instead of a quarter of
 the suite at the start, so the short tests fill the tail (docs/perf.md, "Test suite time").
 """
