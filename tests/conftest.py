@@ -35,12 +35,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    rank: dict[str, int] = {}
+    rank: dict = {}
     for item in items:
-        path = item.nodeid.split("::")[0]
-        rank[path] = min(rank.get(path, 2), 0 if item.get_closest_marker("compiler") else
-                         1 if item.get_closest_marker("slow") else 2)
-    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
+        rank[item.path] = min(rank.get(item.path, 2), 0 if item.get_closest_marker("compiler") else
+                              1 if item.get_closest_marker("slow") else 2)
+    items.sort(key=lambda item: rank[item.path])
 
 
 def pytest_unconfigure(config):

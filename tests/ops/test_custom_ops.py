@@ -17,12 +17,6 @@ from attnlab.models import attention_modules
 from attnlab.ops import ckernel, dna_cpu
 
 
-def _kernel_or_skip():
-    why = dna_cpu.unavailable()
-    if why:
-        pytest.skip(why)
-
-
 def _flops(model, x, grad):
     with torch.set_grad_enabled(grad), FlopCounterMode(display=False) as counter:
         model(x)
@@ -65,8 +59,8 @@ def _tiny(attn):
 
 
 @pytest.mark.parametrize("attn", ["dna", "ns"])
+@pytest.mark.usefixtures("dna_kernel")  # tests/ops/conftest.py
 def test_compile_fullgraph_of_an_eval_model(attn):
-    _kernel_or_skip()
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -88,8 +82,8 @@ def test_compile_fullgraph_of_an_eval_model(attn):
 
 @pytest.mark.slow  # inductor's C++ build of the graph (tests/train/test_train_compile.py compiles whole models)
 @pytest.mark.compiler
+@pytest.mark.usefixtures("dna_kernel")  # tests/ops/conftest.py
 def test_compile_fullgraph_with_inductor_runs_the_kernel():
-    _kernel_or_skip()
     import torch._dynamo
     from torch._inductor.utils import run_and_get_code
 
@@ -113,16 +107,16 @@ def test_fake_tensors_get_the_dna_op_shape_and_layout():
             torch.ops.attnlab.dna_fused(q, q, k, k, torch.empty(2, 3, 6, 16), None, 0.25, 0.25, None, None, [])
 
 
+@pytest.mark.usefixtures("dna_kernel")  # tests/ops/conftest.py
 def test_kernel_and_python_agree_on_supported_shapes():
-    _kernel_or_skip()
     _, c_supports, _ = dna_cpu._load()
     for D in range(8, 80, 8):
         for M in (0, 1, 1024, 1025):
             assert bool(c_supports(D, M)) == dna_cpu.supports(D, M), (D, M)
 
 
+@pytest.mark.usefixtures("dna_kernel")  # tests/ops/conftest.py
 def test_handshake_refuses_a_kernel_of_another_version_or_layout(monkeypatch):
-    _kernel_or_skip()
     for abi, sizes, needle in ((dna_cpu._ABI + 1, {}, "interface version"),
                                (dna_cpu._ABI, {"attnlab_dna_args_size": 8}, "attnlab_dna_args_size")):
         monkeypatch.setattr(ckernel, "_libs", {})
@@ -158,8 +152,8 @@ SMALL_STACK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.usefixtures("dna_kernel")  # tests/ops/conftest.py
 def test_kernel_runs_on_a_thread_with_a_small_stack(tmp_path):
-    _kernel_or_skip()
     env = dict(os.environ, OMP_NUM_THREADS="1")  # the test run's kernel cache (tests/conftest.py)
     out = forked.run([sys.executable, "-c", SMALL_STACK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok (1, 2, 1024, 64)" in out.stdout, (out.returncode, out.stderr[-2000:])

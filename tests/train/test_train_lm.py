@@ -97,9 +97,12 @@ def _lm_run(runs_dir, **overrides):
         progress=False, **overrides))
 
 
+COMPILED_SPECS = ("dna+sigma",)  # with tests/train/test_train_compile.py's, every registered term
+
+
 @pytest.mark.slow
 @pytest.mark.compiler
-@pytest.mark.parametrize("spec", ["dna+sigma"])
+@pytest.mark.parametrize("spec", COMPILED_SPECS)
 def test_compiled_lm_run_matches_eager(tmp_path, spec):
     """--compile on the lm recipe (inductor on the CPU, causal masks in the graph): the eager run's losses, with
     a training and an evaluation graph and no graph break (tolerance as in test_train_compile.py). One spec: the
