@@ -260,10 +260,11 @@ class AttnlabAttention(nn.Module):
         mask = AttentionMask.of(attn_mask, is_causal, window)
         if mask is not None:
             mask.check(x.shape[0], x.shape[1])
-            if mask.is_causal:
-                for head in (self.head_transform if isinstance(self.head_transform, nn.Sequential)
-                             else (self.head_transform,)):
-                    why = getattr(head, "causal_refusal", None)
+            for head in (self.head_transform if isinstance(self.head_transform, nn.Sequential)
+                         else (self.head_transform,)):
+                for present, refusal in ((mask.is_causal, "causal_refusal"), (mask.attn_mask is not None,
+                                                                               "mask_refusal")):
+                    why = getattr(head, refusal, None) if present else None
                     if why:
                         raise UnsupportedModelError(f"{why}.")
         return mask

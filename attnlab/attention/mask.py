@@ -3,6 +3,7 @@
     AttentionMask(is_causal=True)                          query i sees keys j <= i (SDPA's top-left convention)
     AttentionMask(key_padding=tokens != pad_id)            (B, M) bool, True at real tokens: padded keys unseen
     AttentionMask(attn_mask=m)                             SDPA's attn_mask: bool (True = attend) or additive float
+                                                           (an entry <= EXCLUDED, -inf or finfo.min: key excluded)
     AttentionMask(window=swin_mask)                        Swin's shifted-window mask (num_windows, N, N), 0 / -100
 
 They combine (a causal model with padded batches passes both). Every attnlab attention module folds its forward's
@@ -22,6 +23,20 @@ import torch
 
 from ..errors import ConfigError, UnsupportedModelError
 
+#: an additive float mask's entries at or below this exclude their key from every branch (weight exactly 0): -inf,
+#: any dtype's ``finfo.min`` (Hugging Face's padding), the -1e9 / -1e4 of older code. A softmax gives such a key
+#: weight exp(-1e4) = 0 in every float dtype anyway; a branch that negates the logit (DnA's softmin) or takes its
+#: magnitude (Cog) would otherwise make it the most attended key. Entries above it are part of the logit.
+EXCLUDED = -1e4
+
+
+def _resolved(attn_mask):
+    """A float ``attn_mask`` with every excluded entry (:data:`EXCLUDED`) as -inf, so that every later reader needs
+    only one test (``isneginf``); a bool mask or None as given."""
+    if attn_mask is None or attn_mask.dtype == torch.bool:
+        return attn_mask
+    return attn_mask.masked_fill(attn_mask <= EXCLUDED, float("-inf"))
+
 
 class AttentionMask(NamedTuple):
     """Which keys each query may attend (see the module docstring). A NamedTuple, so ``torch.compile`` traces it."""
@@ -35,13 +50,15 @@ class AttentionMask(NamedTuple):
     @classmethod
     def of(cls, attn_mask=None, is_causal: bool = False, window: torch.Tensor | None = None) -> "AttentionMask | None":
         """One mask from an attention forward's arguments (timm's ``attn_mask`` / ``is_causal`` / Swin's ``mask``);
-        ``attn_mask`` may itself be an AttentionMask. None when nothing is masked."""
+        ``attn_mask`` may itself be an AttentionMask. None when nothing is masked. The one place a float mask's
+        excluded entries (:data:`EXCLUDED`) become -inf."""
         if isinstance(attn_mask, AttentionMask):
-            mask = attn_mask._replace(is_causal=attn_mask.is_causal or bool(is_causal))
+            mask = attn_mask._replace(is_causal=attn_mask.is_causal or bool(is_causal),
+                                      attn_mask=_resolved(attn_mask.attn_mask))
             return mask._replace(window=window) if window is not None else mask
         if attn_mask is None and not is_causal and window is None:
             return None
-        return cls(is_causal=bool(is_causal), attn_mask=attn_mask, window=window)
+        return cls(is_causal=bool(is_causal), attn_mask=_resolved(attn_mask), window=window)
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor, pad_id: int, *, is_causal: bool = False) -> "AttentionMask":
@@ -151,4 +168,4 @@ class AttentionMask(NamedTuple):
             window=None if self.window is None else self.window[index % self.window.shape[0]][None])
 
 
-__all__ = ["AttentionMask"]
+__all__ = ["AttentionMask", "EXCLUDED"]

@@ -10,7 +10,8 @@ A ``head`` term: it composes after any kernel (``ns``, ``dna+ns``) and adds no p
 a ``standard`` model's state dict. The math lives in :func:`attnlab.ops.ns_transform`.
 
 Masks. The transform mixes all N tokens of a head (the Frobenius norm and the Gram product run over every token),
-so it is not causal: a causal mask is refused with that reason. With key padding the rows of padded tokens are zero
+so it is not causal: a causal mask is refused with that reason, and so is a caller's ``attn_mask`` (tokens that it
+hides from each other, padding or packed sequences, would meet in the transform). With key padding the rows of padded tokens are zero
 before the transform (the attention module zeroes them), so they add nothing to the norm or the Gram, and a zero
 row stays zero: real tokens' outputs do not depend on the padding.
 """
@@ -37,6 +38,10 @@ class NSTransform(nn.Module):
     #: why the transform cannot run under a causal mask (the attention module refuses with it)
     causal_refusal = ("ns cannot honour a causal mask: its transform mixes all N tokens of a head (the Frobenius norm "
                       "and the Gram product run over every token), so token i's output depends on later tokens")
+    #: why it cannot run under a caller's attn_mask (Swin's window mask is the model's own geometry and is kept)
+    mask_refusal = ("ns cannot honour this attention mask: its transform mixes the outputs of all N tokens of a head, "
+                    "so tokens the mask hides from each other meet there; pass padding as key_padding (an "
+                    "AttentionMask), whose tokens it leaves out")
 
     def __init__(self, steps: int = 1, eps: float = NS_EPS, impl: str = "auto",
                  coeffs: tuple[float, float, float] = NS_COEFFS) -> None:

@@ -24,8 +24,8 @@ TOY = Variant("toy", "kernel", "softmax at a temperature (the registry suite's t
               "tests.attention.toy_attention:ToyAttention",
               options={"temperature": Option(2.0, float, above=0.0, help="divides every logit")})
 COMPOSITIONS = ["dna+ns", "dna(variant=q)+speccond", "ns+sigma", "qknorm+speccond", "qkclip+ns",
-                "performer(features=16)+sigma", "nystrom(landmarks=4)+ns", "cog(all_layers=true)+ns", "diff+qknorm",
-                "toy(temperature=3)+ns+sigma"]
+                "performer(features=16)+sigma", "nystrom(landmarks=4)+ns", "cog(all_layers=true)+ns", "cog(all_layers=true)",
+                "diff+qknorm", "toy(temperature=3)+ns+sigma"]
 SPECS = [*VARIANTS, "toy", *COMPOSITIONS]
 DIGITS = dict(embed_dim=32, num_heads=2, depth=2)  # vit_digits, tiny: 16 tokens, head dim 16
 
@@ -148,3 +148,60 @@ def test_the_toy_method_is_one_file_and_one_entry():
 def test_option_ranges_are_checked_when_the_spec_is_read(spec, words):
     with pytest.raises(SpecError, match=words):
         attnlab.parse_spec(spec)
+
+
+def _mask_forms(keep: torch.Tensor, dtype: torch.dtype) -> dict:
+    """The same key mask (B, 1, 1, M), True = attend, in every form a caller may pass it."""
+    zeros = torch.zeros(keep.shape, dtype=dtype)
+    lowest = zeros.masked_fill(~keep, torch.finfo(dtype).min)  # Hugging Face's padding mask
+    return {"bool": keep, "additive -inf": zeros.masked_fill(~keep, float("-inf")), "additive finfo.min": lowest,
+            "additive -1e9": zeros.masked_fill(~keep, -1e9), "AttentionMask(finfo.min)": AttentionMask(attn_mask=lowest)}
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("path", ["fused", "explicit"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_every_mask_form_excludes_a_key_from_every_branch(spec, path, causal):
+    """A boolean key mask, an additive 0/-inf mask, an additive 0/finfo.min mask (and -1e9) give one output and one
+    gradient, in float64 and float32, and the masked keys reach no real output (a branch that negates or takes |s|
+    would make a finfo.min key its most attended one); a term that cannot honour the mask refuses every form alike."""
+    keep = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+    keep[0, ..., 7:] = False  # right padding
+    keep[1, ..., 3] = keep[1, ..., 5] = False  # holes; every query keeps key 0, so no row is empty under causality
+    real = keep[:, 0, 0]
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        torch.manual_seed(0)
+        model = attnlab.convert(_Blocks(), spec).to(dtype).eval()
+        for _, m in attention_modules(model):
+            m.fused_attn = path == "fused"
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(2, 10, 32, generator=g, dtype=torch.float64)
+        changed = torch.where(real[..., None], x, torch.randn(2, 10, 32, generator=g, dtype=torch.float64) * 4)
+        for grad in (False, True):
+            outs, grads, refusals = {}, {}, {}
+            for form, mask in _mask_forms(keep, dtype).items():
+                inp = x.to(dtype).requires_grad_(grad)
+                try:
+                    with torch.set_grad_enabled(grad):
+                        out = model(inp, attn_mask=mask, is_causal=causal)
+                except UnsupportedModelError as err:
+                    refusals[form] = str(err)
+                    continue
+                if grad:
+                    out[real].square().sum().backward()
+                    grads[form] = inp.grad
+                outs[form] = out.detach()
+                with torch.no_grad():
+                    moved = model(changed.to(dtype), attn_mask=mask, is_causal=causal)
+                torch.testing.assert_close(moved[real], outs[form][real], rtol=tol, atol=tol,
+                                           msg=lambda m: f"{form}: a masked key reached a real output: {m}")
+            if refusals:
+                assert not outs, f"refused {sorted(refusals)} but honoured {sorted(outs)}"
+                assert all("\n" not in why and "cannot honour" in why for why in refusals.values()), refusals
+                continue
+            for form in outs:
+                torch.testing.assert_close(outs[form][real], outs["bool"][real], rtol=tol, atol=tol,
+                                           msg=lambda m: f"{form} against bool ({dtype}, grad={grad}): {m}")
+                if grad:
+                    torch.testing.assert_close(grads[form], grads["bool"], rtol=tol, atol=tol,
+                                               msg=lambda m: f"{form} gradient against bool ({dtype}): {m}")
