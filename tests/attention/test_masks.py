@@ -309,5 +309,11 @@ def test_dna_cross_attention_honours_context_padding():
             b = m(x, other, attn_mask=AttentionMask(key_padding=real))
         assert torch.equal(a, b)
         torch.testing.assert_close(a[1], m.proj.bias.detach().expand(5, -1), rtol=0, atol=0)  # no keys: zeros
+        keep = real[:1, None, None, :]  # the same context padding as a caller's boolean or finfo.min mask
+        lowest = torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, torch.finfo(torch.float64).min)
+        with torch.no_grad():
+            by_bool, by_float = m(x[:1], ctx[:1], attn_mask=keep), m(x[:1], other[:1], attn_mask=lowest)
+        torch.testing.assert_close(by_bool, a[:1], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(by_float, a[:1], rtol=1e-12, atol=1e-12)
     with pytest.raises(UnsupportedModelError, match="no causal mask"):
         m(x, ctx, attn_mask=AttentionMask(is_causal=True))
