@@ -134,6 +134,9 @@ class AttnlabAttention(nn.Module):
                                  persistent=False)
 
     # ---- construction from an existing module ------------------------------------------------------------------
+    #: why this mechanism has no causal form (a sentence naming the term), or None: a model that declares its
+    #: attention causal (``causal = True``, the GPT presets) refuses it when it is built or converted
+    causal_refusal: ClassVar[str | None] = None
     #: the term name of a global-attention approximation that takes no additive bias (nystrom, performer): such a
     #: mechanism refuses Swin's window attention, whose logits carry a relative-position bias
     global_only: ClassVar[str | None] = None

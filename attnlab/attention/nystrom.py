@@ -43,6 +43,7 @@ class NystromAttention(AttnlabAttention):
     """
 
     global_only = "nystrom"
+    causal_refusal = f"nystrom cannot honour a causal mask: {MASK_REFUSALS['causal']}"
 
     def __init__(self, dim: int, num_heads: int = 8, *, landmarks: int = 64, pinv: str = "iterative",
                  iters: int = 6, conv: int = 0, z0: str = "head", **kwargs) -> None:

@@ -48,6 +48,15 @@ def refusal(module: nn.Module, spec: Spec, name: str = "") -> str | None:
     return None
 
 
+def causal_refusal(spec: Spec) -> str | None:
+    """Why ``spec`` has no causal form (its kernel's or a head term's reason, one sentence), or None."""
+    for term in (spec.kernel, *spec.of_kind("head")):
+        why = term.variant.load().causal_refusal
+        if why:
+            return why
+    return None
+
+
 def _layers(found: list[tuple[str, nn.Module]]) -> tuple[list[int], int]:
     """Each attention module's layer index and the number of layers: its block's index when every module sits in a
     top-level ``blocks`` list (TimeSformer's spatial and temporal attention share their block's depth), else its
@@ -100,6 +109,10 @@ def convert(model: nn.Module, spec: str | Spec, only: str | None = None) -> nn.M
         reason = refusal(old, spec, name)
         if reason:
             raise SpecError(f"{reason}; `attnlab variants --support MODEL` lists the terms each module takes.")
+    why = causal_refusal(spec) if getattr(model, "causal", False) else None
+    if why:
+        raise UnsupportedModelError(f"{why}, and every attention of {type(model).__name__} is causal; use a term with "
+                                    f"a causal form ({', '.join(_causal_terms())}).")
     cls, options = spec.kernel.variant.load(), spec.kernel.resolved()
     modules = []
     for index, (name, old) in zip(layers, found):
@@ -119,6 +132,11 @@ def convert(model: nn.Module, spec: str | Spec, only: str | None = None) -> nn.M
     return model
 
 
+def _causal_terms() -> list[str]:
+    """The kernel and head terms that have a causal form."""
+    return [name for name, v in VARIANTS.items() if v.kind in ("kernel", "head") and not v.load().causal_refusal]
+
+
 def term_support(model: nn.Module) -> list[dict]:
     """Which registered spec terms act on which of ``model``'s attention modules, grouped by module type.
 
@@ -127,6 +145,7 @@ def term_support(model: nn.Module) -> list[dict]:
     class-attention layers) are one last group with ``family`` "left as built" and no terms.
     """
     groups: dict[str, dict] = {}
+    causal = getattr(model, "causal", False)
     found = attention_modules(model)
     if not found:
         raise _unsupported(model)
@@ -144,6 +163,8 @@ def term_support(model: nn.Module) -> list[dict]:
                     reason = mechanism.refusal(term, variant.kind)
                 elif variant.kind == "kernel":  # the mechanism's own constructor check, on this module's geometry
                     reason = variant.load().geometry_refusal(AttnlabAttention.geometry(module))
+                if not reason and causal and variant.kind in ("kernel", "head"):
+                    reason = variant.load().causal_refusal
                 if reason:
                     group["refused"][term] = reason
                 else:

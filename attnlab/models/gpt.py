@@ -74,6 +74,9 @@ class GPT(nn.Module):
         norm_layer: the normalisation (default LayerNorm, eps 1e-5; ``nn.Identity``: none).
     """
 
+    #: every attention is causal: :func:`attnlab.convert` refuses a term without a causal form when it is built
+    causal = True
+
     def __init__(self, vocab_size: int = 256, block_size: int = 256, embed_dim: int = 128, depth: int = 4,
                  num_heads: int = 4, mlp_ratio: float = 4.0, bias: bool = True, drop_rate: float = 0.0,
                  attn_drop_rate: float = 0.0, gelu: str = "exact", norm_layer: type[nn.Module] | None = None) -> None:

@@ -18,6 +18,7 @@ from attnlab.analysis.redundancy import head_redundancy
 from attnlab.attention.mask import AttentionMask
 from attnlab.errors import SpecError, UnsupportedModelError
 from attnlab.models import attention_modules
+from attnlab.models.convert import term_support
 from attnlab.variants import VARIANTS, Option, Variant, register
 
 TOY = Variant("toy", "kernel", "softmax at a temperature (the registry suite's toy method)", "attnlab's tests",
@@ -205,3 +206,46 @@ def test_every_mask_form_excludes_a_key_from_every_branch(spec, path, causal):
                 if grad:
                     torch.testing.assert_close(grads[form], grads["bool"], rtol=tol, atol=tol,
                                                msg=lambda m: f"{form} gradient against bool ({dtype}): {m}")
+
+
+@pytest.mark.parametrize("term", [name for name, v in VARIANTS.items() if v.kind in ("kernel", "head")])
+def test_a_causal_model_refuses_a_term_without_a_causal_form_when_it_is_built(term):
+    """What a term declares (``causal_refusal``) is what its forward does under ``is_causal``: a term that refuses
+    there is refused by ``build_model`` and ``convert`` on a causal model (GPT), in one line; a term with a causal
+    form builds it, and its outputs never see later tokens."""
+    torch.manual_seed(0)
+    plain = attnlab.convert(_Blocks(), term).double().eval()
+    x = torch.randn(1, 10, 32, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            plain(x, is_causal=True)
+        honoured = True
+    except UnsupportedModelError:
+        honoured = False
+    gpt = dict(vocab_size=32, block_size=8, embed_dim=16, depth=1, num_heads=2)
+    if not honoured:
+        for build in (lambda: attnlab.build_model("gpt_tiny", attn=term, **gpt),
+                      lambda: attnlab.convert(attnlab.build_model("gpt_tiny", **gpt), term)):
+            with pytest.raises(UnsupportedModelError, match="cannot honour a causal mask") as info:
+                build()
+            assert "\n" not in str(info.value) and "use a term with a causal form" in str(info.value)
+        return
+    model = attnlab.build_model("gpt_tiny", attn=term, **gpt).double().eval()
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    later = tokens.clone()
+    later[:, 5:] = (later[:, 5:] + 1) % 32
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens)[:, :5], model(later)[:, :5], rtol=1e-12, atol=1e-12)
+    support = term_support(attnlab.build_model("gpt_tiny", **gpt))
+    assert term in support[0]["applies"]
+
+
+def test_variants_support_and_train_name_the_causal_refusal(tmp_path):
+    from tests.cli_runner import in_process
+
+    listed = in_process(["variants", "--support", "gpt_tiny"])
+    assert listed.returncode == 0 and "ns: ns cannot honour a causal mask" in listed.stdout
+    assert "nystrom: nystrom cannot honour a causal mask" in listed.stdout
+    run = in_process(["train", "--recipe", "lm", "--attn", "ns", "--runs-dir", tmp_path / "runs"], cwd=tmp_path)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "cannot honour a causal mask" in run.stderr
+    assert not (tmp_path / "runs").exists()  # refused before anything is created
