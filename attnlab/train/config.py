@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -406,7 +407,36 @@ def make_config(base: TrainConfig | str | None = None, **overrides: Any) -> Trai
                               f"{', '.join(RECIPES)}.")
         base = RECIPES[base]
     values = {k: coerce(k, v) for k, v in overrides.items()}
-    return validate(dataclasses.replace(base, **values))
+    return validate(fit_warmup(dataclasses.replace(base, **values), given=set(values)))
+
+
+def _count(n: float, unit: str) -> str:
+    return f"{n:g} {unit}{'' if n == 1 else 's'}"
+
+
+_noted: set[str] = set()  # each note once per process (a grid builds the same config for every variant and seed)
+
+
+def fit_warmup(cfg: TrainConfig, given: set[str]) -> TrainConfig:
+    """``cfg`` with a recipe's warm-up that is longer than the run cut at the run's end, and one line on stderr
+    saying so (a one-epoch or two-step smoke run, as timm and nanoGPT run it). A warm-up the user gave (a flag, a
+    config file's key) is left to :func:`validate`, which refuses it."""
+    if cfg.warmup_steps is None and cfg.max_steps is None and cfg.warmup_epochs > cfg.epochs \
+            and "warmup_epochs" not in given:
+        key, old, cut = "warmup_epochs", _count(cfg.warmup_epochs, "epoch"), _count(cfg.epochs, "epoch")
+        cfg = dataclasses.replace(cfg, warmup_epochs=float(cfg.epochs))
+    elif cfg.warmup_steps is not None and cfg.max_steps is not None and cfg.warmup_steps > cfg.max_steps \
+            and "warmup_steps" not in given:
+        key, old, cut = "warmup_steps", _count(cfg.warmup_steps, "step"), _count(cfg.max_steps, "step")
+        cfg = dataclasses.replace(cfg, warmup_steps=cfg.max_steps)
+    else:
+        return cfg
+    note = (f"attnlab: note: the {cfg.recipe} recipe's warm-up of {old} is longer than this run, so it is cut to the "
+            f"run's {cut} (the learning rate reaches its peak at the end); give --{key.replace('_', '-')} to set it.")
+    if note not in _noted:
+        _noted.add(note)
+        print(note, file=sys.stderr, flush=True)
+    return cfg
 
 
 MAX_YAML_NODES = 100_000  # a config or grid file holds hundreds; aliases can make a 1 KB file expand to 10^9

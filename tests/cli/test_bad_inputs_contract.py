@@ -49,8 +49,6 @@ CASES = [
          "config key 'momentum' is 5.0, but it must lie in [0, 1)"),
     case("train-warmup-longer", "train --recipe demo --epochs 2 --warmup-epochs 3",
          "config key 'warmup_epochs' is 3, longer than the 2 epochs of training; give --warmup-epochs at most 2"),
-    case("train-default-recipe-short", "train --epochs 5",
-         "config key 'warmup_epochs' is 10, longer than the 5 epochs"),
     case("train-min-lr-above-lr", "train --recipe demo --min-lr 0.1",
          "config key 'min_lr' is 0.1, above lr 0.005; the cosine decay ends at min_lr"),
     # ---- tracebacks before (26.8)

@@ -76,3 +76,41 @@ def test_run_name_is_file_system_safe():
 def test_split_specs_keeps_commas_inside_parentheses():
     assert split_specs("standard, ns,dna(variant=q,alpha_init=1)+ns") == [
         "standard", "ns", "dna(variant=q,alpha_init=1)+ns"]
+
+
+def test_a_recipes_warm_up_longer_than_a_short_run_is_cut_with_one_note(capsys, tmp_path):
+    """A one-epoch or two-step smoke run of any recipe runs: the recipe's warm-up ends at the run's end, and one line
+    on stderr says so; a warm-up the user gave (flag or config file) that is longer than training stays an error."""
+    import attnlab.train.config as config
+
+    config._noted.clear()
+    cfg = make_config(None, model="vit_digits", dataset="digits", epochs=1)  # ns_cifar: 10 warm-up epochs
+    assert cfg.warmup_epochs == 1.0
+    lm = make_config("lm", max_steps=2)  # 100 warm-up steps
+    assert lm.warmup_steps == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "ns_cifar recipe's warm-up of 10 epochs" in err[0] and "cut to the run's 1 epoch " in err[0]
+    assert "lm recipe's warm-up of 100 steps" in err[1] and "--warmup-steps" in err[1]
+    make_config("lm", max_steps=2)
+    assert capsys.readouterr().err == ""  # once per process, not once per run of a grid
+    for given in (dict(epochs=2, warmup_epochs=3), dict(recipe="lm", max_steps=2, warmup_steps=5)):
+        with pytest.raises(ConfigError, match="longer than the"):
+            make_config(None, **given)
+    path = tmp_path / "short.yaml"
+    path.write_text("recipe: demo\nepochs: 1\nwarmup_epochs: 4\n")
+    with pytest.raises(ConfigError, match="config key 'warmup_epochs' is 4, longer than the 1 epochs"):
+        load_config(path)
+
+
+def test_one_epoch_and_two_step_smoke_runs_train(tmp_path):
+    import attnlab.train.config as config
+    from tests.cli_runner import in_process
+
+    config._noted.clear()  # the notes are said once per process
+
+    for argv in (["--model", "vit_digits", "--dataset", "digits", "--epochs", "1"], ["--recipe", "lm", "--max-steps", "2",
+                                                                                    "--eval-iters", "1"]):
+        run = in_process(["train", *argv, "--runs-dir", tmp_path / "runs"], cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+        assert "warm-up" in run.stderr and "is cut to the run's" in run.stderr
+    assert len(list((tmp_path / "runs").glob("*/result.json"))) == 2
