@@ -71,8 +71,8 @@ PRESETS: dict[str, Preset] = {
              drop_rate=0.1, attn_drop_rate=0.1),
         num_classes=10,
         doc="LRA ListOps sequence classifier: token embedding + learned positions (2000), dim 64, depth 2, 2 heads "
-            "(D=32), MLP 128, mean pooling over every position, padding attended (model option pool=token: class "
-            "token; the lra preset masks the padding)",
+            "(D=32), MLP 128, mean pooling over every position, padding attended: the unmasked ablation (model option "
+            "pool=token: class token; the lra preset, which the lra_listops recipe trains, masks the padding)",
     ),
     # the Nyströmformer authors' LRA model as their code builds it (mlpen/Nystromformer, LRA/code)
     "lra": Preset(

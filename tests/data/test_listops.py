@@ -98,7 +98,7 @@ def test_user_files_are_read_and_bad_ones_named(tmp_path):
         build_dataset("listops", True, data_dir=tmp_path / "x", max_args=1)
 
 
-def test_seq_listops_trains_with_nystrom_speccond_and_no_layernorm(tmp_path):
+def test_lra_listops_trains_with_nystrom_speccond_and_no_layernorm(tmp_path):
     import dataclasses
 
     from attnlab.train import train
@@ -110,7 +110,7 @@ def test_seq_listops_trains_with_nystrom_speccond_and_no_layernorm(tmp_path):
         norm="none", data_options={**SMALL, "max_length": 40, "num_train": 64, "num_test": 16},
         model_options={"embed_dim": 16, "depth": 1})
     result = train(cfg)
-    assert result["model"] == "seq_listops" and 0.0 <= result["top1"] <= 100.0
+    assert result["model"] == "lra" and 0.0 <= result["top1"] <= 100.0
     assert (Path(cfg.runs_dir) / result["name"] / "config.yaml").read_text().count("norm: none") == 1
     with pytest.raises(ConfigError, match="cannot take image augmentation and Mixup/CutMix; use --recipe lra_listops"):
         validate(dataclasses.replace(cfg, mixup=0.8, mixup_prob=0.5))
@@ -141,3 +141,24 @@ def test_lengths_follow_lras_strict_rule():
     assert lengths == {4, 5, 7}  # 2 + 2 or 3 children of lengths 1, 4, 5: 3 and 8 would be the bounds
     with pytest.raises(DatasetError, match="strictly between"):
         generate(5, seed=0, max_length=6, min_length=5)
+
+
+@pytest.mark.parametrize("spec", ["standard", "dna", "performer(features=16)"])
+def test_the_recipes_model_masks_padding_and_the_ablation_does_not(spec):
+    """The lra_listops recipe's model gives the same logits however far a batch is padded (LRA and every peer mask
+    the padding); seq_listops, the named unmasked ablation, attends the padding, so its logits move."""
+    from attnlab.models import build_model
+    from attnlab.train.config import RECIPES
+
+    tokens = torch.randint(1, 16, (2, 100), generator=torch.Generator().manual_seed(0))
+    tokens[1, 60:] = 0  # a shorter sequence in the batch
+    padded = {n: torch.nn.functional.pad(tokens, (0, n - 100)) for n in (128, 256)}
+    for name, masked in ((RECIPES["lra_listops"].model, True), ("seq_listops", False)):
+        torch.manual_seed(0)
+        model = build_model(name, attn=spec, max_length=256, drop_rate=0.0, attn_drop_rate=0.0).double().eval()
+        with torch.no_grad():
+            short, long = model(padded[128]), model(padded[256])
+        if masked:
+            torch.testing.assert_close(short, long, rtol=1e-10, atol=1e-10)
+        else:
+            assert (short - long).abs().max() > 1e-3 * short.abs().max()
