@@ -369,7 +369,9 @@ def _child(request: dict, fds: list[int], base_path: list[str]) -> None:
         sys.stdin = open(0, encoding=sys.stdin.encoding, closefd=False)
         for name, limits in request.get("rlimits", {}).items():
             resource.setrlimit(getattr(resource, name), tuple(limits))
-        if env.get("OMP_NUM_THREADS", "").isdigit():
+        # torch's default thread count follows MKL_NUM_THREADS before OMP_NUM_THREADS: with the former set (the
+        # zygote's own, or the child would be unfaithful) the zygote's count is already a fresh interpreter's
+        if env.get("OMP_NUM_THREADS", "").isdigit() and "MKL_NUM_THREADS" not in env:
             import torch
 
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
