@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass
 from functools import cached_property
@@ -56,6 +57,19 @@ def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
 def compile_mode(mode: str, device: torch.device) -> str:
     """torch.compile's mode for ``mode`` ('auto': CUDA graphs on CUDA, where the step's shapes are static)."""
     return COMPILE_MODES.get(device.type, "default") if mode == "auto" else mode
+
+
+def check_compile_paths() -> None:
+    """ConfigError unless inductor's CPU builds can run here: g++ is handed its temporary and cache directories
+    unquoted, so a space in either breaks every build (with a C++ compile error, mid-run)."""
+    import tempfile
+
+    for name, path in (("TMPDIR", tempfile.gettempdir()), ("TORCHINDUCTOR_CACHE_DIR",
+                                                          os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))):
+        if any(c.isspace() for c in path):
+            raise ConfigError(f"--compile on the CPU builds C++ kernels in {path!r}, and torch.compile cannot pass a "
+                              f"path with a space to the compiler; set {name} to a directory without spaces, or "
+                              f"train without --compile.")
 
 
 @dataclass(frozen=True)
@@ -133,7 +147,8 @@ class Run:
         cache = {} if cache is None else cache
         cfg = self.cfg
         if check:
-            self.device  # noqa: B018 - resolved (and checked) here
+            if self.device.type == "cpu" and cfg.compile:  # the device is resolved (and checked) here
+                check_compile_paths()
             self.task.check(cache)
             self.check_model(cache)
             check_unlocked(self.dir)  # another process is training it

@@ -114,3 +114,22 @@ def test_one_epoch_and_two_step_smoke_runs_train(tmp_path):
         assert run.returncode == 0, run.stderr
         assert "warm-up" in run.stderr and "is cut to the run's" in run.stderr
     assert len(list((tmp_path / "runs").glob("*/result.json"))) == 2
+
+
+def test_compile_on_the_cpu_refuses_a_temporary_directory_with_a_space(tmp_path, monkeypatch):
+    """Inductor hands g++ its temporary directory unquoted, so a TMPDIR with a space would fail every build mid-run;
+    the plan says so in one line before anything starts (found by running the suite under an unusual TMPDIR)."""
+    import tempfile
+
+    from attnlab.train.run import Run
+
+    spaced = tmp_path / "a b"
+    spaced.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spaced))
+    cfg = make_config("demo", compile=True, device="cpu", runs_dir=str(tmp_path / "runs"))
+    with pytest.raises(ConfigError, match="set TMPDIR to a directory without spaces"):
+        Run(cfg).plan()
+    Run(dataclasses.replace(cfg, compile=False)).plan()  # without --compile the path does not matter
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    Run(cfg).plan()
+    assert not (tmp_path / "runs").exists()
