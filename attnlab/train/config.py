@@ -408,7 +408,12 @@ def make_config(base: TrainConfig | str | None = None, **overrides: Any) -> Trai
                               f"{', '.join(RECIPES)}.")
         base = RECIPES[base]
     values = {k: coerce(k, v) for k, v in overrides.items()}
-    return validate(fit_warmup(dataclasses.replace(base, **values), given=set(values)))
+    cfg, note = fit_warmup(dataclasses.replace(base, **values), given=set(values))
+    cfg = validate(cfg)
+    if note and note not in _noted:  # said once the config is known to be good, once per process
+        _noted.add(note)
+        print(note, file=sys.stderr, flush=True)
+    return cfg
 
 
 def _count(n: float, unit: str) -> str:
@@ -418,10 +423,10 @@ def _count(n: float, unit: str) -> str:
 _noted: set[str] = set()  # each note once per process (a grid builds the same config for every variant and seed)
 
 
-def fit_warmup(cfg: TrainConfig, given: set[str]) -> TrainConfig:
-    """``cfg`` with a recipe's warm-up that is longer than the run cut at the run's end, and one line on stderr
-    saying so (a one-epoch or two-step smoke run, as timm and nanoGPT run it). A warm-up the user gave (a flag, a
-    config file's key) is left to :func:`validate`, which refuses it."""
+def fit_warmup(cfg: TrainConfig, given: set[str]) -> tuple[TrainConfig, str | None]:
+    """``cfg`` with a recipe's warm-up that is longer than the run cut at the run's end, and the line for stderr
+    that says so (a one-epoch or two-step smoke run, as timm and nanoGPT run it), or None. A warm-up the user gave
+    (a flag, a config file's key) is left to :func:`validate`, which refuses it."""
     if cfg.warmup_steps is None and cfg.max_steps is None and cfg.warmup_epochs > cfg.epochs \
             and "warmup_epochs" not in given:
         key, old, cut = "warmup_epochs", _count(cfg.warmup_epochs, "epoch"), _count(cfg.epochs, "epoch")
@@ -431,13 +436,10 @@ def fit_warmup(cfg: TrainConfig, given: set[str]) -> TrainConfig:
         key, old, cut = "warmup_steps", _count(cfg.warmup_steps, "step"), _count(cfg.max_steps, "step")
         cfg = dataclasses.replace(cfg, warmup_steps=cfg.max_steps)
     else:
-        return cfg
-    note = (f"attnlab: note: the {cfg.recipe} recipe's warm-up of {old} is longer than this run, so it is cut to the "
-            f"run's {cut} (the learning rate reaches its peak at the end); give --{key.replace('_', '-')} to set it.")
-    if note not in _noted:
-        _noted.add(note)
-        print(note, file=sys.stderr, flush=True)
-    return cfg
+        return cfg, None
+    return cfg, (f"attnlab: note: the {cfg.recipe} recipe's warm-up of {old} is longer than this run, so it is cut "
+                 f"to the run's {cut} (the learning rate reaches its peak at the end); give "
+                 f"--{key.replace('_', '-')} to set it.")
 
 
 MAX_YAML_NODES = 100_000  # a config or grid file holds hundreds; aliases can make a 1 KB file expand to 10^9
