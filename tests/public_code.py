@@ -68,7 +68,7 @@ def load_module(repo: str, path: str, name: str, stubs: dict[str, types.ModuleTy
     module = types.ModuleType(name)
     module.__file__ = f"{repo}/{path}"
     module.__package__ = package or name.rpartition(".")[0]
-    stubs = dict(stubs or {})
+    stubs = dict(stubs or {}, **{name: module})  # itself too, while it runs (dataclasses look their module up)
     for parent in {n.rsplit(".", i)[0] for n in list(stubs) + [name] for i in range(1, n.count(".") + 1)}:
         stubs.setdefault(parent, stub(parent))
     saved = {k: sys.modules.get(k) for k in stubs}
