@@ -32,6 +32,18 @@ def _randomise(model: torch.nn.Module, seed: int = 0) -> None:
                     + (1.0 if p.ndim == 1 and ("ln" in name) and name.endswith("weight") else 0.0))
 
 
+def _check_logits(source: str, loader: str, ours, path, x, want) -> None:
+    """The loaded model's logits equal the source's in float64 (to 1e-12), gpt_from_file's (built in float32) to
+    1e-5; the figures are printed."""
+    from_file = gpt_from_file(path).double().eval()
+    with torch.no_grad():
+        got, got_file = ours(x), from_file(x)
+    print(f"{source}: max |logit difference| {(got - want).abs().max().item():.1e} ({loader}), "
+          f"{(got_file - want).abs().max().item():.1e} (gpt_from_file)")
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_file, want, rtol=1e-5, atol=1e-5)
+
+
 def _tokens(B: int = 2, N: int = T, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, V, (B, N), generator=torch.Generator().manual_seed(seed))
 
@@ -63,13 +75,7 @@ def test_hf_gpt2_safetensors_give_its_logits(hf):
     state = load_file(folder / "model.safetensors")
     ours = load_gpt2_hf(attnlab.build_model("gpt_tiny", gelu="tanh", **GEO).double().eval(), state,
                         json.loads((folder / "config.json").read_text()))
-    from_file = gpt_from_file(folder / "model.safetensors").double().eval()
-    with torch.no_grad():
-        got, got_file = ours(x), from_file(x)
-    print(f"Hugging Face GPT-2: max |logit difference| {(got - want).abs().max().item():.1e} (load_gpt2_hf), "
-          f"{(got_file - want).abs().max().item():.1e} (gpt_from_file)")
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(got_file, want, rtol=1e-5, atol=1e-5)  # gpt_from_file builds in float32
+    _check_logits("Hugging Face GPT-2", "load_gpt2_hf", ours, folder / "model.safetensors", x, want)
     exact = load_gpt2_hf(attnlab.build_model("gpt_tiny", **GEO).double().eval(), state)
     with torch.no_grad():
         assert (exact(x) - want).abs().max() > 1e-6  # exact GELU is not gelu_new: the comparison can fail
@@ -142,10 +148,4 @@ def test_nanogpt_checkpoint_gives_its_logits(tmp_path):
                 "config": {}}, path)
     ours = load_nanogpt(attnlab.build_model("gpt_tiny", **GEO).double().eval(),
                         torch.load(path, weights_only=True))
-    from_file = gpt_from_file(path).double().eval()
-    with torch.no_grad():
-        got, got_file = ours(x), from_file(x)
-    print(f"nanoGPT: max |logit difference| {(got - want).abs().max().item():.1e} (load_nanogpt), "
-          f"{(got_file - want).abs().max().item():.1e} (gpt_from_file)")
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(got_file, want, rtol=1e-5, atol=1e-5)  # gpt_from_file builds in float32
+    _check_logits("nanoGPT", "load_nanogpt", ours, path, x, want)
