@@ -49,6 +49,10 @@ class DetectorConfig:
         masks: Mask R-CNN (True) or Faster R-CNN (boxes only).
         window_size: ViT window side in tokens (0: every block global, as the DnA paper's "window size 0").
         global_blocks: ViT blocks that stay global when ``window_size`` > 0 (ViTDet-B: 2, 5, 8, 11).
+        rel_pos: ViTDet's decomposed relative positions in every ViT block's attention (detectron2's
+            ``use_rel_pos``; the ViTDet presets' default).
+        abs_pos: how the ViT position embedding meets the detection grid: ``resample`` (once, timm's antialiased
+            bicubic) or ``interpolate`` (detectron2's plain bicubic on every forward, stored as pretrained).
         scale_factors: the simple feature pyramid's levels (ViT).
         fpn_channels: channels of every pyramid level.
         heads: ``vitdet`` (ViTDet's, each conv with a LayerNorm, torchvision's ``*_v2`` layout: docs/methods.md),
@@ -69,6 +73,8 @@ class DetectorConfig:
     masks: bool = True
     window_size: int = 0
     global_blocks: tuple[int, ...] = ()
+    rel_pos: bool = False
+    abs_pos: str = "resample"
     scale_factors: tuple[float, ...] = (4.0, 2.0, 1.0, 0.5)
     fpn_channels: int = 256
     heads: str = "vitdet"
@@ -88,13 +94,13 @@ DETECTOR_PRESETS: dict[str, dict[str, Any]] = {
         backbone="vit_tiny_patch16_224", num_classes=3, img_size=128, window_size=4, global_blocks=(1, 3),
         fpn_channels=64, heads="light", anchor_sizes=(8, 16, 32, 64, 128), drop_path_rate=0.0,
         rpn_post_nms_top_n_train=300, rpn_post_nms_top_n_test=300, box_batch_size_per_image=128,
-        detections_per_img=20, backbone_options=dict(embed_dim=96, depth=4, num_heads=3),
+        detections_per_img=20, backbone_options=dict(embed_dim=96, depth=4, num_heads=3), rel_pos=True,
     ),
     # the DnA paper's Table 9: DeiT-B (a supervised ViT-B) at 224x224, every block global, ViTDet's heads
-    "vitdet_base_224": dict(backbone="deit_base_patch16_224"),
+    "vitdet_base_224": dict(backbone="deit_base_patch16_224", rel_pos=True),
     # ViTDet-B as its paper: ViT-B at 1024x1024, windows of 14, blocks 2, 5, 8, 11 global
     "vitdet_base": dict(backbone="vit_base_patch16_224", img_size=1024, window_size=14,
-                        global_blocks=(2, 5, 8, 11)),
+                        global_blocks=(2, 5, 8, 11), rel_pos=True),
     # Swin-S / Swin-B (window 7) + FPN, the classic Mask R-CNN heads, 1024x1024, mmdetection's drop-path
     "swin_small_maskrcnn": dict(backbone="swin_small_patch4_window7_224", img_size=1024, heads="classic",
                                 drop_path_rate=0.2),
@@ -184,7 +190,8 @@ def build_detector(backbone: str = "vitdet_tiny", num_classes: int | None = None
         state = {k: v for k, v in read_state_dict(pretrained_file).items() if not k.startswith("head.")}
         load_dna_authors(trunk, state, layout=dna_layout, sign=dna_sign)
     if isinstance(trunk, VisionTransformer):
-        body = ViTDetBackbone(ViTDetTrunk(trunk, cfg.img_size, cfg.window_size, cfg.global_blocks),
+        body = ViTDetBackbone(ViTDetTrunk(trunk, cfg.img_size, cfg.window_size, cfg.global_blocks,
+                                          rel_pos=cfg.rel_pos, abs_pos=cfg.abs_pos),
                               cfg.fpn_channels, cfg.scale_factors)
     else:
         body = SwinFPNBackbone(trunk, cfg.fpn_channels)

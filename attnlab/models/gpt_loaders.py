@@ -150,11 +150,38 @@ def load_nanogpt(model: nn.Module, state_dict: Mapping, *, source: str = "the na
     return _load(model, _convert(state_dict, "nanogpt", source), source)
 
 
+#: Hugging Face GPT-2 activations by the GELU attnlab computes for them (both tanh names are one formula)
+_HF_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "exact"}
+#: GPT2Config entries that change the forward, with the value attnlab's GPT computes (docs/methods.md)
+_HF_FIXED = (("scale_attn_weights", True, "logits scaled by 1/sqrt(head_dim)"),
+             ("scale_attn_by_inverse_layer_idx", False, "no extra 1/(layer + 1) on the logits"),
+             ("layer_norm_epsilon", 1e-5, "LayerNorm eps 1e-5"))
+
+
+def _check_hf_config(model: nn.Module, config: Mapping, source: str) -> None:
+    """ConfigError when a GPT2Config asks for a forward that ``model`` does not compute."""
+    for key, value, what in _HF_FIXED:
+        if key in config and config[key] != value:
+            raise ConfigError(f"{source} come with {key}={config[key]!r}, but attnlab's GPT computes {what} "
+                              f"({key}={value!r}); these weights would give other logits here.")
+    act = config.get("activation_function", "gelu_new")
+    if act not in _HF_GELU:
+        raise ConfigError(f"{source} come with activation_function={act!r}; attnlab's GPT computes GELU exactly or "
+                          f"by its tanh approximation (gelu, gelu_new, gelu_pytorch_tanh).")
+    have = "tanh" if model.blocks[0].mlp.act.approximate == "tanh" else "exact"
+    if have != _HF_GELU[act]:
+        raise ConfigError(f"{source} use activation_function={act!r} but the model was built with gelu={have!r}; "
+                          f"build it with gelu={_HF_GELU[act]!r}.")
+
+
 def load_gpt2_hf(model: nn.Module, state_dict: Mapping[str, torch.Tensor], config: Mapping | None = None, *,
                  source: str = "the Hugging Face GPT-2 weights") -> nn.Module:
     """Load a Hugging Face GPT-2 state dict (``GPT2LMHeadModel`` or ``GPT2Model`` keys, Conv1D weights) into
-    ``model`` and return it; ``config`` (its ``config.json`` as a dict) is checked against the model's geometry."""
+    ``model`` and return it; ``config`` (its ``config.json`` as a dict) is checked against the model's geometry
+    and against the forward it computes (activation, logit scaling, LayerNorm eps)."""
     _check_geometry(model, dict(config or {}, block_size=(config or {}).get("n_positions")), source)
+    if config:
+        _check_hf_config(model, config, source)
     return _load(model, _convert(state_dict, "hf", source), source)
 
 
@@ -227,7 +254,7 @@ def gpt_from_file(path: str | Path, **overrides) -> GPT:
         geo = dict(vocab_size=config.get("vocab_size", wte.shape[0]), block_size=config.get("n_positions", 1024),
                    embed_dim=config.get("n_embd", wte.shape[1]), depth=config.get("n_layer", 12),
                    num_heads=config["n_head"], bias=True,
-                   gelu="tanh" if config.get("activation_function", "gelu_new") == "gelu_new" else "exact")
+                   gelu=_HF_GELU.get(config.get("activation_function", "gelu_new"), "exact"))
     else:
         raise ConfigError(f"{path} is neither a nanoGPT checkpoint nor Hugging Face GPT-2 weights; for attnlab's own "
                           f"weights use build_model(preset, pretrained_file=...).")

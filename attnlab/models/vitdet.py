@@ -6,7 +6,10 @@ for Object Detection", arXiv 2203.16527).
 
 The trunk keeps the timm ViT's submodules and state-dict names, each block's attention (timm's, or whatever
 ``attnlab.convert`` put there) called on windows of the token grid or on the whole grid, so every kernel term
-converts it; the class token goes and the position embedding is resampled to the grid. The pyramid is the paper's
+converts it; the class token goes and the position embedding is resampled to the grid (once, timm's way) or
+interpolated on every forward (detectron2's). With ``rel_pos`` each block adds ViTDet's decomposed relative
+positions (``rel_pos_h``, ``rel_pos_w``, :func:`attnlab.ops.relpos.decomposed_rel_pos`) to its attention logits.
+The pyramid is the paper's
 (Section 3, Figure 2), its output names torchvision's FPN's; docs/methods.md (Detection backbones) describes both
 and where they differ from the authors' detectron2 code.
 """
@@ -25,20 +28,44 @@ from torch import nn
 from torchvision.ops import Conv2dNormActivation
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
-from ..errors import UnsupportedModelError
+from ..attention.base import AttnlabAttention
+from ..attention.mask import AttentionMask
+from ..attention.standard import StandardAttention
+from ..errors import ConfigError, UnsupportedModelError
+from ..ops.relpos import decomposed_rel_pos, interpolate_abs_pos
 from .blocks import PostNormBlock
 
 _DECONVOLUTIONS = {4.0: 2, 2.0: 1, 1.0: 0, 0.5: 0}  # per pyramid scale factor (0.5: a max-pool instead)
 _BLOCK_PARTS = ("norm1", "attn", "ls1", "drop_path1", "norm2", "mlp", "ls2", "drop_path2")
+ABS_POS = ("resample", "interpolate")
+
+
+def rel_pos_attention(attn: nn.Module, x: torch.Tensor, rel_pos_h: torch.Tensor, rel_pos_w: torch.Tensor,
+                      hw: tuple[int, int]) -> torch.Tensor:
+    """``attn`` on tokens x (B, h*w, C) of an (h, w) grid with ViTDet's relative positions in every logit: the bias
+    q . R_h + q . R_w of the module's queries (DnA: the softmax branch's Q+, whose bias the softmin branch also takes,
+    as it takes Swin's) enters each branch as a float mask does (docs/methods.md, Detection backbones)."""
+    why = getattr(attn, "global_only", None)
+    if why:
+        raise UnsupportedModelError(f"{why} approximates global attention without an additive bias, and ViTDet's "
+                                    f"relative positions add one to every logit; build the detector with "
+                                    f"rel_pos=False to use it.")
+    q, k, v = attn.project(x)
+    bias = decomposed_rel_pos(q[0] if isinstance(q, tuple) else q, rel_pos_h, rel_pos_w, hw, hw)
+    mask = AttentionMask(attn_mask=bias)
+    return attn.finish(attn.attend(q, k, v, mask), mask, x)
 
 
 class WindowBlock(nn.Module):
     """A timm ViT ``Block`` (pre-LN) or attnlab ``PostNormBlock`` on a (B, H, W, C) token grid: attention within
     non-overlapping ``window_size`` x ``window_size`` windows (the grid zero-padded to a multiple after the norm, as
     ViTDet pads), or over the whole grid when ``window_size`` is 0. Takes over the block's submodules, so the
-    parameter names stay timm's."""
+    parameter names stay timm's. ``rel_pos_size`` (the window, or the grid of a global block) adds ViTDet's
+    relative positions ``rel_pos_h``, ``rel_pos_w`` of shape (2 size - 1, head_dim), zero at the start as
+    detectron2's (so a pretrained ViT starts unchanged); timm's attention becomes attnlab's ``standard`` (the same
+    outputs), whose queries the bias is formed from."""
 
-    def __init__(self, block: nn.Module, window_size: int = 0) -> None:
+    def __init__(self, block: nn.Module, window_size: int = 0, rel_pos_size: int | None = None) -> None:
         super().__init__()
         if type(block) not in (Block, PostNormBlock):
             raise UnsupportedModelError(
@@ -48,19 +75,32 @@ class WindowBlock(nn.Module):
             setattr(self, name, getattr(block, name))
         self.post_norm = type(block) is PostNormBlock
         self.window_size = int(window_size)
+        self.rel_pos_h = self.rel_pos_w = None
+        if rel_pos_size:
+            if not isinstance(self.attn, AttnlabAttention):
+                self.attn = StandardAttention.from_module(self.attn)
+            ref = self.attn.qkv.weight
+            shape = (2 * int(rel_pos_size) - 1, self.attn.head_dim)
+            self.rel_pos_h = nn.Parameter(torch.zeros(shape, device=ref.device, dtype=ref.dtype))
+            self.rel_pos_w = nn.Parameter(torch.zeros(shape, device=ref.device, dtype=ref.dtype))
+
+    def _attend(self, x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
+        if self.rel_pos_h is None:
+            return self.attn(x)
+        return rel_pos_attention(self.attn, x, self.rel_pos_h, self.rel_pos_w, hw)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         """The block's attention on (B, H, W, C): per window, or global."""
         B, H, W, C = x.shape
         w = self.window_size
         if not w:
-            return self.attn(x.reshape(B, H * W, C)).view(B, H, W, C)
+            return self._attend(x.reshape(B, H * W, C), (H, W)).view(B, H, W, C)
         pad_h, pad_w = (w - H % w) % w, (w - W % w) % w
         if pad_h or pad_w:
             x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
         Hp, Wp = H + pad_h, W + pad_w
         windows = window_partition(x, (w, w)).view(-1, w * w, C)
-        x = window_reverse(self.attn(windows).view(-1, w, w, C), (w, w), Hp, Wp)
+        x = window_reverse(self._attend(windows, (w, w)).view(-1, w, w, C), (w, w), Hp, Wp)
         return x[:, :H, :W].contiguous() if pad_h or pad_w else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +111,8 @@ class WindowBlock(nn.Module):
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
     def extra_repr(self) -> str:
-        return f"window_size={self.window_size}" + (", post_norm=True" if self.post_norm else "")
+        return (f"window_size={self.window_size}" + (", post_norm=True" if self.post_norm else "")
+                + (", rel_pos=True" if self.rel_pos_h is not None else ""))
 
 
 class ViTDetTrunk(nn.Module):
@@ -83,10 +124,15 @@ class ViTDetTrunk(nn.Module):
         img_size: the detection input (square side) the position embedding is resampled to once.
         window_size: window side in tokens for the window blocks; 0 makes every block global.
         global_blocks: indices of the blocks that stay global when ``window_size`` > 0 (ViTDet-B: 2, 5, 8, 11).
+        rel_pos: ViTDet's decomposed relative positions in every block (:class:`WindowBlock`).
+        abs_pos: ``resample`` (the position embedding resampled to the detection grid once, by timm's antialiased
+            bicubic ``resample_abs_pos_embed``; stored at that grid) or ``interpolate`` (detectron2's ``get_abs_pos``:
+            stored as pretrained, class token's entry included, and resized by plain bicubic interpolation on every
+            forward to the input's grid).
     """
 
     def __init__(self, vit: nn.Module, img_size: int, window_size: int = 0,
-                 global_blocks: Sequence[int] = ()) -> None:
+                 global_blocks: Sequence[int] = (), rel_pos: bool = False, abs_pos: str = "resample") -> None:
         super().__init__()
         if not isinstance(vit, VisionTransformer):
             raise UnsupportedModelError(f"ViTDet takes a timm VisionTransformer (ViT, DeiT), not "
@@ -103,8 +149,14 @@ class ViTDetTrunk(nn.Module):
                                         f"{self.patch_size}; give a multiple.")
         self.grid = (img_size // self.patch_size,) * 2
         self.embed_dim = vit.embed_dim
+        if abs_pos not in ABS_POS:
+            raise ConfigError(f"abs_pos={abs_pos!r} is not valid; use one of: {', '.join(ABS_POS)}.")
+        self.abs_pos_mode = abs_pos
+        self.pos_prefix = 0 if getattr(vit, "no_embed_class", False) else vit.num_prefix_tokens
         if vit.pos_embed is None:
             self.pos_embed = None
+        elif abs_pos == "interpolate":
+            self.pos_embed = nn.Parameter(vit.pos_embed.detach().clone())
         else:
             prefix = 0 if getattr(vit, "no_embed_class", False) else vit.num_prefix_tokens
             old = tuple(vit.patch_embed.grid_size)
@@ -113,12 +165,16 @@ class ViTDetTrunk(nn.Module):
         self.patch_drop = vit.patch_drop
         self.norm_pre = vit.norm_pre
         global_blocks = {int(i) for i in global_blocks}
-        self.blocks = nn.Sequential(*(WindowBlock(b, 0 if i in global_blocks else window_size)
+        sizes = [self.grid[0] if i in global_blocks or not window_size else window_size for i in range(depth)]
+        self.blocks = nn.Sequential(*(WindowBlock(b, 0 if i in global_blocks else window_size,
+                                                  sizes[i] if rel_pos else None)
                                       for i, b in enumerate(vit.blocks)))
 
     def abs_pos(self, h: int, w: int) -> torch.Tensor:
         """The position embedding on an (h, w) grid, (1, h, w, C); resampled when the grid is not the stored one."""
         pos = self.pos_embed
+        if self.abs_pos_mode == "interpolate":
+            return interpolate_abs_pos(pos, self.pos_prefix, (h, w))
         if (h, w) != self.grid:
             pos = resample_abs_pos_embed(pos, [h, w], list(self.grid), num_prefix_tokens=0)
         return pos.view(1, h, w, -1)
