@@ -153,7 +153,8 @@ def branch_instruments(model: nn.Module, images: torch.Tensor, k: int = DEFAULT_
         return record
 
     forward_batches(model, images, batch_size,
-                    [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, (_, m) in enumerate(modules)])
+                    [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, (_, m) in enumerate(modules)],
+                    watch=modules)
     for p in parts:
         result.intruders.append(torch.cat(p["i"]))
         result.value_similarity.append(torch.cat(p["c"]))

@@ -93,7 +93,7 @@ def _collect(model: nn.Module, images: torch.Tensor, *, want_entropy: bool, incl
         return hook
 
     handles = [m.register_forward_pre_hook(make_hook(r), with_kwargs=True) for (_, m), r in zip(modules, records)]
-    forward_batches(model, images, batch_size, handles)  # every module's mode restored after: a caller may mix modes
+    forward_batches(model, images, batch_size, handles, watch=modules)  # modes restored after: a caller may mix them
     return records
 
 

@@ -140,7 +140,7 @@ def _capture_inputs(model: nn.Module, modules: list[tuple[str, nn.Module]], imag
 
     with torch.no_grad():
         forward_batches(model, images, len(images),
-                        [m.register_forward_pre_hook(hook(n), with_kwargs=True) for n, m in modules])
+                        [m.register_forward_pre_hook(hook(n), with_kwargs=True) for n, m in modules], watch=modules)
     return seen
 
 

@@ -78,11 +78,16 @@ def capture_maps(model: nn.Module, record: Callable[[int, str, nn.Module, dict[s
         return run
 
     handles = [m.register_forward_hook(hook(i, n), with_kwargs=True) for i, (n, m) in enumerate(modules)]
+    called: set[int] = set()
+    handles += [m.register_forward_pre_hook(lambda mod, args: called.add(id(mod))) for _, m in modules]
     try:
         yield modules
     finally:
         for h in handles:
             h.remove()
+    missed = next((name for name, m in modules if id(m) not in called), None)
+    if missed is not None:
+        raise not_called(missed)
 
 
 @contextmanager
@@ -97,9 +102,21 @@ def eval_mode(model: nn.Module) -> Iterator[torch.device]:
             m.training = mode
 
 
-def forward_batches(model: nn.Module, images: torch.Tensor, batch_size: int, handles=()) -> None:
+def not_called(name: str) -> UnsupportedModelError:
+    """The refusal for an attention module whose forward a pass never called (its hooks saw nothing)."""
+    return UnsupportedModelError(
+        f"attention module {name!r} was not called through its forward (its block runs the module's steps itself, "
+        f"as ViTDet's blocks with relative positions do), so this instrument cannot see it; build the model without "
+        f"them (ViTDet: model option rel_pos=False).")
+
+
+def forward_batches(model: nn.Module, images: torch.Tensor, batch_size: int, handles=(),
+                    watch: list[tuple[str, nn.Module]] = ()) -> None:
     """``images`` through ``model`` in chunks of ``batch_size`` under :func:`eval_mode`; the hooks ``handles`` (what
-    measures the forwards) are removed after, whatever happens."""
+    measures the forwards) are removed after, whatever happens. UnsupportedModelError (:func:`not_called`) when a
+    module of ``watch`` (name, module), the ones the hooks measure, was never called."""
+    called: set[int] = set()
+    handles = [*handles, *(m.register_forward_pre_hook(lambda mod, args: called.add(id(mod))) for _, m in watch)]
     try:
         with eval_mode(model) as device:
             for chunk in images.split(batch_size):
@@ -107,6 +124,10 @@ def forward_batches(model: nn.Module, images: torch.Tensor, batch_size: int, han
     finally:
         for h in handles:
             h.remove()
+    missed = next((name for name, m in watch if id(m) not in called), None)
+    if missed is not None:
+        raise not_called(missed)
 
 
-__all__ = ["Branch", "capture_maps", "eval_mode", "forward_batches", "map_modules", "measured_modules", "unconverted"]
+__all__ = ["Branch", "capture_maps", "eval_mode", "forward_batches", "map_modules", "measured_modules", "not_called",
+           "unconverted"]
