@@ -6,7 +6,9 @@ folder named ``<owner>+<name>`` (or ``<name>``) holding a checkout, a ``repo/`` 
 
     git clone https://github.com/facebookresearch/TimeSformer $ATTNLAB_PUBLIC_CODE/facebookresearch+TimeSformer
 
-Without it (CI has no network to GitHub) the test skips, naming the repository and the variable; the independent
+Without it the helper looks in ``../shared/public_code`` beside the checkout (where CI, which has no network to
+GitHub, finds what the project's shared folder holds); where neither has the repository the test skips, naming the
+repository and the variable; the independent
 float64 references (``tests/reference_*.py``) run everywhere. A module is executed from the file's text with the
 imports that would pull in the rest of its repository (registries, checkpoint helpers, code for other torch
 versions) given as small stubs that the test states; what the test compares is the file's own code.
@@ -25,8 +27,12 @@ import pytest
 ENV = "ATTNLAB_PUBLIC_CODE"
 
 
+#: where CI finds the repositories when the variable is unset: the project's shared folder beside the checkout
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "public_code"
+
+
 def _roots() -> list[Path]:
-    return [Path(p) for p in os.environ.get(ENV, "").split(os.pathsep) if p]
+    return [Path(p) for p in os.environ.get(ENV, "").split(os.pathsep) if p] or [SHARED]
 
 
 def _repo_dirs(repo: str) -> list[Path]:
@@ -50,7 +56,7 @@ def read_source(repo: str, path: str) -> str:
             if out.returncode == 0:
                 return out.stdout
     pytest.skip(f"the public code of {repo} ({path}) is not here: clone https://github.com/{repo} into "
-                f"${ENV}/{repo.replace('/', '+')} to compare against it")
+                f"${ENV}/{repo.replace('/', '+')} (or {SHARED}) to compare against it")
 
 
 def stub(name: str, **attrs) -> types.ModuleType:
