@@ -263,13 +263,12 @@ class AttnlabAttention(nn.Module):
         mask = AttentionMask.of(attn_mask, is_causal, window)
         if mask is not None:
             mask.check(x.shape[0], x.shape[1])
-            for head in (self.head_transform if isinstance(self.head_transform, nn.Sequential)
-                         else (self.head_transform,)):
-                for present, refusal in ((mask.is_causal, "causal_refusal"), (mask.attn_mask is not None,
-                                                                               "mask_refusal")):
-                    why = getattr(head, refusal, None) if present else None
-                    if why:
-                        raise UnsupportedModelError(f"{why}.")
+            heads = self.head_transform if isinstance(self.head_transform, nn.Sequential) else (self.head_transform,)
+            asked = [name for present, name in ((mask.is_causal, "causal_refusal"),
+                                                (mask.attn_mask is not None, "mask_refusal")) if present]
+            for why in (getattr(head, name, None) for head in heads for name in asked):
+                if why:
+                    raise UnsupportedModelError(f"{why}.")
         return mask
 
     def finish(self, o: torch.Tensor, mask: AttentionMask | None, x: torch.Tensor) -> torch.Tensor:

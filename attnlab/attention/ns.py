@@ -11,9 +11,9 @@ a ``standard`` model's state dict. The math lives in :func:`attnlab.ops.ns_trans
 
 Masks. The transform mixes all N tokens of a head (the Frobenius norm and the Gram product run over every token),
 so it is not causal: a causal mask is refused with that reason, and so is a caller's ``attn_mask`` (tokens that it
-hides from each other, padding or packed sequences, would meet in the transform). With key padding the rows of padded tokens are zero
-before the transform (the attention module zeroes them), so they add nothing to the norm or the Gram, and a zero
-row stays zero: real tokens' outputs do not depend on the padding.
+hides from each other, padding or packed sequences, would meet in the transform). With key padding the rows of
+padded tokens are zero before the transform (the attention module zeroes them), so they add nothing to the norm or
+the Gram, and a zero row stays zero: real tokens' outputs do not depend on the padding.
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ typedef struct {
 /* Query rows are processed R at a time (register blocking: every K^T or V vector loaded serves R rows): R = 8 for
  * D = 16, else 4; the logits in groups of G = 8 / R key blocks and the weighted sums in chunks of C <= 2 output
  * vectors, so that each loop keeps 16 accumulators in registers. R = 4 rather than 2 measured ~8% faster at D = 64
- * (K^T and V then stream from L2 once per 4 rows). */
+ * (K^T and V then stream from L2 once per 4 rows). The last N mod R rows go one at a time (a class token makes
+ * N = 65 in vit_cifar: a block of 8 for it alone would compute 7 rows for nothing). */
 
 INLINE vec vmax(vec a, vec b) {
 #ifdef __AVX512F__
@@ -176,15 +177,33 @@ INLINE float *copy_rows(float *dst, const float *src, int64_t stride, const floa
     return dst;
 }
 
+INLINE void query_rows(const dna_args *a, const head *c, const float *const *p, const float *const *ib, int64_t i,
+                       float *pos, float *neg, float *q_pos, float *q_neg, const int R, const int D) {
+    /* the R query rows from i, each query biased into its local row when its projection has a bias */
+    const float *qp[R], *qn[R], *bp[R], *bn[R];
+    float *out[R];
+    for (int r = 0; r < R; r++) {
+        const int64_t ir = i + r;
+        qp[r] = p[QP] + ir * a->stride[QP][2];
+        qn[r] = p[QN] + ir * a->stride[QN][2];
+        if (ib[QP]) qp[r] = copy_rows(q_pos + r * D, qp[r], 0, ib[QP], 1, D);
+        if (ib[QN]) qn[r] = copy_rows(q_neg + r * D, qn[r], 0, ib[QN], 1, D);
+        bp[r] = p[BP] ? p[BP] + ir * a->stride[BP][2] : NULL;
+        bn[r] = p[BN] ? p[BN] + ir * a->stride[BN][2] : NULL;
+        out[r] = (float *)p[OUT] + ir * a->stride[OUT][2];
+    }
+    rows(c, qp, qn, bp, bn, out, pos, neg, R, D);
+}
+
 /* Query rows per register block (see above) and the floats of one head's working memory, for head dim D and M
- * keys: K^T, V+, V-, both rows of logits, the biased query rows and a spare output row. Up to ~800 KiB (D = 64,
- * M = 1024), so it lives on the heap, never on a (possibly small) thread stack: one buffer per thread, kept for
- * the thread's next call (a fresh allocation of this size is an mmap whose pages fault in on every call). */
+ * keys: K^T, V+, V-, both rows of logits and the biased query rows. Up to ~800 KiB (D = 64, M = 1024), so it lives
+ * on the heap, never on a (possibly small) thread stack: one buffer per thread, kept for the thread's next call (a
+ * fresh allocation of this size is an mmap whose pages fault in on every call). */
 static int rows_per_block(int64_t D) { return D == L ? 8 : 4; }
 
 static int64_t workspace_floats(int64_t D, int64_t M) {
     const int64_t row = (M + L - 1) / L * L, R = rows_per_block(D);
-    return D * row + 2 * M * D + 2 * R * row + 2 * R * D + D;
+    return D * row + 2 * M * D + 2 * R * row + 2 * R * D;
 }
 
 INLINE void dna_head(const dna_args *a, int64_t bi, int64_t h, float *work, const int D) {
@@ -204,23 +223,10 @@ INLINE void dna_head(const dna_args *a, int64_t bi, int64_t h, float *work, cons
     copy_rows(vn, p[VN], a->stride[VN][2], ib[VN], M, D);
     const head c = {kt, vp, vn, lane < (ivec){0} + (int32_t)M, M, blocks, row, a->scale_pos, a->scale_neg, a->alpha[h]};
 
-    float *pos = vn + M * D, *neg = pos + R * row, *q_pos = neg + R * row, *q_neg = q_pos + R * D,
-          *spare = q_neg + R * D;
-    const float *qp[R], *qn[R], *bp[R], *bn[R];
-    float *out[R];
-    for (int64_t i = 0; i < N; i += R) {
-        for (int r = 0; r < R; r++) { /* past the last row: repeat it, into a spare output */
-            const int64_t ir = i + r < N ? i + r : N - 1;
-            qp[r] = p[QP] + ir * a->stride[QP][2];
-            qn[r] = p[QN] + ir * a->stride[QN][2];
-            if (ib[QP]) qp[r] = copy_rows(q_pos + r * D, qp[r], 0, ib[QP], 1, D);
-            if (ib[QN]) qn[r] = copy_rows(q_neg + r * D, qn[r], 0, ib[QN], 1, D);
-            bp[r] = p[BP] ? p[BP] + ir * a->stride[BP][2] : NULL;
-            bn[r] = p[BN] ? p[BN] + ir * a->stride[BN][2] : NULL;
-            out[r] = i + r < N ? (float *)p[OUT] + ir * a->stride[OUT][2] : spare;
-        }
-        rows(&c, qp, qn, bp, bn, out, pos, neg, R, D);
-    }
+    float *pos = vn + M * D, *neg = pos + R * row, *q_pos = neg + R * row, *q_neg = q_pos + R * D;
+    int64_t i = 0;
+    for (; i + R <= N; i += R) query_rows(a, &c, p, ib, i, pos, neg, q_pos, q_neg, R, D);
+    for (; i < N; i++) query_rows(a, &c, p, ib, i, pos, neg, q_pos, q_neg, 1, D); /* the last N mod R rows */
 }
 
 /* The handshake with attnlab/ops/dna_cpu.py: bump ATTNLAB_DNA_ABI whenever an entry point or dna_args changes. */
