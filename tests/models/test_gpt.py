@@ -182,6 +182,8 @@ def _cached_specs():
     each DnA variant, and QK-norm on DnA's two queries (a term that cannot cache recomputes, as the reference)."""
     specs = []
     for spec in _registered_specs() + [f"dna(variant={v})" for v in ("q", "v", "shared", "sum")] + ["dna+qknorm"]:
+        if spec.split("(")[0] in REFUSE_CAUSAL:  # refused when a GPT is built with it
+            continue
         torch.manual_seed(0)
         if supports_kv_cache(attnlab.build_model("gpt_tiny", attn=spec, **GEO)):
             specs.append(spec)
