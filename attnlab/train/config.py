@@ -360,6 +360,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"batch_size {cfg.batch_size} must split evenly into grad_accum={cfg.grad_accum} "
                           f"micro-batches; use a multiple of {cfg.grad_accum}.")
     _check_data(cfg)
+    _check_family_keys(cfg)
     from attnlab.spec import parse_spec  # torch-free: a spec typo is one line before any model code loads
 
     parse_spec(cfg.attn)
@@ -381,6 +382,23 @@ def _check_data(cfg: TrainConfig) -> None:
         use = f"--recipe {' or '.join(recipes)}, or " if recipes else ""
         raise ConfigError(f"dataset {entry.name} ({entry.summary}) cannot take {what}; use {use}--augment none "
                           f"--mixup-prob 0.")
+
+
+# config keys that only one task family reads: given (away from their defaults) to another family, they would be
+# ignored without a word, so they are refused naming the family
+FAMILY_KEYS = {"z_loss": "lm", "block_size": "lm", "eval_iters": "lm", "video_metric": "video"}
+
+
+def _check_family_keys(cfg: TrainConfig) -> None:
+    """ConfigError for a key of ``FAMILY_KEYS`` set on a run of another task family."""
+    from attnlab.data.registry import dataset
+
+    task = dataset(cfg.dataset).task
+    defaults = TrainConfig()
+    for key, family in FAMILY_KEYS.items():
+        if family != task and getattr(cfg, key) != getattr(defaults, key):
+            raise ConfigError(f"--{key.replace('_', '-')} (config key '{key}', {getattr(cfg, key)} here) applies to "
+                              f"{family} runs only, and dataset {cfg.dataset} makes this a {task} run; drop it.")
 
 
 def uses_mixing(cfg: TrainConfig) -> bool:

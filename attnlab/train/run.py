@@ -197,11 +197,24 @@ class Run:
                               f"train, --runs-dir in attnlab compare).")
 
     # ---- the model -------------------------------------------------------------------------------------------
+    def check_model_family(self) -> None:
+        """ConfigError when the model is a preset of another task family than the dataset's (a GPT for video
+        clips, a detector for text), naming both families and the models that fit the dataset."""
+        family = model_family(self.cfg.model)
+        task = self.dataset.task
+        fits = {task} | ({"image"} if task == "detect" else set())  # a timm ViT/Swin name is a detection backbone
+        if family is None or family in fits:
+            return
+        names = ", ".join(models_of(task))
+        raise ConfigError(f"model {self.cfg.model} is {FAMILY_WORDS[family]} ({family} family), but dataset "
+                          f"{self.cfg.dataset} trains {FAMILY_WORDS[task]} ({task} family); use one of {names}.")
+
     def build_model(self, pretrained: bool = True, checking: bool = False) -> nn.Module:
         """The run's model (:meth:`Task.build_model <attnlab.train.tasks.base.Task.build_model>`); an error in
         its construction that its model options caused is one line naming them."""
         from attnlab.errors import AttnlabError
 
+        self.check_model_family()
         try:
             return self.task.build_model(pretrained=pretrained)
         except AttnlabError:
@@ -268,6 +281,35 @@ class Run:
                               f"({what}); was config.yaml edited or replaced?")
         # built on the CPU and then moved, as training does: sigma's set-up calls .item(), which meta cannot
         return model.to(map_location).eval()
+
+
+FAMILY_WORDS = {"image": "an image classifier", "sequence": "a sequence classifier", "lm": "a language model",
+                "video": "a video model", "detect": "a detector"}
+
+
+def model_family(name: str) -> str | None:
+    """The task family of an attnlab preset (a detector preset: detect; a GPT: lm; a TimeSformer: video; an LRA
+    sequence model: sequence; the image presets: image), None for any other name (a timm model, or a typo that
+    building names)."""
+    from attnlab.models import DETECTOR_PRESETS, PRESETS
+    from attnlab.models.gpt import GPT
+    from attnlab.models.sequence import SequenceClassifier
+    from attnlab.models.timesformer import TimeSformer
+
+    if name in DETECTOR_PRESETS:
+        return "detect"
+    if name not in PRESETS:
+        return None
+    cls = PRESETS[name].cls
+    return {GPT: "lm", TimeSformer: "video", SequenceClassifier: "sequence"}.get(cls, "image")
+
+
+def models_of(family: str) -> list[str]:
+    """The presets of task family ``family`` (detection and images: or a timm ViT/DeiT/Swin name)."""
+    from attnlab.models import DETECTOR_PRESETS, PRESETS
+
+    names = [n for n in [*DETECTOR_PRESETS, *PRESETS] if model_family(n) == family]
+    return names + (["a timm ViT/DeiT/Swin name"] if family in ("image", "detect") else [])
 
 
 def run_dir_of(cfg: TrainConfig) -> Path:
