@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+MIN_TEMPERATURE = 1e-6  # logits / temperature stay finite in float32 above it (|logits| < 3e32)
+
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory of a language model (config.yaml + checkpoint)")
@@ -35,6 +37,10 @@ def run(args) -> int:
         raise ConfigError(f"{args.run_dir} trained a {run_.task.name} model; sample takes a language-model run.")
     if args.num_samples < 1:
         raise ConfigError(f"--num-samples must be at least 1, not {args.num_samples}.")
+    if 0 < args.temperature < MIN_TEMPERATURE:
+        raise ConfigError(f"--temperature {args.temperature:g} is below {MIN_TEMPERATURE:g}, where dividing the "
+                          f"logits by it overflows float32 or picks the most likely token anyway; give 0 (greedy "
+                          f"decoding) or a temperature of at least {MIN_TEMPERATURE:g}.")
     cfg = run_.cfg
     codec = text_codec(cfg.dataset, cfg.data_dir, cfg.data_options)
     if args.prompt_ids is not None:

@@ -313,21 +313,34 @@ def build_nanogpt(train: bool, *, data_dir="data", download: bool = False, augme
                        _bytes_per_token(meta, _bin(Path(data_dir), "val")))
 
 
+def _utf8(text: str) -> str:
+    """``text`` unchanged, or ConfigError when it holds a byte that is not valid UTF-8 (a lone surrogate, as Python
+    reads such a byte from the command line): a tokenizer or a character table encodes text, not bytes."""
+    bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+    if bad is not None:
+        byte = text[bad].encode("utf-8", errors="surrogateescape")
+        raise ConfigError(f"the prompt holds the byte {byte!r} at position {bad}, which is not valid UTF-8; this run "
+                          f"encodes text, so give the prompt as UTF-8 text (or its token ids with --prompt-ids).")
+    return text
+
+
 def text_codec(dataset: str, data_dir="data", options: dict | None = None):
     """(encode: str -> ids, decode: ids -> str) of a corpus's tokens, or None when its ids are not text (MQAR,
     nanoGPT's BPE ids without a meta.pkl): bytes as UTF-8, a tokenizer.json's own, meta.pkl's characters."""
     options = options or {}
     if dataset == "stdlib" or (dataset == "text" and not options.get("tokenizer")):
-        return (lambda text: list(text.encode("utf-8")),
+        # a byte that is not UTF-8 reaches Python's argv as a lone surrogate; surrogateescape gives the byte back
+        return (lambda text: list(text.encode("utf-8", errors="surrogateescape")),
                 lambda ids: bytes(int(i) for i in ids).decode("utf-8", errors="replace"))
     if dataset == "text":
         tok = load_tokenizer(options["tokenizer"])
-        return (lambda text: tok.encode(text).ids, lambda ids: tok.decode([int(i) for i in ids]))
+        return (lambda text: tok.encode(_utf8(text)).ids, lambda ids: tok.decode([int(i) for i in ids]))
     if dataset == "nanogpt":
         meta = read_meta(Path(data_dir))
         stoi, itos = meta.get("stoi"), meta.get("itos")
         if isinstance(stoi, dict) and isinstance(itos, dict):
             def encode(text):
+                text = _utf8(text)
                 missing = next((c for c in text if c not in stoi), None)
                 if missing is not None:
                     raise ConfigError(f"the prompt holds {missing!r}, which the corpus's meta.pkl has no token for; "
