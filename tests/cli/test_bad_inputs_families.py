@@ -124,3 +124,114 @@ def test_shapes_generation_interrupted_or_killed_leaves_no_temporary_folder(tmp_
     with pytest.raises(KeyboardInterrupt):
         shapes.generate_shapes(root, opt)
     assert os.listdir(root.parent) == []  # its own folder removed, and the dead process's
+
+
+# ---- 1, 2, 6: COCO images and annotations checked before training --------------------------------------------------
+def _png(size=(48, 40), mode="RGB") -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, size, 200 if mode != "RGB" else (200, 30, 90)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _write_coco(root: Path, *, images=None, annotations=None, files=None, raw=None) -> Path:
+    """A COCO set in ``root`` with splits t and v (two 48 x 40 images each, one square per image); ``images`` and
+    ``annotations`` replace the train split's lists, ``files`` its image files, ``raw`` its whole json text."""
+    import json
+
+    for split in ("t", "v"):
+        (root / split).mkdir(parents=True)
+        (root / "annotations").mkdir(exist_ok=True)
+        imgs = [{"id": i, "file_name": f"{i}.png", "width": 48, "height": 40} for i in (1, 2)]
+        anns = [{"id": i, "image_id": i, "category_id": 1, "bbox": [4, 6, 10, 10], "iscrowd": 0,
+                 "segmentation": [[4, 6, 14, 6, 14, 16, 4, 16]]} for i in (1, 2)]
+        names = {img["file_name"]: _png() for img in imgs}
+        if split == "t":
+            imgs, anns = images or imgs, annotations or anns
+            names.update(files or {})
+        for name, data in names.items():
+            (root / split / name).write_bytes(data)
+        text = raw if split == "t" and raw is not None else json.dumps(
+            {"images": imgs, "annotations": anns, "categories": [{"id": 1, "name": "square"}]})
+        (root / "annotations" / f"instances_{split}.json").write_text(text)
+    return root
+
+
+def _ann(**change):
+    return {"id": 1, "image_id": 1, "category_id": 1, "bbox": [4, 6, 10, 10], "iscrowd": 0,
+            "segmentation": [[4, 6, 14, 6, 14, 16, 4, 16]], **change}
+
+
+def _rle(counts, size=(40, 48)):
+    return {"size": list(size), "counts": counts}
+
+
+COCO_CASES = [
+    ("not-an-image", dict(files={"1.png": b"not an image at all"}), "COCO image file", "1.png is not a readable image"),
+    ("other-size", dict(files={"1.png": _png((40, 48))}), "is 40 x 48 pixels, but instances_t.json gives it width 48",
+     ""),
+    ("16-bit", dict(files={"1.png": _png(mode="I;16")}), "has I;16 pixels (more than 8 bits per sample)", ""),
+    ("top-level-list", dict(raw="[1, 2]"), "does not hold a JSON object at its top level", ""),
+    ("duplicate-ann-id", dict(annotations=[_ann(), _ann(image_id=2)]), "lists annotation id 1 twice", ""),
+    ("duplicate-image-id", dict(images=[{"id": 1, "file_name": "1.png", "width": 48, "height": 40}] * 2),
+     "lists image id 1 twice", ""),
+    ("nan-box", dict(annotations=[_ann(bbox=[4, 6, float("nan"), 10])]), "has bbox [4, 6, nan, 10]", "finite numbers"),
+    ("rle-wrong-size", dict(annotations=[_ann(segmentation=_rle([1920], (48, 40)))]),
+     "its RLE size [48, 40] is not the image's [height, width] [40, 48]", ""),
+    ("rle-bad-counts", dict(annotations=[_ann(segmentation=_rle([5, 10]))]), "its RLE counts cover 15 pixels", ""),
+    ("rle-bad-string", dict(annotations=[_ann(segmentation=_rle("\x7f\x7f"))]), "its RLE counts cannot be read", ""),
+    ("no-size", dict(images=[{"id": 1, "file_name": "1.png"}, {"id": 2, "file_name": "2.png", "width": 48,
+                                                               "height": 40}]), "has width None and height None", ""),
+]
+
+
+@pytest.mark.parametrize("change, expected, more", [pytest.param(*c[1:], id=c[0]) for c in COCO_CASES])
+def test_coco_set_is_checked_before_training(change, expected, more, tmp_path):
+    pytest.importorskip("pycocotools")
+    from attnlab.data import build_dataset
+    from attnlab.errors import DatasetError
+
+    root = _write_coco(tmp_path / "c", **change)
+    with pytest.raises(DatasetError) as err:
+        build_dataset("coco", True, data_dir=root, train_split="t", val_split="v", image_size=64)
+    assert expected in str(err.value) and more in str(err.value) and "\n" not in str(err.value), err.value
+
+
+def test_coco_image_of_another_size_stops_train_before_the_run_directory(tmp_path):
+    pytest.importorskip("pycocotools")
+    _write_coco(tmp_path / "c", files={"2.png": _png((48, 41))})
+    refused(["train", "--recipe", "detect_demo", "--dataset", "coco", "--data-dir", "c", "--data-options",
+             "{image_size: 64, train_split: t, val_split: v}"], tmp_path,
+            "2.png is 48 x 41 pixels, but instances_t.json gives it width 48 and height 40")
+
+
+def test_coco_zero_width_box_is_left_out_of_the_targets(tmp_path):
+    """A box without area (COCO has a few) trains as torchvision's references train it: left out of the targets."""
+    pytest.importorskip("pycocotools")
+    from attnlab.data import build_dataset
+
+    root = _write_coco(tmp_path / "c", annotations=[_ann(bbox=[4, 6, 0, 10]), _ann(id=2, image_id=2)])
+    train = build_dataset("coco", True, data_dir=root, train_split="t", val_split="v", image_size=64, masks=False)
+    assert train[0][1]["boxes"].shape == (0, 4) and train[1][1]["boxes"].shape == (1, 4)
+
+
+def test_rle_counts_read_as_pycocotools_writes_them():
+    pytest.importorskip("pycocotools")
+    import numpy as np
+    from pycocotools import mask as mask_utils
+
+    from attnlab.data.coco import rle_counts
+
+    mask = np.zeros((7, 5), dtype=np.uint8)
+    mask[1:4, 2:5] = 1
+    counts = rle_counts(mask_utils.encode(np.asfortranarray(mask))["counts"].decode())
+    runs, flat = [], mask.flatten(order="F").tolist()
+    value, start = 0, 0
+    for i, v in enumerate(flat + [2]):
+        if v != value:
+            runs.append(i - start)
+            value, start = v, i
+    assert counts == runs and sum(counts) == 35
