@@ -235,3 +235,62 @@ def test_rle_counts_read_as_pycocotools_writes_them():
             runs.append(i - start)
             value, start = v, i
     assert counts == runs and sum(counts) == 35
+
+
+# ---- 5, 6: video clips checked when built ---------------------------------------------------------------------------
+def _frames(root: Path, clip: str, n: int = 3, **special: bytes) -> None:
+    """A frame folder ``root/clip`` of ``n`` 16 x 16 grey PNGs; ``special`` replaces frames by name."""
+    (root / clip).mkdir(parents=True)
+    for i in range(1, n + 1):
+        name = f"img_{i:05d}.png"
+        (root / clip / name).write_bytes(special.get(name.replace(".", "_"), _png((16, 16), "L")))
+
+
+VIDEO_CASES = [
+    ("frame-not-an-image", {"img_00002_png": b"not a frame"}, {}, "file", "img_00002.png is not a readable image"),
+    ("frame-other-size", {"img_00003_png": _png((16, 17), "L")}, {},
+     "frame img_00003.png of clip", "is 16 x 17 pixels, but img_00001.png is 16 x 16"),
+    ("frame-16-bit", {"img_00001_png": _png((16, 16), "I;16")}, {}, "has I;16 pixels", ""),
+    ("lists-missing", {}, {"lists": "splits"}, "video lists folder", "splits does not exist"),
+]
+
+
+@pytest.mark.parametrize("special, options, expected, more", [pytest.param(*c[1:], id=c[0]) for c in VIDEO_CASES])
+def test_video_frames_are_checked_when_the_split_is_built(special, options, expected, more, tmp_path):
+    from attnlab.data import build_dataset
+    from attnlab.errors import DatasetError
+
+    _frames(tmp_path / "v", "train/a/c", **special)
+    _frames(tmp_path / "v", "val/a/c")
+    with pytest.raises(DatasetError) as err:
+        build_dataset("video", True, data_dir=tmp_path / "v", in_chans=1, image_size=16, **options)
+    assert expected in str(err.value) and more in str(err.value), err.value
+
+
+@pytest.mark.parametrize("lines, expected", [
+    ("train/a/c 0\ntrain/b/c -1\n", "line 2: label -1 is negative"),
+    ("train/a/c 0\ntrain/b/c walk\n", "line 2: label 'walk' is a name, but other lines give class indices"),
+])
+def test_video_list_labels_are_indices_or_names(lines, expected, tmp_path):
+    from attnlab.data import build_dataset
+    from attnlab.errors import DatasetError
+
+    _frames(tmp_path / "v", "train/a/c")
+    _frames(tmp_path / "v", "train/b/c")
+    (tmp_path / "v" / "train.csv").write_text(lines)
+    (tmp_path / "v" / "val.csv").write_text("train/a/c 0\n")
+    with pytest.raises(DatasetError, match=expected):
+        build_dataset("video", True, data_dir=tmp_path / "v", in_chans=1, image_size=16)
+
+
+def test_video_empty_class_folder_and_uneven_crop_are_refused(tmp_path):
+    from attnlab.data import build_dataset
+    from attnlab.errors import DatasetError
+
+    _frames(tmp_path / "v", "train/a/c")
+    (tmp_path / "v" / "train" / "b").mkdir()
+    _frames(tmp_path / "v", "val/a/c")
+    with pytest.raises(DatasetError, match=r"class folder .*train/b holds no clips"):
+        build_dataset("video", True, data_dir=tmp_path / "v", in_chans=1, image_size=16)
+    refused(["train", "--recipe", "moving_digits", "--data-options", "{image_size: 20, num_train: 8}"], tmp_path,
+            "the video image_size 20 is not a multiple of timesformer_tiny's patch size 8")
