@@ -294,3 +294,48 @@ def test_video_empty_class_folder_and_uneven_crop_are_refused(tmp_path):
         build_dataset("video", True, data_dir=tmp_path / "v", in_chans=1, image_size=16)
     refused(["train", "--recipe", "moving_digits", "--data-options", "{image_size: 20, num_train: 8}"], tmp_path,
             "the video image_size 20 is not a multiple of timesformer_tiny's patch size 8")
+
+
+# ---- 5, 6: token files and corpora checked before the first step ---------------------------------------------------
+def _bins(folder: Path, train, val=None, dtype="uint16", meta: dict | None = None) -> Path:
+    import pickle
+
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    np.asarray(train, dtype=dtype).tofile(folder / "train.bin")
+    np.asarray(val if val is not None else list(range(40)) * 3, dtype=dtype).tofile(folder / "val.bin")
+    if meta is not None:
+        (folder / "meta.pkl").write_bytes(pickle.dumps(meta))
+    return folder
+
+
+def test_nanogpt_id_past_the_vocabulary_is_found_before_training(tmp_path):
+    ids = [1, 2, 3] * 200 + [64] + [4] * 200  # one id past meta.pkl's 64, far from the first batches
+    _bins(tmp_path / "d", ids, meta={"vocab_size": 64})
+    refused(["train", "--recipe", "lm_demo", "--dataset", "nanogpt", "--data-dir", "d", "--block-size", "8"],
+            tmp_path, "train.bin holds token id 64, outside its vocabulary of 64 (0 to 63)")
+
+
+def test_nanogpt_uint32_file_read_as_uint16_is_refused_and_read_with_dtype(tmp_path):
+    from attnlab.data import build_dataset
+    from attnlab.errors import DatasetError
+
+    folder = _bins(tmp_path / "d", list(range(1, 300)), list(range(1, 100)), dtype="uint32", meta={"vocab_size": 300})
+    with pytest.raises(DatasetError, match="looks like a uint32 file .* give the data option dtype: uint32"):
+        build_dataset("nanogpt", True, data_dir=folder)
+    train = build_dataset("nanogpt", True, data_dir=folder, dtype="uint32")
+    assert train.tokens[:3].tolist() == [1, 2, 3] and len(train) == 299
+
+
+def test_tokenizer_corpus_that_is_not_utf8_is_refused(tmp_path):
+    pytest.importorskip("tokenizers")
+    from tests.data.test_lm import write_tokenizer
+
+    from attnlab.data import build_dataset
+    from attnlab.errors import DatasetError
+
+    write_tokenizer(tmp_path / "tokenizer.json", ["[UNK]", "caf", "the"])
+    (tmp_path / "c.txt").write_bytes("the café\n".encode("latin-1") * 20)
+    with pytest.raises(DatasetError, match=r"c.txt is not UTF-8 \(byte 0xe9 at offset 7\), and the tokenizer reads"):
+        build_dataset("text", True, data_dir=tmp_path / "c.txt", tokenizer=str(tmp_path / "tokenizer.json"))
