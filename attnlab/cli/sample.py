@@ -22,6 +22,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-samples", type=int, default=1, help="independent samples")
     p.add_argument("--seed", type=int, default=0, help="seed of the draws")
     p.add_argument("--device", default="cpu", help="'cpu', 'cuda', 'cuda:1', ...")
+    p.add_argument("--data-dir", default=None, help="where the run's data lies now, if it has moved (a nanoGPT run "
+                                                    "reads meta.pkl there; bytes need no data)")
+    p.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="the run's tokenizer.json, if it has moved (text runs trained through a tokenizer)")
 
 
 def run(args) -> int:
@@ -32,7 +36,7 @@ def run(args) -> int:
     from attnlab.models.gpt import generate
     from attnlab.train.run import Run, resolve_device
 
-    run_ = Run.open(args.run_dir)
+    run_ = Run.open(args.run_dir, data_dir=args.data_dir, tokenizer=args.tokenizer)
     if run_.task.name != "lm":
         raise ConfigError(f"{args.run_dir} trained a {run_.task.name} model; sample takes a language-model run.")
     if args.num_samples < 1:

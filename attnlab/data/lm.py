@@ -176,8 +176,8 @@ def lm_info(name: str, vocab_size: int, block_size: int | None = None) -> Datase
 
 
 def text_info(data_dir="data", *, tokenizer: str = "", val_fraction: float = 0.1) -> DatasetInfo:
-    """Vocabulary (256 bytes, or the tokenizer's, read from its file alone) of the text corpus at ``data_dir``."""
-    text_files(Path(data_dir))
+    """Vocabulary (256 bytes, or the tokenizer's, read from its file alone) of the text corpus at ``data_dir``,
+    which is not read (bytes need none: a byte-level run samples without its corpus)."""
     return lm_info("text", load_tokenizer(tokenizer).get_vocab_size(with_added_tokens=True) if tokenizer
                    else BYTE_VOCAB)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass
 from functools import cached_property
@@ -79,7 +80,7 @@ class Run:
 
         from .tasks import task_class
 
-        cfg = validate(cfg)
+        cfg = absolute_paths(validate(cfg))
         self.spec = parse_spec(cfg.attn)
         self.cfg = dataclasses.replace(cfg, attn=str(self.spec))  # the canonical form, in config.yaml and names
         self.name = run_name(self.cfg)
@@ -189,6 +190,8 @@ class Run:
 
     def check_same_config(self) -> None:
         saved = yaml.safe_load((self.dir / CONFIG).read_text()) or {}
+        if isinstance(saved.get("data_options"), dict):  # a run written before paths were stored absolute
+            saved["data_options"] = _absolute_options(saved["data_options"])
         ours = self.config_dict()
         differ = sorted(k for k in ours if k not in RUNTIME_KEYS and saved.get(k) != ours[k])
         if differ:
@@ -233,13 +236,22 @@ class Run:
 
     # ---- reading a run on disk ---------------------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | Path) -> "Run":
-        """The run in directory ``path``, from its own config.yaml (ConfigError if it is not a run directory)."""
+    def open(cls, path: str | Path, data_dir: str | None = None, tokenizer: str | None = None) -> "Run":
+        """The run in directory ``path``, from its own config.yaml (ConfigError if it is not a run directory);
+        ``data_dir`` and ``tokenizer`` replace the recorded ones (data that has moved)."""
         path = Path(path)
         if not (path / CONFIG).is_file():
             raise ConfigError(f"{path} is not a run directory (it has no {CONFIG}); give a directory made by "
                               f"attnlab train.")
         cfg = load_config(path / CONFIG)
+        if data_dir is not None:
+            cfg = dataclasses.replace(cfg, data_dir=data_dir)
+        if tokenizer is not None:
+            if not cfg.data_options.get("tokenizer"):
+                what = "bytes" if cfg.dataset in ("text", "stdlib") else f"dataset {cfg.dataset}"
+                raise ConfigError(f"--tokenizer says where the tokenizer.json of a text run trained through one lies "
+                                  f"now, and {path} trained on {what}; drop it.")
+            cfg = dataclasses.replace(cfg, data_options={**cfg.data_options, "tokenizer": tokenizer})
         # the directory is the run's, whatever its name: a reader neither renames nor refuses it
         run = cls(dataclasses.replace(cfg, runs_dir=str(path.parent), name=None))
         run.name, run.dir = path.name, path
@@ -281,6 +293,24 @@ class Run:
                               f"({what}); was config.yaml edited or replaced?")
         # built on the CPU and then moved, as training does: sigma's set-up calls .item(), which meta cannot
         return model.to(map_location).eval()
+
+
+def _absolute(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _absolute_options(options: dict) -> dict:
+    """Data options with a path in them (a text run's tokenizer) made absolute."""
+    if isinstance(options.get("tokenizer"), str) and options["tokenizer"]:
+        return {**options, "tokenizer": _absolute(options["tokenizer"])}
+    return options
+
+
+def absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with its data directory, data option paths and pretrained file absolute, so that config.yaml
+    names what the run read wherever its directory is opened from (relative to the current directory)."""
+    return dataclasses.replace(cfg, data_dir=_absolute(cfg.data_dir), data_options=_absolute_options(cfg.data_options),
+                               pretrained_file=_absolute(cfg.pretrained_file) if cfg.pretrained_file else None)
 
 
 FAMILY_WORDS = {"image": "an image classifier", "sequence": "a sequence classifier", "lm": "a language model",

@@ -339,3 +339,32 @@ def test_tokenizer_corpus_that_is_not_utf8_is_refused(tmp_path):
     (tmp_path / "c.txt").write_bytes("the café\n".encode("latin-1") * 20)
     with pytest.raises(DatasetError, match=r"c.txt is not UTF-8 \(byte 0xe9 at offset 7\), and the tokenizer reads"):
         build_dataset("text", True, data_dir=tmp_path / "c.txt", tokenizer=str(tmp_path / "tokenizer.json"))
+
+
+# ---- 8: a run opens from anywhere; moved data is given with --data-dir, a tokenizer with --tokenizer -----------------
+def test_run_records_absolute_paths_and_opens_from_another_directory(lm_run, tmp_path):
+    import json
+
+    import yaml
+
+    cfg = yaml.safe_load((lm_run / "config.yaml").read_text())
+    assert os.path.isabs(cfg["data_dir"]) and cfg["data_dir"].endswith("corpus.txt")
+    (tmp_path / "elsewhere").mkdir()
+    out = in_process(["eval", lm_run], tmp_path / "elsewhere")
+    assert out.returncode == 0, out.stderr
+    moved = tmp_path / "moved.txt"
+    shutil.copy(cfg["data_dir"], moved)
+    again = in_process(["eval", lm_run, "--data-dir", moved], tmp_path / "elsewhere")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["val_loss"] == json.loads(out.stdout)["val_loss"]
+    refused(["sample", lm_run, "--tokenizer", "t.json"], tmp_path, f"and {lm_run} trained on bytes; drop it",
+            "sample")
+
+
+def test_byte_level_run_samples_without_its_corpus(lm_run, tmp_path):
+    run = tmp_path / "runs" / "lm"
+    shutil.copytree(lm_run, run)
+    cfg = run / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("corpus.txt", "gone.txt"))
+    proc = in_process(["sample", run, "--max-new-tokens", "3"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
