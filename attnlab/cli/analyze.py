@@ -111,6 +111,7 @@ def run(args) -> int:
     drawn = []  # detection runs' Figure-10 panels
     for path in runs if model_what or "predictions" in what else []:
         opened = Run.open(path, data_dir=args.data_dir)  # --data-dir: where the run's data lies now
+        opened.warn_data_changed("analyze")
         model, cfg, task = opened.load_model(device), opened.cfg, opened.task
         label = Path(path).name
         if "predictions" in what:

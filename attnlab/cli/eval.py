@@ -179,6 +179,8 @@ def run(args) -> int:
         from ..train.run import Run
 
         opened = Run.open(args.run_dir, data_dir=args.data_dir)
+        if not args.folder and (args.dataset or opened.cfg.dataset) == opened.cfg.dataset:
+            opened.warn_data_changed("eval")  # evaluated on the run's own data, which may have changed since
         if not opened.task.robustness_eval:  # detection, video, language models: the metrics their training logs
             return _task_eval(args, opened, device)
 

@@ -349,6 +349,26 @@ def build_coco(train: bool, *, data_dir, download: bool = False, augment: str = 
     return CocoInstances(images, annotations, transforms=transforms, masks=masks)
 
 
+def coco_fingerprint(data_dir, *, train_split: str = "train2017", val_split: str = "val2017", **_options
+                     ) -> dict[str, str]:
+    """The content hash of both splits' annotation files and the number of files in their image folders."""
+    from attnlab.data.registry import file_sha256
+
+    out = {}
+    for split in dict.fromkeys((train_split, val_split)):
+        images, annotations = split_paths(data_dir, split)
+        out[annotations.name] = file_sha256(annotations)
+        out[f"{split}/"] = f"{sum(1 for _ in images.iterdir())} files" if images.is_dir() else "missing"
+    return out
+
+
+def shapes_fingerprint(data_dir, *, image_size: int = 128, masks: bool = True, jitter_min: float = 0.5,
+                       jitter_max: float = 1.5, **options) -> dict[str, str]:
+    """The shapes set's own COCO fingerprint (its folder is named by the generator's options)."""
+    root = set_dir(data_dir, ShapesOptions(image_size=image_size, **options))
+    return coco_fingerprint(root, train_split="train", val_split="val")
+
+
 def info_shapes(data_dir, *, image_size: int, **_options) -> DatasetInfo:
     return _detect_info("shapes", len(CATEGORIES), image_size)
 
@@ -371,6 +391,6 @@ def build_shapes(train: bool, *, data_dir, download: bool = False, augment: str 
 
 
 __all__ = ["CocoInstances", "build_coco", "build_shapes", "check_coco", "check_image_files", "check_same_categories",
-           "collate", "rle_counts",
+           "coco_fingerprint", "collate", "rle_counts", "shapes_fingerprint",
            "detection_loss", "detection_transforms", "info_coco", "info_shapes", "read_coco", "require_pycocotools",
            "split_paths", "to_device"]

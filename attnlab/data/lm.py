@@ -364,6 +364,43 @@ def _utf8(text: str) -> str:
     return text
 
 
+# ---- what a run records of its corpus (registry.data_fingerprint) -------------------------------------------------
+MAX_LISTED = 100  # files a fingerprint lists one by one; a larger corpus is one digest of every file's stamp
+
+
+def text_fingerprint(data_dir="data", *, tokenizer: str = "", val_fraction: float = 0.1) -> dict[str, str]:
+    """Each corpus file's size and modification time (one digest past ``MAX_LISTED`` files) and the tokenizer's
+    content hash."""
+    from attnlab.data.registry import file_sha256, file_stamp
+
+    root = Path(data_dir)
+    files = text_files(root)
+    stamps = {(p.relative_to(root).as_posix() if p != root else p.name): file_stamp(p) for p in files}
+    out = stamps if len(stamps) <= MAX_LISTED else {
+        "corpus files": f"{len(stamps)} files, stamps sha256 "
+                        f"{hashlib.sha256(repr(sorted(stamps.items())).encode()).hexdigest()[:16]}"}
+    if tokenizer:
+        out["tokenizer.json"] = file_sha256(tokenizer)
+    return out
+
+
+def stdlib_fingerprint(data_dir="data", *, val_fraction: float = 0.1) -> dict[str, str]:
+    """The standard library corpus's manifest (Python version, files, sha256 of paths and contents)."""
+    m = stdlib_manifest()
+    return {"stdlib corpus": f"Python {m['python']}, {m['files']} files, sha256 {m['sha256'][:16]}"}
+
+
+def nanogpt_fingerprint(data_dir="data", *, vocab_size: int = 0, dtype: str = "uint16") -> dict[str, str]:
+    """train.bin's and val.bin's size and modification time, meta.pkl's content hash."""
+    from attnlab.data.registry import file_sha256, file_stamp
+
+    folder = Path(data_dir)
+    out = {f"{split}.bin": file_stamp(folder / f"{split}.bin") for split in SPLITS}
+    if (folder / "meta.pkl").is_file():
+        out["meta.pkl"] = file_sha256(folder / "meta.pkl")
+    return out
+
+
 def text_codec(dataset: str, data_dir="data", options: dict | None = None):
     """(encode: str -> ids, decode: ids -> str) of a corpus's tokens, or None when its ids are not text (MQAR,
     nanoGPT's BPE ids without a meta.pkl): bytes as UTF-8, a tokenizer.json's own, meta.pkl's characters."""
@@ -391,5 +428,6 @@ def text_codec(dataset: str, data_dir="data", options: dict | None = None):
 
 
 __all__ = ["BYTE_VOCAB", "TokenStream", "build_nanogpt", "build_stdlib", "build_text", "check_manifest",
+           "check_token_ids", "nanogpt_fingerprint", "stdlib_fingerprint", "text_fingerprint",
            "check_vocab", "lm_info", "load_tokenizer", "nanogpt_info", "nanogpt_vocab", "no_augment", "read_meta",
            "stdlib_files", "stdlib_info", "stdlib_manifest", "text_codec", "text_files", "text_info"]

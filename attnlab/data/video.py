@@ -400,6 +400,25 @@ def scan_clips(data_dir, train: bool, *, lists: str = "", num_classes: int = 0, 
     return clips, classes
 
 
+def video_fingerprint(data_dir="data", **options) -> dict[str, str]:
+    """The class list (index = label) and, per split, the clips and their labels as a count and a digest (a renamed
+    class folder or a clip moved to another class changes them); video files' sizes and times go into the digest."""
+    import hashlib
+
+    from attnlab.data.registry import file_stamp
+
+    opts = _check(options)
+    out = {}
+    for train, split in ((True, "training clips"), (False, "evaluation clips")):
+        clips, classes = scan_clips(data_dir, train, lists=opts["lists"], num_classes=opts["num_classes"],
+                                    verify=False)
+        out["classes"] = ", ".join(classes) if len(classes) <= 20 else \
+            f"{len(classes)} classes, sha256 {hashlib.sha256(repr(classes).encode()).hexdigest()[:16]}"
+        lines = sorted(f"{c.path} {c.label} {'' if c.path.is_dir() else file_stamp(c.path)}" for c in clips)
+        out[split] = f"{len(clips)} clips, sha256 {hashlib.sha256(chr(10).join(lines).encode()).hexdigest()[:16]}"
+    return out
+
+
 def _check(options: dict) -> dict:
     """The table's options (defaults, types, bounds) with the choices of the two integer options checked."""
     opts = resolve_options("video", options)

@@ -113,6 +113,9 @@ class TrainConfig:
     probe_images: int = field(default=64, metadata={"help": "test images the probe runs on (the first ones, in order)"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar per epoch"})
     resume: bool = field(default=False, metadata={"help": "continue the run from its last completed epoch"})
+    accept_data_change: bool = field(default=False, metadata={
+        "help": "with --resume: continue on data that differs from what the run recorded in data.json (a corpus, "
+                "tokenizer, class list or annotation file replaced on purpose), recording the new data"})
     log: str = field(default="none", metadata={"help": "'tensorboard' also writes metrics as TensorBoard scalars into "
                                                        "RUN_DIR/tensorboard (pip install attnlab[tensorboard]), or 'none'"})
     # --- recorded, not configured: the trainer writes it into config.yaml
@@ -124,7 +127,7 @@ class TrainConfig:
 # (device and amp do change rounding; they are allowed so that a run can move machines).
 RUNTIME_KEYS = frozenset({"device", "amp", "compile", "compile_mode", "data_dir", "download", "runs_dir", "name",
                           "num_workers", "threads", "log_every", "probe_every", "probe_images", "progress",
-                          "resume", "log", "world_size"})
+                          "resume", "log", "world_size", "accept_data_change"})
 
 RECIPES: dict[str, TrainConfig] = {
     # NS-Attn paper Sec. 3.1 (CIFAR-10/100, ViT and Swin).

@@ -22,7 +22,7 @@ from attnlab.errors import ConfigError
 
 from . import distributed
 from .config import RUNTIME_KEYS, TrainConfig, config_to_dict, load_config, run_name, validate
-from .files import CONFIG, EMA_WEIGHTS, METRICS, RESULT, TB_DIR, read_jsonl  # noqa: F401 - re-exported
+from .files import CONFIG, DATA, EMA_WEIGHTS, METRICS, RESULT, TB_DIR, read_jsonl  # noqa: F401 - re-exported
 
 COMPILE_MODES = {"cuda": "reduce-overhead", "cpu": "default"}  # 'auto' per device type; measured in docs/perf.md
 
@@ -117,8 +117,58 @@ class Run:
     def config_dict(self) -> dict[str, Any]:
         """What config.yaml holds: every field, with the canonical spec, the run's name and world size, ``resume``
         off."""
-        return config_to_dict(dataclasses.replace(self.cfg, name=self.name, resume=False,
+        return config_to_dict(dataclasses.replace(self.cfg, name=self.name, resume=False, accept_data_change=False,
                                                   world_size=self.ranks.world_size))
+
+    # ---- the data it trains on -----------------------------------------------------------------------------
+    @cached_property
+    def fingerprint(self) -> dict[str, str] | None:
+        """What identifies the run's data now (:func:`attnlab.data.registry.data_fingerprint`), recorded in
+        data.json when the run starts; None for a dataset that records nothing."""
+        from attnlab.data.registry import data_fingerprint
+
+        return data_fingerprint(self.cfg.dataset, data_dir=self.cfg.data_dir, **self.cfg.data_options)
+
+    def recorded_data(self) -> dict[str, str] | None:
+        """The fingerprint the run recorded (data.json), None if it recorded none (a run written before it, or a
+        dataset without one); ConfigError for an unreadable file."""
+        path = self.dir / DATA
+        if not path.is_file():
+            return None
+        try:
+            recorded = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"{path} cannot be read ({type(err).__name__}); delete it, and the run records its "
+                              f"data again when it resumes.") from None
+        return recorded if isinstance(recorded, dict) else None
+
+    def data_changes(self, only: tuple[str, ...] | None = None) -> str:
+        """What differs between the recorded data and the data now, in words (empty if nothing, or nothing was
+        recorded); ``only``: the keys compared."""
+        from attnlab.data.registry import data_changes
+
+        recorded = self.recorded_data()
+        current = self.fingerprint if recorded is not None else None
+        if recorded is None or current is None:
+            return ""
+        if only is not None:
+            recorded = {k: v for k, v in recorded.items() if k in only}
+            current = {k: v for k, v in current.items() if k in only}
+        return data_changes(recorded, current)
+
+    def warn_data_changed(self, command: str, only: tuple[str, ...] | None = None,
+                          consequence: str = "its numbers are measured on the data as it is now") -> None:
+        """One line on stderr when the run's data differs from what it trained on (eval, sample, analyze); data
+        that cannot be read now is left to the command, which says so."""
+        from attnlab.errors import AttnlabError
+
+        try:
+            changes = self.data_changes(only)
+        except (AttnlabError, OSError):
+            return
+        if changes:
+            print(f"attnlab {command}: warning: {self.name}'s data differs from what it trained on ({changes}); "
+                  f"{consequence}.", file=sys.stderr, flush=True)
 
     # ---- what training would do ------------------------------------------------------------------------------
     def plan(self, cache: dict | None = None, *, check: bool = True) -> Plan:
@@ -144,6 +194,12 @@ class Run:
                               f"or --name to start another run.")
         if cfg.resume and (self.dir / CONFIG).exists() and (resumable or finished):
             self.check_same_config()
+        if cfg.resume and resumable and not finished and not cfg.accept_data_change:
+            changes = self.data_changes()
+            if changes:
+                raise ConfigError(f"cannot resume {self.dir}: its data differs from what it trained on, as recorded "
+                                  f"in {DATA} ({changes}); put the data back, or pass --accept-data-change to "
+                                  f"continue on the new data (recording it), or train a new run.")
         if cfg.resume and finished:
             return Plan("skip", result=self.result())
         if resumable and not check:

@@ -15,14 +15,20 @@ from cli_runner import in_process
 from test_bad_inputs import _listing
 
 
+def _files(root: Path) -> dict:
+    """The listing of tests/cli/test_bad_inputs.py without the directories' times (a run's lock, taken and let go
+    by a refused resume, touches its directory)."""
+    return {k: v if not v[0] else True for k, v in _listing(root).items()}
+
+
 def refused(argv, cwd, expected: str, command: str = "train"):
     """Run ``attnlab ARGV`` in ``cwd``: one stderr line holding ``expected``, exit 2, ``cwd`` unchanged."""
-    before = _listing(cwd)
+    before = _files(cwd)
     proc = in_process([str(a) for a in argv], cwd)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"attnlab {command}: error: ") and expected in lines[0], lines[0]
-    assert _listing(cwd) == before
+    assert _files(cwd) == before
     return lines[0]
 
 
@@ -368,3 +374,59 @@ def test_byte_level_run_samples_without_its_corpus(lm_run, tmp_path):
     cfg.write_text(cfg.read_text().replace("corpus.txt", "gone.txt"))
     proc = in_process(["sample", run, "--max-new-tokens", "3"], tmp_path)
     assert proc.returncode == 0, proc.stderr
+
+
+# ---- 7: a run records its data; resume refuses other data, eval and sample warn -----------------------------------
+def test_tokenizer_replaced_resume_refuses_eval_and_sample_warn(tmp_path):
+    pytest.importorskip("tokenizers")
+    import json
+
+    from tests.data.test_lm import write_tokenizer
+
+    words = ["[UNK]", "the", "cat", "sat", "on", "mat"]
+    write_tokenizer(tmp_path / "tok.json", words)
+    (tmp_path / "c.txt").write_text("the cat sat on the mat " * 60)
+    argv = ["train", "--recipe", "lm_demo", "--dataset", "text", "--data-dir", "c.txt", "--data-options",
+            "{tokenizer: tok.json}", "--block-size", "8", "--batch-size", "2", "--max-steps", "2", "--eval-every",
+            "1", "--eval-iters", "1", "--probe-every", "0", "--no-progress", "--name", "t"]
+    assert in_process(argv, tmp_path).returncode == 0
+    run = tmp_path / "runs" / "t"
+    recorded = json.loads((run / "data.json").read_text())
+    assert set(recorded) == {"c.txt", "tokenizer.json"} and recorded["tokenizer.json"].startswith("sha256 ")
+    write_tokenizer(tmp_path / "tok.json", ["[UNK]", "cat", "the", "sat", "on", "mat"])  # same size, other ids
+    (run / "result.json").unlink()  # as if stopped after its first evaluation
+    refused(["train", "--resume", run], tmp_path, "its data differs from what it trained on, as recorded in "
+            "data.json (tokenizer.json: was sha256 ")
+    for command in (["sample", run, "--prompt", "the", "--max-new-tokens", "2"], ["eval", run]):
+        proc = in_process(command, tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr.startswith(f"attnlab {command[0]}: warning: t's data differs from what it trained on "
+                                      f"(tokenizer.json: was sha256"), proc.stderr
+    accepted = in_process(["train", "--resume", run, "--accept-data-change"], tmp_path)
+    assert accepted.returncode == 0, accepted.stderr
+    assert json.loads((run / "data.json").read_text())["tokenizer.json"] != recorded["tokenizer.json"]
+    assert "accept_data_change: false" in (run / "config.yaml").read_text()
+
+
+def test_renamed_video_class_folder_changes_the_recorded_classes(tmp_path):
+    from attnlab.data.registry import data_changes, data_fingerprint
+
+    for split in ("train", "val"):
+        _frames(tmp_path / "v", f"{split}/run/c")
+        _frames(tmp_path / "v", f"{split}/walk/c")
+    before = data_fingerprint("video", data_dir=tmp_path / "v")
+    for split in ("train", "val"):
+        (tmp_path / "v" / split / "walk").rename(tmp_path / "v" / split / "amble")
+    changes = data_changes(before, data_fingerprint("video", data_dir=tmp_path / "v"))
+    assert changes.startswith("classes: was run, walk, is now amble, run; training clips: was 2 clips"), changes
+
+
+def test_nanogpt_and_coco_fingerprints_name_the_files(tmp_path):
+    pytest.importorskip("pycocotools")
+    from attnlab.data.registry import data_fingerprint
+
+    _bins(tmp_path / "d", [1, 2, 3] * 10, meta={"vocab_size": 8})
+    assert set(data_fingerprint("nanogpt", data_dir=tmp_path / "d")) == {"train.bin", "val.bin", "meta.pkl"}
+    _write_coco(tmp_path / "c")
+    coco = data_fingerprint("coco", data_dir=tmp_path / "c", train_split="t", val_split="v")
+    assert coco["instances_t.json"].startswith("sha256 ") and coco["t/"] == "2 files"
