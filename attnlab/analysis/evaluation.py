@@ -20,8 +20,6 @@ cent (as the papers' tables), the loss as the mean cross-entropy in nats.
 from __future__ import annotations
 
 import math
-import re
-import warnings
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -29,12 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data.images import MAX_PIXELS, open_image
 from ..errors import ConfigError, DatasetError
 
 BIN_SIZE = 100
-# The most pixels an image read for evaluation may have: 8192 x 8192, far above any benchmark's (ImageNet-R's
-# largest are a few megapixels) and below PIL's own 89-megapixel warning; a larger one is refused before decoding.
-MAX_PIXELS = 1 << 26
 
 
 def _as_1d(name: str, t) -> torch.Tensor:
@@ -108,29 +104,6 @@ def anomaly_score(logits: torch.Tensor) -> torch.Tensor:
     return -logits.double().softmax(-1).max(-1).values
 
 
-def _open_image(path: str, what: str, max_pixels: int):
-    """``path`` opened by PIL (its header read, no pixel decoded), or DatasetError naming it."""
-    from PIL import Image
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        try:
-            image = Image.open(path)
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:  # PIL's own, larger limit
-            image, pixels = None, re.search(r"\((\d+) pixels\)", str(err))
-        except (OSError, SyntaxError, ValueError) as err:  # PIL's UnidentifiedImageError is an OSError
-            raise DatasetError(f"{what} file {path} is not a readable image ({' '.join(str(err).split())[:120]}); "
-                               "remove it or replace it with a PNG or JPEG.") from None
-    if image is None or image.width * image.height > max_pixels:
-        size = (f"{image.width} x {image.height} pixels" if image is not None
-                else f"{int(pixels[1]):,} pixels" if pixels else "too many pixels to open")
-        if image is not None:
-            image.close()
-        raise DatasetError(f"{what} file {path} has {size}, more than the {max_pixels:,} an image may have here (a "
-                           f"decompression bomb?); remove it or shrink it.")
-    return image
-
-
 def image_folder(root: str | Path, transform, *, channels: int = 3, what: str = "folder",
                  max_pixels: int = MAX_PIXELS):
     """torchvision's ImageFolder of ``root`` (one subfolder per class; files with an image extension), each image
@@ -147,7 +120,7 @@ def image_folder(root: str | Path, transform, *, channels: int = 3, what: str = 
     mode = "L" if channels == 1 else "RGB"
 
     def load(path: str):
-        with _open_image(path, what, max_pixels) as image:
+        with open_image(path, what, max_pixels) as image:
             try:
                 return image.convert(mode)
             except (OSError, SyntaxError, ValueError) as err:  # a header that reads, pixels that do not
@@ -156,7 +129,7 @@ def image_folder(root: str | Path, transform, *, channels: int = 3, what: str = 
 
     data = ImageFolder(str(root), transform=transform, loader=load, allow_empty=True)
     for path, _ in data.samples:
-        _open_image(path, what, max_pixels).close()
+        open_image(path, what, max_pixels).close()
     return data
 
 

@@ -63,6 +63,11 @@ def relevance_matrices(model: nn.Module, images: torch.Tensor, classes: torch.Te
         raise UnsupportedModelError("relevance explains a classifier's class logits over image patches; this model "
                                     "reads token ids (a language model), whose output is a next-token distribution "
                                     "per position.")
+    if images.dim() != 4:
+        raise UnsupportedModelError(f"relevance explains an image classifier's logits over one image's patches; this "
+                                    f"model takes inputs of {images.dim()} dimensions (a video model's clips, whose "
+                                    f"spatial and temporal attentions cover different token sets), so no N x N "
+                                    f"rollout runs from its input tokens to its output.")
     for name, module in map_modules(model):
         if getattr(module, "window_size", None) is not None:
             raise UnsupportedModelError(

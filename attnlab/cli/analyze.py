@@ -104,15 +104,15 @@ def run(args) -> int:
                             img_size=info.image_size).to(device)
         targets.append((f"{args.model}-{parse_spec(args.attn)}", str(parse_spec(args.attn)), model, args.dataset,
                         args.data_dir or "data"))
-    from ..train import load_run
     from ..train.run import Run
 
     # (images, labels) by (dataset, data_dir), or by label for a run whose task gives its own inputs
     image_cache = {}
     drawn = []  # detection runs' Figure-10 panels
     for path in runs if model_what or "predictions" in what else []:
-        model, cfg = load_run(path, map_location=device)
-        task = Run.open(path).task
+        opened = Run.open(path, data_dir=args.data_dir)  # --data-dir: where the run's data lies now
+        opened.warn_data_changed("analyze")
+        model, cfg, task = opened.load_model(device), opened.cfg, opened.task
         label = Path(path).name
         if "predictions" in what:
             drawn += _predictions(label, model, task, out, device, len(runs) > 1)

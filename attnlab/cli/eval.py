@@ -51,7 +51,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "without it --model needs weights")
     p.add_argument("--dataset", default=None, help="dataset whose test split is evaluated (default: the run's, or "
                                                    "digits)")
-    p.add_argument("--data-dir", default=None, help="dataset directory (default: the run's, or data/)")
+    p.add_argument("--data-dir", default=None, help="dataset directory (default: the run's, or data/); for a run, "
+                                                    "where its data lies now if it has moved")
     p.add_argument("--split", choices=("test", "train"), default="test", help="split of --dataset (default test)")
     p.add_argument("--folder", default=None, metavar="DIR", help="evaluate on this image folder (one subfolder per "
                                                                  "class) instead of a dataset split")
@@ -177,9 +178,11 @@ def run(args) -> int:
         from ..train import load_run
         from ..train.run import Run
 
-        task = Run.open(args.run_dir).task
-        if not task.robustness_eval:  # detection, video, language models: the metrics their training logs
-            return _task_eval(args, task, device)
+        opened = Run.open(args.run_dir, data_dir=args.data_dir)
+        if not args.folder and (args.dataset or opened.cfg.dataset) == opened.cfg.dataset:
+            opened.warn_data_changed("eval")  # evaluated on the run's own data, which may have changed since
+        if not opened.task.robustness_eval:  # detection, video, language models: the metrics their training logs
+            return _task_eval(args, opened, device)
 
         model, cfg = load_run(args.run_dir, map_location=device)
         dataset, data_dir = args.dataset or cfg.dataset, args.data_dir or cfg.data_dir
@@ -240,21 +243,22 @@ def run(args) -> int:
     return 0
 
 
-def _task_eval(args, task, device) -> int:
+def _task_eval(args, run, device) -> int:
     """A run of a family that is not classification, evaluated as its training evaluates it (``Task.evaluate``
-    on its evaluation split), printed as one JSON line; the classification-only flags are refused."""
-    from ..train import load_run
+    on its evaluation split, found under ``--data-dir`` when the data has moved), printed as one JSON line; the
+    classification-only flags are refused."""
     from ..train.run import resolve_amp
 
+    task, cfg = run.task, run.cfg
     given = [flag for flag, value in (("--folder", args.folder), ("--ood", args.ood), ("--classes", args.classes),
                                       ("--noise", args.noise), ("--images", args.images),
                                       ("--image-size", args.image_size), ("--num-classes", args.num_classes),
-                                      ("--split train", args.split == "train"), ("--dataset", args.dataset),
-                                      ("--data-dir", args.data_dir)) if value]
+                                      ("--split train", args.split == "train"), ("--dataset", args.dataset))
+             if value]
     if given:
         raise ConfigError(f"{given[0]} applies to image and sequence classification runs; a {task.name} run is "
                           "evaluated on its own evaluation split as in training, so drop it.")
-    model, cfg = load_run(args.run_dir, map_location=device)
+    model = run.load_model(device)
     task.prepare_eval()
     metrics = task.evaluate(model, device=device, amp_dtype=resolve_amp(cfg.amp, device))
     print(json.dumps({"run": str(args.run_dir), "attn": cfg.attn, "dataset": cfg.dataset, "task": task.name,

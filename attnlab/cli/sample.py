@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+MIN_TEMPERATURE = 1e-6  # logits / temperature stay finite in float32 above it (|logits| < 3e32)
+
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory of a language model (config.yaml + checkpoint)")
@@ -20,6 +22,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-samples", type=int, default=1, help="independent samples")
     p.add_argument("--seed", type=int, default=0, help="seed of the draws")
     p.add_argument("--device", default="cpu", help="'cpu', 'cuda', 'cuda:1', ...")
+    p.add_argument("--data-dir", default=None, help="where the run's data lies now, if it has moved (a nanoGPT run "
+                                                    "reads meta.pkl there; bytes need no data)")
+    p.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="the run's tokenizer.json, if it has moved (text runs trained through a tokenizer)")
 
 
 def run(args) -> int:
@@ -30,12 +36,18 @@ def run(args) -> int:
     from attnlab.models.gpt import generate
     from attnlab.train.run import Run, resolve_device
 
-    run_ = Run.open(args.run_dir)
+    run_ = Run.open(args.run_dir, data_dir=args.data_dir, tokenizer=args.tokenizer)
     if run_.task.name != "lm":
         raise ConfigError(f"{args.run_dir} trained a {run_.task.name} model; sample takes a language-model run.")
     if args.num_samples < 1:
         raise ConfigError(f"--num-samples must be at least 1, not {args.num_samples}.")
+    if 0 < args.temperature < MIN_TEMPERATURE:
+        raise ConfigError(f"--temperature {args.temperature:g} is below {MIN_TEMPERATURE:g}, where dividing the "
+                          f"logits by it overflows float32 or picks the most likely token anyway; give 0 (greedy "
+                          f"decoding) or a temperature of at least {MIN_TEMPERATURE:g}.")
     cfg = run_.cfg
+    run_.warn_data_changed("sample", only=("tokenizer.json", "meta.pkl"),  # what encodes the prompt and decodes
+                           consequence="the prompt is encoded and the sample decoded with it as it is now")
     codec = text_codec(cfg.dataset, cfg.data_dir, cfg.data_options)
     if args.prompt_ids is not None:
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,17 +61,75 @@ def read_coco(annotations: str | Path):
     except (ValueError, OSError, UnicodeDecodeError) as err:  # json.JSONDecodeError is a ValueError
         raise DatasetError(f"COCO annotation file {path} is not valid JSON ({str(err)[:80]}); give an "
                            f"instances json as COCO writes it.") from None
+    except AssertionError:  # pycocotools asserts that the top level is an object
+        raise DatasetError(f"COCO annotation file {path} does not hold a JSON object at its top level; COCO instance "
+                           f"files are an object with 'images', 'annotations' and 'categories' lists.") from None
     except (KeyError, TypeError, AttributeError) as err:
         raise DatasetError(f"COCO annotation file {path} lacks COCO's structure ({type(err).__name__}: "
                            f"{str(err)[:60]}); it needs 'images', 'annotations' and 'categories' lists.") from None
     return coco
 
 
-def _valid_segmentation(seg) -> bool:
-    if isinstance(seg, dict):  # RLE
-        return isinstance(seg.get("counts"), (str, list)) and isinstance(seg.get("size"), list)
-    return (isinstance(seg, list) and len(seg) > 0
-            and all(isinstance(p, list) and len(p) >= 6 and len(p) % 2 == 0 for p in seg))
+def _finite(values) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+
+
+def rle_counts(counts: str) -> list[int]:
+    """The run lengths of COCO's compressed RLE string (pycocotools' ``rleFrString``: 5 bits per character from
+    '0', a continuation bit, a sign bit, each count after the second stored as the difference to the one two
+    before); ValueError for a character outside the code or a string that ends inside a number."""
+    out: list[int] = []
+    p = 0
+    while p < len(counts):
+        x = k = 0
+        while True:
+            c = ord(counts[p]) - 48
+            if not 0 <= c < 64:
+                raise ValueError(f"character {counts[p]!r} at {p} is not in COCO's RLE code")
+            x |= (c & 0x1F) << (5 * k)
+            p, k = p + 1, k + 1
+            if not c & 0x20:
+                if c & 0x10:
+                    x |= -1 << (5 * k)
+                break
+            if p == len(counts):
+                raise ValueError("it ends inside a number")
+        out.append(x + out[-2] if len(out) > 2 else x)
+    return out
+
+
+def _segmentation_fault(seg, height: int, width: int) -> str | None:
+    """Why ``seg`` is not a usable COCO segmentation of a ``height`` x ``width`` image, or None: polygons of at least
+    3 finite points, or an RLE of the image's size whose run lengths are non-negative and cover the image."""
+    if isinstance(seg, list):
+        if seg and all(isinstance(p, list) and len(p) >= 6 and len(p) % 2 == 0 and _finite(p) for p in seg):
+            return None
+        return "its polygons are not lists of at least 3 finite x, y points"
+    if not isinstance(seg, dict):
+        return "it is neither polygons nor RLE"
+    size, counts = seg.get("size"), seg.get("counts")
+    if size != [height, width]:
+        return f"its RLE size {size!r} is not the image's [height, width] [{height}, {width}]"
+    try:
+        runs = rle_counts(counts) if isinstance(counts, str) else counts
+        if not isinstance(runs, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in runs):
+            raise ValueError("its counts are not a string or a list of integers")
+    except ValueError as err:
+        return f"its RLE counts cannot be read ({err})"
+    if any(r < 0 for r in runs) or sum(runs) != height * width:
+        return (f"its RLE counts cover {sum(runs)} pixels{' with a negative run' if any(r < 0 for r in runs) else ''}"
+                f", not the image's {height} x {width} = {height * width}")
+    return None
+
+
+def _duplicate(items: list, what: str, name: str) -> None:
+    seen: set = set()
+    for item in items:
+        key = item.get("id") if isinstance(item, dict) else None
+        if key in seen:
+            raise DatasetError(f"{name} lists {what} id {key!r} twice; COCO ids are unique (pycocotools would keep "
+                               f"the last and drop the other without a word).")
+        seen.add(key)
 
 
 def check_coco(coco, images: str | Path, name: str = "the annotation file", masks: bool = True) -> None:
@@ -90,6 +149,14 @@ def check_coco(coco, images: str | Path, name: str = "the annotation file", mask
     if not data["annotations"]:
         raise DatasetError(f"{name} has no annotations at all; a detection set needs objects (images without "
                            f"any are fine, a set without any is not).")
+    for key, what in (("images", "image"), ("annotations", "annotation"), ("categories", "category")):
+        _duplicate(data[key], what, name)
+    for img in data["images"]:
+        if not (isinstance(img.get("width"), int) and isinstance(img.get("height"), int) and img["width"] > 0
+                and img["height"] > 0):
+            raise DatasetError(f"{name}: image {img.get('id')!r} ({img.get('file_name')}) has width "
+                               f"{img.get('width')!r} and height {img.get('height')!r}; COCO images give both as "
+                               f"positive integers, the size of the file.")
     cats, image_ids = set(coco.cats), set(coco.imgs)
     for ann in data["annotations"]:
         if ann.get("category_id") not in cats:
@@ -99,13 +166,16 @@ def check_coco(coco, images: str | Path, name: str = "the annotation file", mask
             raise DatasetError(f"{name}: annotation {ann.get('id')} names image_id {ann.get('image_id')!r}, "
                                f"which is not among its images.")
         box = ann.get("bbox")
-        if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)
-                and box[2] >= 0 and box[3] >= 0):
+        if not (isinstance(box, list) and len(box) == 4 and _finite(box) and box[2] >= 0 and box[3] >= 0):
             raise DatasetError(f"{name}: annotation {ann.get('id')} has bbox {box!r}; COCO boxes are "
-                               f"[x, y, width, height] with width and height >= 0.")
-        if masks and not _valid_segmentation(ann.get("segmentation")):
-            raise DatasetError(f"{name}: annotation {ann.get('id')} has no usable segmentation (polygons or RLE); "
-                               f"give masks for every object, or train boxes only (masks=False, Faster R-CNN).")
+                               f"[x, y, width, height], finite numbers with width and height >= 0.")
+        if masks or ann.get("iscrowd"):  # crowd regions reach the evaluation as masks even for boxes only
+            img = coco.imgs[ann["image_id"]]
+            fault = _segmentation_fault(ann.get("segmentation"), img["height"], img["width"])
+            if fault:
+                raise DatasetError(f"{name}: annotation {ann.get('id')} has no usable segmentation ({fault}); give "
+                                   f"polygons or an RLE of its image for every object, or train boxes only "
+                                   f"(masks=False, Faster R-CNN).")
         ann.setdefault("iscrowd", 0)
         ann.setdefault("area", box[2] * box[3])
     folder = Path(images)
@@ -115,6 +185,24 @@ def check_coco(coco, images: str | Path, name: str = "the annotation file", mask
     if missing:
         raise DatasetError(f"{len(missing)} of the {len(data['images'])} images {name} lists are missing from "
                            f"{folder} (first: {missing[0]}); give the image folder that goes with it.")
+    check_image_files(data["images"], folder, name)
+
+
+def check_image_files(images: list[dict], folder: Path, name: str) -> None:
+    """Every listed image read by its header alone (no pixel decoded; a progress bar past a few thousand): an image
+    file, 8 bits per sample, and the json's ``width`` x ``height``, which the masks and boxes are drawn on."""
+    from tqdm.auto import tqdm
+
+    from attnlab.data.images import image_size
+
+    for img in tqdm(images, desc=f"checking {name}'s images", unit="img", leave=False,
+                    disable=len(images) < 5000):
+        path = folder / str(img["file_name"])
+        size = image_size(path, "COCO image")
+        if size != (img["width"], img["height"]):
+            raise DatasetError(f"COCO image {path} is {size[0]} x {size[1]} pixels, but {name} gives it width "
+                               f"{img['width']} and height {img['height']}; its boxes and masks are drawn on the "
+                               f"json's size, so give the image that goes with it (or fix its width and height).")
 
 
 def check_same_categories(train: "CocoInstances", val: "CocoInstances") -> None:
@@ -200,6 +288,8 @@ class CocoInstances(Dataset):
         h, w = F.get_size(image)
         keep = torch.tensor([not c for c in raw.get("iscrowd", [])], dtype=torch.bool)
         boxes = raw.get("boxes")
+        if boxes is not None:  # boxes without area (COCO holds a few) are left out, as torchvision's references do
+            keep &= (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
         target = {"image_id": raw["image_id"]}
         if boxes is None:  # an image without annotations: the wrapper returns its id alone
             keep = torch.zeros(0, dtype=torch.bool)
@@ -259,6 +349,26 @@ def build_coco(train: bool, *, data_dir, download: bool = False, augment: str = 
     return CocoInstances(images, annotations, transforms=transforms, masks=masks)
 
 
+def coco_fingerprint(data_dir, *, train_split: str = "train2017", val_split: str = "val2017", **_options
+                     ) -> dict[str, str]:
+    """The content hash of both splits' annotation files and the number of files in their image folders."""
+    from attnlab.data.registry import file_sha256
+
+    out = {}
+    for split in dict.fromkeys((train_split, val_split)):
+        images, annotations = split_paths(data_dir, split)
+        out[annotations.name] = file_sha256(annotations)
+        out[f"{split}/"] = f"{sum(1 for _ in images.iterdir())} files" if images.is_dir() else "missing"
+    return out
+
+
+def shapes_fingerprint(data_dir, *, image_size: int = 128, masks: bool = True, jitter_min: float = 0.5,
+                       jitter_max: float = 1.5, **options) -> dict[str, str]:
+    """The shapes set's own COCO fingerprint (its folder is named by the generator's options)."""
+    root = set_dir(data_dir, ShapesOptions(image_size=image_size, **options))
+    return coco_fingerprint(root, train_split="train", val_split="val")
+
+
 def info_shapes(data_dir, *, image_size: int, **_options) -> DatasetInfo:
     return _detect_info("shapes", len(CATEGORIES), image_size)
 
@@ -280,6 +390,7 @@ def build_shapes(train: bool, *, data_dir, download: bool = False, augment: str 
     return CocoInstances(images, annotations, transforms=transforms, masks=masks)
 
 
-__all__ = ["CocoInstances", "build_coco", "build_shapes", "check_coco", "check_same_categories", "collate",
+__all__ = ["CocoInstances", "build_coco", "build_shapes", "check_coco", "check_image_files", "check_same_categories",
+           "coco_fingerprint", "collate", "rle_counts", "shapes_fingerprint",
            "detection_loss", "detection_transforms", "info_coco", "info_shapes", "read_coco", "require_pycocotools",
            "split_paths", "to_device"]

@@ -146,7 +146,14 @@ def _encoded(files: tuple[Path, ...], tokenizer: str, stamp: tuple) -> tuple[np.
         return np.frombuffer(data, dtype=np.uint8), BYTE_VOCAB, 1.0
     tok = load_tokenizer(tokenizer)
     # one document per file keeps the encoding of a file independent of its neighbours
-    docs = [p.read_bytes().decode("utf-8", errors="replace") for p in files]
+    docs = []
+    for p in files:
+        try:
+            docs.append(p.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as err:  # decoded with replacement it would train on U+FFFD
+            raise DatasetError(f"text corpus file {p} is not UTF-8 (byte {err.object[err.start]:#04x} at offset "
+                               f"{err.start}), and the tokenizer reads text; convert it to UTF-8 (e.g. iconv -f "
+                               f"latin1 -t utf-8) or train on its bytes (no tokenizer option).") from None
     ids = [i for enc in tok.encode_batch(docs) for i in enc.ids]
     vocab = tok.get_vocab_size(with_added_tokens=True)
     if not ids:
@@ -169,8 +176,8 @@ def lm_info(name: str, vocab_size: int, block_size: int | None = None) -> Datase
 
 
 def text_info(data_dir="data", *, tokenizer: str = "", val_fraction: float = 0.1) -> DatasetInfo:
-    """Vocabulary (256 bytes, or the tokenizer's, read from its file alone) of the text corpus at ``data_dir``."""
-    text_files(Path(data_dir))
+    """Vocabulary (256 bytes, or the tokenizer's, read from its file alone) of the text corpus at ``data_dir``,
+    which is not read (bytes need none: a byte-level run samples without its corpus)."""
     return lm_info("text", load_tokenizer(tokenizer).get_vocab_size(with_added_tokens=True) if tokenizer
                    else BYTE_VOCAB)
 
@@ -268,28 +275,59 @@ def read_meta(folder: Path) -> dict:
     return meta
 
 
-def _bin(folder: Path, split: str) -> np.ndarray:
+def _bin(folder: Path, split: str, dtype: str = "uint16") -> np.ndarray:
     path = folder / f"{split}.bin"
     if not path.is_file():
         raise DatasetError(f"{path} does not exist; give --data-dir the folder where nanoGPT's prepare.py wrote "
                            f"train.bin and val.bin.")
-    if path.stat().st_size < 4 or path.stat().st_size % 2:
-        raise DatasetError(f"{path} is not a uint16 token file (its size {path.stat().st_size} bytes is not an even "
-                           f"count of at least 2 tokens); give the file nanoGPT's prepare.py wrote.")
-    return np.memmap(path, dtype=np.uint16, mode="r")
+    width = np.dtype(dtype).itemsize
+    if path.stat().st_size < 2 * width or path.stat().st_size % width:
+        raise DatasetError(f"{path} is not a {dtype} token file (its size {path.stat().st_size} bytes is not a "
+                           f"multiple of {width} holding at least 2 tokens); give the file nanoGPT's prepare.py "
+                           f"wrote, or the dtype option it was written with.")
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
-def nanogpt_vocab(data_dir, vocab_size: int = 0) -> tuple[int, dict]:
+CHUNK = 1 << 24  # tokens per step of the id check: 32 MiB of uint16 at a time
+
+
+def check_token_ids(tokens: np.ndarray, vocab: int, path: Path, dtype: str) -> None:
+    """Every id of a token file below ``vocab``, and a uint16 file that is not a uint32 file read as uint16 (whose
+    odd halves would all be 0), checked in one vectorised pass of ``CHUNK`` tokens at a time (a progress bar for
+    files past 2**28 tokens); DatasetError naming the file otherwise. nanoGPT finds a bad id only when a batch
+    draws it, thousands of steps in."""
+    from tqdm.auto import tqdm
+
+    top, odd_top, even_top = 0, 0, 0
+    for start in tqdm(range(0, len(tokens), CHUNK), desc=f"checking {path.name}", unit="chunk", leave=False,
+                      disable=len(tokens) < 1 << 28):
+        chunk = np.asarray(tokens[start:start + CHUNK])
+        top = max(top, int(chunk.max()))
+        odd_top = max(odd_top, int(chunk[1::2].max(initial=0)))  # CHUNK is even: chunks start at even offsets
+        even_top = max(even_top, int(chunk[0::2].max(initial=0)))
+    if dtype == "uint16" and len(tokens) >= 64 and odd_top == 0 and even_top > 0:
+        raise DatasetError(f"{path} reads as uint16 ids whose every second one is 0: it looks like a uint32 file "
+                           f"(4 bytes per token); give the data option dtype: uint32.")
+    if top >= vocab:
+        raise DatasetError(f"{path} holds token id {top}, outside its vocabulary of {vocab} (0 to {vocab - 1}); give "
+                           f"the vocab_size the corpus was encoded with (or its meta.pkl).")
+
+
+def nanogpt_vocab(data_dir, vocab_size: int = 0, dtype: str = "uint16") -> tuple[int, dict]:
     """(vocabulary, meta.pkl) of nanoGPT's .bin corpus at ``data_dir`` (both files checked to exist)."""
     folder = Path(data_dir)
     for split in SPLITS:
-        _bin(folder, split)
+        _bin(folder, split, dtype)
     meta = read_meta(folder)
-    return vocab_size or meta.get("vocab_size") or GPT2_VOCAB, meta
+    vocab = vocab_size or meta.get("vocab_size") or GPT2_VOCAB
+    if vocab > np.iinfo(dtype).max + 1:
+        raise DatasetError(f"the nanoGPT corpus at {folder} has a vocabulary of {vocab}, more ids than {dtype} "
+                           f"holds; give the data option dtype: uint32 if its files hold 4 bytes per token.")
+    return vocab, meta
 
 
-def nanogpt_info(data_dir="data", *, vocab_size: int = 0) -> DatasetInfo:
-    return lm_info("nanogpt", nanogpt_vocab(data_dir, vocab_size)[0])
+def nanogpt_info(data_dir="data", *, vocab_size: int = 0, dtype: str = "uint16") -> DatasetInfo:
+    return lm_info("nanogpt", nanogpt_vocab(data_dir, vocab_size, dtype)[0])
 
 
 def _bytes_per_token(meta: dict, val: np.ndarray) -> float | None:
@@ -304,13 +342,63 @@ def _bytes_per_token(meta: dict, val: np.ndarray) -> float | None:
 
 
 def build_nanogpt(train: bool, *, data_dir="data", download: bool = False, augment: str = "none",
-                  vocab_size: int = 0) -> TokenStream:
-    """nanoGPT's ``train.bin`` or ``val.bin`` in ``data_dir``, memory-mapped as they are."""
+                  vocab_size: int = 0, dtype: str = "uint16") -> TokenStream:
+    """nanoGPT's ``train.bin`` or ``val.bin`` in ``data_dir``, memory-mapped as they are, every id checked."""
     no_augment("nanogpt", augment)
-    vocab, meta = nanogpt_vocab(data_dir, vocab_size)
+    vocab, meta = nanogpt_vocab(data_dir, vocab_size, dtype)
     split = "train" if train else "val"
-    return TokenStream(f"nanoGPT corpus {data_dir}", split, _bin(Path(data_dir), split), vocab,
-                       _bytes_per_token(meta, _bin(Path(data_dir), "val")))
+    tokens = _bin(Path(data_dir), split, dtype)
+    check_token_ids(tokens, vocab, Path(data_dir) / f"{split}.bin", dtype)
+    return TokenStream(f"nanoGPT corpus {data_dir}", split, tokens, vocab,
+                       _bytes_per_token(meta, _bin(Path(data_dir), "val", dtype)))
+
+
+def _utf8(text: str) -> str:
+    """``text`` unchanged, or ConfigError when it holds a byte that is not valid UTF-8 (a lone surrogate, as Python
+    reads such a byte from the command line): a tokenizer or a character table encodes text, not bytes."""
+    bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+    if bad is not None:
+        byte = text[bad].encode("utf-8", errors="surrogateescape")
+        raise ConfigError(f"the prompt holds the byte {byte!r} at position {bad}, which is not valid UTF-8; this run "
+                          f"encodes text, so give the prompt as UTF-8 text (or its token ids with --prompt-ids).")
+    return text
+
+
+# ---- what a run records of its corpus (registry.data_fingerprint) -------------------------------------------------
+MAX_LISTED = 100  # files a fingerprint lists one by one; a larger corpus is one digest of every file's stamp
+
+
+def text_fingerprint(data_dir="data", *, tokenizer: str = "", val_fraction: float = 0.1) -> dict[str, str]:
+    """Each corpus file's size and modification time (one digest past ``MAX_LISTED`` files) and the tokenizer's
+    content hash."""
+    from attnlab.data.registry import file_sha256, file_stamp
+
+    root = Path(data_dir)
+    files = text_files(root)
+    stamps = {(p.relative_to(root).as_posix() if p != root else p.name): file_stamp(p) for p in files}
+    out = stamps if len(stamps) <= MAX_LISTED else {
+        "corpus files": f"{len(stamps)} files, stamps sha256 "
+                        f"{hashlib.sha256(repr(sorted(stamps.items())).encode()).hexdigest()[:16]}"}
+    if tokenizer:
+        out["tokenizer.json"] = file_sha256(tokenizer)
+    return out
+
+
+def stdlib_fingerprint(data_dir="data", *, val_fraction: float = 0.1) -> dict[str, str]:
+    """The standard library corpus's manifest (Python version, files, sha256 of paths and contents)."""
+    m = stdlib_manifest()
+    return {"stdlib corpus": f"Python {m['python']}, {m['files']} files, sha256 {m['sha256'][:16]}"}
+
+
+def nanogpt_fingerprint(data_dir="data", *, vocab_size: int = 0, dtype: str = "uint16") -> dict[str, str]:
+    """train.bin's and val.bin's size and modification time, meta.pkl's content hash."""
+    from attnlab.data.registry import file_sha256, file_stamp
+
+    folder = Path(data_dir)
+    out = {f"{split}.bin": file_stamp(folder / f"{split}.bin") for split in SPLITS}
+    if (folder / "meta.pkl").is_file():
+        out["meta.pkl"] = file_sha256(folder / "meta.pkl")
+    return out
 
 
 def text_codec(dataset: str, data_dir="data", options: dict | None = None):
@@ -318,16 +406,18 @@ def text_codec(dataset: str, data_dir="data", options: dict | None = None):
     nanoGPT's BPE ids without a meta.pkl): bytes as UTF-8, a tokenizer.json's own, meta.pkl's characters."""
     options = options or {}
     if dataset == "stdlib" or (dataset == "text" and not options.get("tokenizer")):
-        return (lambda text: list(text.encode("utf-8")),
+        # a byte that is not UTF-8 reaches Python's argv as a lone surrogate; surrogateescape gives the byte back
+        return (lambda text: list(text.encode("utf-8", errors="surrogateescape")),
                 lambda ids: bytes(int(i) for i in ids).decode("utf-8", errors="replace"))
     if dataset == "text":
         tok = load_tokenizer(options["tokenizer"])
-        return (lambda text: tok.encode(text).ids, lambda ids: tok.decode([int(i) for i in ids]))
+        return (lambda text: tok.encode(_utf8(text)).ids, lambda ids: tok.decode([int(i) for i in ids]))
     if dataset == "nanogpt":
         meta = read_meta(Path(data_dir))
         stoi, itos = meta.get("stoi"), meta.get("itos")
         if isinstance(stoi, dict) and isinstance(itos, dict):
             def encode(text):
+                text = _utf8(text)
                 missing = next((c for c in text if c not in stoi), None)
                 if missing is not None:
                     raise ConfigError(f"the prompt holds {missing!r}, which the corpus's meta.pkl has no token for; "
@@ -338,5 +428,6 @@ def text_codec(dataset: str, data_dir="data", options: dict | None = None):
 
 
 __all__ = ["BYTE_VOCAB", "TokenStream", "build_nanogpt", "build_stdlib", "build_text", "check_manifest",
+           "check_token_ids", "nanogpt_fingerprint", "stdlib_fingerprint", "text_fingerprint",
            "check_vocab", "lm_info", "load_tokenizer", "nanogpt_info", "nanogpt_vocab", "no_augment", "read_meta",
            "stdlib_files", "stdlib_info", "stdlib_manifest", "text_codec", "text_files", "text_info"]

@@ -134,12 +134,17 @@ def generate_shapes(root: str | os.PathLike, options: ShapesOptions | None = Non
     elif root.exists() and any(root.iterdir()):
         raise DatasetError(f"{root} exists and is not a shapes set (no {GENERATOR_FILE}); give an empty or new "
                            f"folder.")
+    _remove_orphans(root)
     tmp = root.with_name(f".{root.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     rng = np.random.default_rng(opt.seed)
-    for split, count in zip(SPLITS, (opt.train_images, opt.val_images)):
-        _write_split(tmp, split, count, rng, opt)
-    (tmp / GENERATOR_FILE).write_text(json.dumps(asdict(opt)))
+    try:
+        for split, count in zip(SPLITS, (opt.train_images, opt.val_images)):
+            _write_split(tmp, split, count, rng, opt)
+        (tmp / GENERATOR_FILE).write_text(json.dumps(asdict(opt)))
+    except BaseException:  # Ctrl-C, SIGTERM (raised as an exception by attnlab's handler), a full disk
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     # another process (a grid's runs, DDP ranks: they start together) may have written the same set meanwhile:
     # it is kept, never removed under a reader; only a set of other options is replaced whole
     if _written_from(record, opt):
@@ -155,6 +160,21 @@ def generate_shapes(root: str | os.PathLike, options: ShapesOptions | None = Non
         if not _written_from(record, opt):
             raise
     return root
+
+
+def _remove_orphans(root: Path) -> None:
+    """Remove the temporary folders ``.<name>.tmp<pid>`` that a process killed while writing left beside ``root``
+    (its pid no longer runs); a live writer's folder is left alone."""
+    for tmp in root.parent.glob(f".{root.name}.tmp*") if root.parent.is_dir() else ():
+        pid = tmp.name.rpartition(".tmp")[2]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:  # a process of another user: alive
+            pass
 
 
 def _written_from(record: Path, opt: ShapesOptions) -> bool:

@@ -118,18 +118,32 @@ def _read_frames(files: list[Path], indices: list[int], in_chans: int) -> torch.
             with Image.open(files[i]) as image:
                 frames[i] = np.asarray(image.convert(mode))
         except (OSError, UnidentifiedImageError) as err:
-            raise DatasetError(f"frame {files[i]} cannot be decoded ({str(err).splitlines()[0][:80]}); replace "
-                               f"it with a readable image.") from None
-    return _stack([frames[i] for i in indices])
+            raise DatasetError(f"frame {files[i]} of clip {files[i].parent} cannot be decoded "
+                               f"({str(err).splitlines()[0][:80]}); replace it with a readable image.") from None
+    return _stack([frames[i] for i in indices], files[0].parent)
 
 
-def _stack(frames: list[np.ndarray]) -> torch.Tensor:
+def _stack(frames: list[np.ndarray], clip: Path) -> torch.Tensor:
     """(T, C, H, W) uint8 from T arrays (H, W) or (H, W, C); frames of different sizes are an error."""
     if len({f.shape for f in frames}) > 1:
-        raise DatasetError(f"the frames of a clip have different sizes ({frames[0].shape} and another); give clips "
-                           f"whose frames share one size.")
+        raise DatasetError(f"the frames of clip {clip} have different sizes ({frames[0].shape} and another); give "
+                           f"clips whose frames share one size.")
     video = torch.from_numpy(np.stack(frames))
     return video.unsqueeze(1) if video.ndim == 3 else video.permute(0, 3, 1, 2)
+
+
+def check_frames(folder: Path) -> None:
+    """Every frame of a frame folder read by its header (no pixel decoded): an image of 8 bits per sample, all of
+    one size; DatasetError naming the clip and the frame otherwise."""
+    from attnlab.data.images import image_size
+
+    files = frame_files(folder)
+    first = image_size(files[0], f"frame of clip {folder}:")
+    for path in files[1:]:
+        size = image_size(path, f"frame of clip {folder}:")
+        if size != first:
+            raise DatasetError(f"frame {path.name} of clip {folder} is {size[0]} x {size[1]} pixels, but "
+                               f"{files[0].name} is {first[0]} x {first[1]}; give clips whose frames share one size.")
 
 
 def probe_video(path: Path) -> None:
@@ -158,10 +172,10 @@ def decode_video(path: Path) -> list:
     return frames
 
 
-def _pick(frames: list, indices: list[int], in_chans: int) -> torch.Tensor:
+def _pick(frames: list, indices: list[int], in_chans: int, path: Path) -> torch.Tensor:
     fmt = "gray" if in_chans == 1 else "rgb24"
     arrays = {i: frames[i].to_ndarray(format=fmt) for i in set(indices)}
-    return _stack([arrays[i] for i in indices])
+    return _stack([arrays[i] for i in indices], path)
 
 
 # ---- transforms ----------------------------------------------------------------------------------------------------
@@ -221,7 +235,11 @@ class VideoDataset(Dataset):
         temporal, crops = self.views
         jitter = self.transform is not None
         folder = clip.path.is_dir()
-        frames, read = (frame_files(clip.path), _read_frames) if folder else (decode_video(clip.path), _pick)
+        if folder:
+            frames, read = frame_files(clip.path), _read_frames
+        else:
+            frames = decode_video(clip.path)
+            read = lambda f, i, c: _pick(f, i, c, clip.path)  # noqa: E731
         videos = [read(frames, sample_indices(len(frames), self.num_frames, train=jitter, view=v, views=temporal),
                        self.in_chans) for v in range(temporal)]  # one (T, C, H, W) uint8 clip per temporal view
         if self.transform is not None:
@@ -262,7 +280,17 @@ def _read_list(path: Path) -> list[tuple[int, str, str]]:
     return rows
 
 
-def _list_classes(rows: list[tuple[int, str, str]], num_classes: int) -> tuple[str, ...]:
+def _list_classes(rows: list[tuple[int, str, str]], num_classes: int, path: Path) -> tuple[str, ...]:
+    integers = [re.fullmatch(r"[+-]?\d+", label) is not None for _, _, label in rows]
+    if any(integers):
+        bad = next(((n, label) for (n, _, label), i in zip(rows, integers) if i and int(label) < 0), None)
+        if bad is not None:
+            raise DatasetError(f"{path} line {bad[0]}: label {bad[1]} is negative; class indices run from 0 to the "
+                               f"number of classes - 1.")
+        if not all(integers):
+            n, label = next((n, label) for (n, _, label), i in zip(rows, integers) if not i)
+            raise DatasetError(f"{path} line {n}: label {label!r} is a name, but other lines give class indices; "
+                               f"label every clip by index or every clip by name.")
     if all(re.fullmatch(r"\d+", label) for _, _, label in rows):
         count = num_classes or 1 + max(int(label) for _, _, label in rows)
         return tuple(str(i) for i in range(count))
@@ -293,6 +321,10 @@ def _layout(root: Path, lists: str) -> tuple[str, Path]:
     folder = root / lists if lists else root
     if _split_file(folder, True) or _split_file(folder, False):
         return "lists", folder
+    if lists:  # asked for lists: the folder layout beside them is not what was meant
+        what = "has no train.csv/.txt nor val.csv/.txt" if folder.is_dir() else "does not exist"
+        raise DatasetError(f"video lists folder {folder} {what}; give the lists option a folder under {root} that "
+                           f"holds them, or lists '' for the train/ and val/ class folders.")
     if any((root / n).is_dir() for n in ("train", "val", "test")):
         return "folders", root
     raise DatasetError(f"video data folder {folder} has neither train.csv/.txt and val.csv/.txt nor train/ and val/ "
@@ -315,7 +347,7 @@ def video_classes(data_dir, lists: str = "", num_classes: int = 0) -> tuple[str,
     kind, folder = _layout(root, lists)
     if kind == "lists":
         path = _split_file(folder, True) or _split_file(folder, False)
-        return _list_classes(_read_list(path), num_classes)
+        return _list_classes(_read_list(path), num_classes, path)
     split = root / "train" if (root / "train").is_dir() else _folder_split(root, train=False)
     classes = tuple(sorted(p.name for p in split.iterdir() if p.is_dir()))
     if not classes:
@@ -346,19 +378,45 @@ def scan_clips(data_dir, train: bool, *, lists: str = "", num_classes: int = 0, 
             if name not in classes:
                 raise DatasetError(f"{split / name} is not a class of the training split ({len(classes)} classes); "
                                    f"use the training split's class folders.")
-            clips += [Clip(p, classes.index(name)) for p in sorted((split / name).iterdir()) if _is_clip(p)]
+            found = [Clip(p, classes.index(name)) for p in sorted((split / name).iterdir()) if _is_clip(p)]
+            if not found:
+                raise DatasetError(f"class folder {split / name} holds no clips; put its video files "
+                                   f"({' '.join(VIDEO_EXTENSIONS)}) or frame folders in it, or remove it.")
+            clips += found
         if not clips:
             raise DatasetError(f"{split} holds no clips; put video files ({' '.join(VIDEO_EXTENSIONS)}) or frame "
                                f"folders in one subfolder per class.")
-    for clip in clips:
+    from tqdm.auto import tqdm
+
+    for clip in tqdm(clips, desc=f"checking the {'training' if train else 'evaluation'} clips", unit="clip",
+                     leave=False, disable=len(clips) < 500):
         if clip.path.is_dir():
-            frame_files(clip.path)
+            check_frames(clip.path) if verify else frame_files(clip.path)
         elif clip.path.suffix.lower() not in VIDEO_EXTENSIONS:
             raise DatasetError(f"{clip.path} is neither a frame folder nor a video file "
                                f"({' '.join(VIDEO_EXTENSIONS)}); give one of those.")
         elif verify:
             probe_video(clip.path)
     return clips, classes
+
+
+def video_fingerprint(data_dir="data", **options) -> dict[str, str]:
+    """The class list (index = label) and, per split, the clips and their labels as a count and a digest (a renamed
+    class folder or a clip moved to another class changes them); video files' sizes and times go into the digest."""
+    import hashlib
+
+    from attnlab.data.registry import file_stamp
+
+    opts = _check(options)
+    out = {}
+    for train, split in ((True, "training clips"), (False, "evaluation clips")):
+        clips, classes = scan_clips(data_dir, train, lists=opts["lists"], num_classes=opts["num_classes"],
+                                    verify=False)
+        out["classes"] = ", ".join(classes) if len(classes) <= 20 else \
+            f"{len(classes)} classes, sha256 {hashlib.sha256(repr(classes).encode()).hexdigest()[:16]}"
+        lines = sorted(f"{c.path} {c.label} {'' if c.path.is_dir() else file_stamp(c.path)}" for c in clips)
+        out[split] = f"{len(clips)} clips, sha256 {hashlib.sha256(chr(10).join(lines).encode()).hexdigest()[:16]}"
+    return out
 
 
 def _check(options: dict) -> dict:
@@ -392,5 +450,5 @@ def build_video(train: bool, *, data_dir="data", download: bool = False, augment
 
 
 __all__ = ["Clip", "FRAME_EXTENSIONS", "VIDEO_EXTENSIONS", "VideoDataset", "VideoInfo", "build_video",
-           "decode_video", "eval_views", "frame_files", "probe_video", "sample_indices", "scan_clips",
+           "check_frames", "decode_video", "eval_views", "frame_files", "probe_video", "sample_indices", "scan_clips",
            "train_transform", "video_classes", "video_info"]

@@ -26,7 +26,7 @@ from torch import nn
 
 from attnlab.errors import AttnlabError, ConfigError
 
-from .files import PREV_STATE, PREV_WEIGHTS, STATE, WEIGHTS
+from .files import PREV_STATE, PREV_WEIGHTS, RESULT, STATE, WEIGHTS
 from .lock import RunLock, temp_name
 
 # what resuming reads from a trainer state (with cfg.ema also "ema"): a state without one of them is unusable
@@ -45,8 +45,12 @@ class NoIntactCheckpoint(CheckpointError):
 
 def _no_intact(run_dir: Path, skipped: dict[str, str], what: str) -> NoIntactCheckpoint:
     why = "; ".join(f"{name}: {reason}" for name, reason in skipped.items()) or "trainer state without weights"
-    err = NoIntactCheckpoint(f"{run_dir} holds no intact {what} ({why}); train the run again with `attnlab train "
-                             f"--resume {run_dir}`, which starts it afresh.")
+    if (Path(run_dir) / RESULT).exists():  # --resume returns a finished run's result: it would train nothing
+        how = (f"the run had finished, so delete its {RESULT} and run `attnlab train --resume {run_dir}`, which "
+               f"trains it again from the start")
+    else:
+        how = f"train the run again with `attnlab train --resume {run_dir}`, which starts it afresh"
+    err = NoIntactCheckpoint(f"{run_dir} holds no intact {what} ({why}); {how}.")
     err.why = why  # kept when the error is pickled (to another rank or process), unlike arguments of __init__
     return err
 

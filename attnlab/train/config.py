@@ -114,6 +114,9 @@ class TrainConfig:
     probe_images: int = field(default=64, metadata={"help": "test images the probe runs on (the first ones, in order)"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar per epoch"})
     resume: bool = field(default=False, metadata={"help": "continue the run from its last completed epoch"})
+    accept_data_change: bool = field(default=False, metadata={
+        "help": "with --resume: continue on data that differs from what the run recorded in data.json (a corpus, "
+                "tokenizer, class list or annotation file replaced on purpose), recording the new data"})
     log: str = field(default="none", metadata={"help": "'tensorboard' also writes metrics as TensorBoard scalars into "
                                                        "RUN_DIR/tensorboard (pip install attnlab[tensorboard]), or 'none'"})
     # --- recorded, not configured: the trainer writes it into config.yaml
@@ -125,7 +128,7 @@ class TrainConfig:
 # (device and amp do change rounding; they are allowed so that a run can move machines).
 RUNTIME_KEYS = frozenset({"device", "amp", "compile", "compile_mode", "data_dir", "download", "runs_dir", "name",
                           "num_workers", "threads", "log_every", "probe_every", "probe_images", "progress",
-                          "resume", "log", "world_size"})
+                          "resume", "log", "world_size", "accept_data_change"})
 
 RECIPES: dict[str, TrainConfig] = {
     # NS-Attn paper Sec. 3.1 (CIFAR-10/100, ViT and Swin).
@@ -362,6 +365,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"batch_size {cfg.batch_size} must split evenly into grad_accum={cfg.grad_accum} "
                           f"micro-batches; use a multiple of {cfg.grad_accum}.")
     _check_data(cfg)
+    _check_family_keys(cfg)
     from attnlab.spec import parse_spec  # torch-free: a spec typo is one line before any model code loads
 
     parse_spec(cfg.attn)
@@ -383,6 +387,23 @@ def _check_data(cfg: TrainConfig) -> None:
         use = f"--recipe {' or '.join(recipes)}, or " if recipes else ""
         raise ConfigError(f"dataset {entry.name} ({entry.summary}) cannot take {what}; use {use}--augment none "
                           f"--mixup-prob 0.")
+
+
+# config keys that only one task family reads: given (away from their defaults) to another family, they would be
+# ignored without a word, so they are refused naming the family
+FAMILY_KEYS = {"z_loss": "lm", "block_size": "lm", "eval_iters": "lm", "video_metric": "video"}
+
+
+def _check_family_keys(cfg: TrainConfig) -> None:
+    """ConfigError for a key of ``FAMILY_KEYS`` set on a run of another task family."""
+    from attnlab.data.registry import dataset
+
+    task = dataset(cfg.dataset).task
+    defaults = TrainConfig()
+    for key, family in FAMILY_KEYS.items():
+        if family != task and getattr(cfg, key) != getattr(defaults, key):
+            raise ConfigError(f"--{key.replace('_', '-')} (config key '{key}', {getattr(cfg, key)} here) applies to "
+                              f"{family} runs only, and dataset {cfg.dataset} makes this a {task} run; drop it.")
 
 
 def uses_mixing(cfg: TrainConfig) -> bool:

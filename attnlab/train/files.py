@@ -17,6 +17,7 @@ PREV_WEIGHTS = "checkpoint.prev.safetensors"
 PREV_STATE = "trainer_state.prev.pt"
 EMA_WEIGHTS = "ema.safetensors"
 TB_DIR = "tensorboard"
+DATA = "data.json"  # what the run trained on (registry.data_fingerprint), compared on resume, eval and sample
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -52,5 +53,5 @@ def result_line(result: dict) -> str:
     return f"{result['name']}: {metric} {shown}"
 
 
-__all__ = ["CONFIG", "EMA_WEIGHTS", "METRICS", "PREV_STATE", "PREV_WEIGHTS", "RESULT", "STATE", "TB_DIR",
+__all__ = ["CONFIG", "DATA", "EMA_WEIGHTS", "METRICS", "PREV_STATE", "PREV_WEIGHTS", "RESULT", "STATE", "TB_DIR",
            "WEIGHTS", "read_jsonl", "result_line"]

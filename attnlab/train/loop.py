@@ -40,7 +40,7 @@ from .checkpoint import (
     weights_of,
 )
 from .config import TrainConfig
-from .files import CONFIG, EMA_WEIGHTS, METRICS, RESULT
+from .files import CONFIG, DATA, EMA_WEIGHTS, METRICS, RESULT
 from .lock import RunLock
 from .optim import build_optimizer, build_scheduler
 from .run import Plan, Run, compile_mode
@@ -237,6 +237,8 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     if cfg.download and ranks.distributed and main:
         distributed.agree(None)
     if main:
+        if run.fingerprint is not None:  # what it trains on (the data is built: a shapes set exists), compared on
+            config_file[DATA] = (json.dumps(run.fingerprint, indent=1) + "\n").encode()  # resume, eval and sample
         create_dir_with(run.dir, config_file, lock)
 
     per_epoch = cfg.eval_every or data.steps

@@ -22,7 +22,7 @@ from attnlab.errors import ConfigError
 
 from . import distributed
 from .config import RUNTIME_KEYS, TrainConfig, config_to_dict, load_config, run_name, validate
-from .files import CONFIG, EMA_WEIGHTS, METRICS, RESULT, TB_DIR, read_jsonl  # noqa: F401 - re-exported
+from .files import CONFIG, DATA, EMA_WEIGHTS, METRICS, RESULT, TB_DIR, read_jsonl  # noqa: F401 - re-exported
 
 COMPILE_MODES = {"cuda": "reduce-overhead", "cpu": "default"}  # 'auto' per device type; measured in docs/perf.md
 
@@ -93,7 +93,7 @@ class Run:
 
         from .tasks import task_class
 
-        cfg = validate(cfg)
+        cfg = absolute_paths(validate(cfg))
         self.spec = parse_spec(cfg.attn)
         self.cfg = dataclasses.replace(cfg, attn=str(self.spec))  # the canonical form, in config.yaml and names
         self.name = run_name(self.cfg)
@@ -130,8 +130,58 @@ class Run:
     def config_dict(self) -> dict[str, Any]:
         """What config.yaml holds: every field, with the canonical spec, the run's name and world size, ``resume``
         off."""
-        return config_to_dict(dataclasses.replace(self.cfg, name=self.name, resume=False,
+        return config_to_dict(dataclasses.replace(self.cfg, name=self.name, resume=False, accept_data_change=False,
                                                   world_size=self.ranks.world_size))
+
+    # ---- the data it trains on -----------------------------------------------------------------------------
+    @cached_property
+    def fingerprint(self) -> dict[str, str] | None:
+        """What identifies the run's data now (:func:`attnlab.data.registry.data_fingerprint`), recorded in
+        data.json when the run starts; None for a dataset that records nothing."""
+        from attnlab.data.registry import data_fingerprint
+
+        return data_fingerprint(self.cfg.dataset, data_dir=self.cfg.data_dir, **self.cfg.data_options)
+
+    def recorded_data(self) -> dict[str, str] | None:
+        """The fingerprint the run recorded (data.json), None if it recorded none (a run written before it, or a
+        dataset without one); ConfigError for an unreadable file."""
+        path = self.dir / DATA
+        if not path.is_file():
+            return None
+        try:
+            recorded = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"{path} cannot be read ({type(err).__name__}); delete it, and the run records its "
+                              f"data again when it resumes.") from None
+        return recorded if isinstance(recorded, dict) else None
+
+    def data_changes(self, only: tuple[str, ...] | None = None) -> str:
+        """What differs between the recorded data and the data now, in words (empty if nothing, or nothing was
+        recorded); ``only``: the keys compared."""
+        from attnlab.data.registry import data_changes
+
+        recorded = self.recorded_data()
+        current = self.fingerprint if recorded is not None else None
+        if recorded is None or current is None:
+            return ""
+        if only is not None:
+            recorded = {k: v for k, v in recorded.items() if k in only}
+            current = {k: v for k, v in current.items() if k in only}
+        return data_changes(recorded, current)
+
+    def warn_data_changed(self, command: str, only: tuple[str, ...] | None = None,
+                          consequence: str = "its numbers are measured on the data as it is now") -> None:
+        """One line on stderr when the run's data differs from what it trained on (eval, sample, analyze); data
+        that cannot be read now is left to the command, which says so."""
+        from attnlab.errors import AttnlabError
+
+        try:
+            changes = self.data_changes(only)
+        except (AttnlabError, OSError):
+            return
+        if changes:
+            print(f"attnlab {command}: warning: {self.name}'s data differs from what it trained on ({changes}); "
+                  f"{consequence}.", file=sys.stderr, flush=True)
 
     # ---- what training would do ------------------------------------------------------------------------------
     def plan(self, cache: dict | None = None, *, check: bool = True) -> Plan:
@@ -158,6 +208,12 @@ class Run:
                               f"or --name to start another run.")
         if cfg.resume and (self.dir / CONFIG).exists() and (resumable or finished):
             self.check_same_config()
+        if cfg.resume and resumable and not finished and not cfg.accept_data_change:
+            changes = self.data_changes()
+            if changes:
+                raise ConfigError(f"cannot resume {self.dir}: its data differs from what it trained on, as recorded "
+                                  f"in {DATA} ({changes}); put the data back, or pass --accept-data-change to "
+                                  f"continue on the new data (recording it), or train a new run.")
         if cfg.resume and finished:
             return Plan("skip", result=self.result())
         if resumable and not check:
@@ -204,6 +260,8 @@ class Run:
 
     def check_same_config(self) -> None:
         saved = yaml.safe_load((self.dir / CONFIG).read_text()) or {}
+        if isinstance(saved.get("data_options"), dict):  # a run written before paths were stored absolute
+            saved["data_options"] = _absolute_options(saved["data_options"])
         ours = self.config_dict()
         differ = sorted(k for k in ours if k not in RUNTIME_KEYS and saved.get(k) != ours[k])
         if differ:
@@ -212,11 +270,24 @@ class Run:
                               f"train, --runs-dir in attnlab compare).")
 
     # ---- the model -------------------------------------------------------------------------------------------
+    def check_model_family(self) -> None:
+        """ConfigError when the model is a preset of another task family than the dataset's (a GPT for video
+        clips, a detector for text), naming both families and the models that fit the dataset."""
+        family = model_family(self.cfg.model)
+        task = self.dataset.task
+        fits = {task} | ({"image"} if task == "detect" else set())  # a timm ViT/Swin name is a detection backbone
+        if family is None or family in fits:
+            return
+        names = ", ".join(models_of(task))
+        raise ConfigError(f"model {self.cfg.model} is {FAMILY_WORDS[family]} ({family} family), but dataset "
+                          f"{self.cfg.dataset} trains {FAMILY_WORDS[task]} ({task} family); use one of {names}.")
+
     def build_model(self, pretrained: bool = True, checking: bool = False) -> nn.Module:
         """The run's model (:meth:`Task.build_model <attnlab.train.tasks.base.Task.build_model>`); an error in
         its construction that its model options caused is one line naming them."""
         from attnlab.errors import AttnlabError
 
+        self.check_model_family()
         try:
             return self.task.build_model(pretrained=pretrained)
         except AttnlabError:
@@ -235,13 +306,22 @@ class Run:
 
     # ---- reading a run on disk ---------------------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | Path) -> "Run":
-        """The run in directory ``path``, from its own config.yaml (ConfigError if it is not a run directory)."""
+    def open(cls, path: str | Path, data_dir: str | None = None, tokenizer: str | None = None) -> "Run":
+        """The run in directory ``path``, from its own config.yaml (ConfigError if it is not a run directory);
+        ``data_dir`` and ``tokenizer`` replace the recorded ones (data that has moved)."""
         path = Path(path)
         if not (path / CONFIG).is_file():
             raise ConfigError(f"{path} is not a run directory (it has no {CONFIG}); give a directory made by "
                               f"attnlab train.")
         cfg = load_config(path / CONFIG)
+        if data_dir is not None:
+            cfg = dataclasses.replace(cfg, data_dir=data_dir)
+        if tokenizer is not None:
+            if not cfg.data_options.get("tokenizer"):
+                what = "bytes" if cfg.dataset in ("text", "stdlib") else f"dataset {cfg.dataset}"
+                raise ConfigError(f"--tokenizer says where the tokenizer.json of a text run trained through one lies "
+                                  f"now, and {path} trained on {what}; drop it.")
+            cfg = dataclasses.replace(cfg, data_options={**cfg.data_options, "tokenizer": tokenizer})
         # the directory is the run's, whatever its name: a reader neither renames nor refuses it
         run = cls(dataclasses.replace(cfg, runs_dir=str(path.parent), name=None))
         run.name, run.dir = path.name, path
@@ -283,6 +363,53 @@ class Run:
                               f"({what}); was config.yaml edited or replaced?")
         # built on the CPU and then moved, as training does: sigma's set-up calls .item(), which meta cannot
         return model.to(map_location).eval()
+
+
+def _absolute(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _absolute_options(options: dict) -> dict:
+    """Data options with a path in them (a text run's tokenizer) made absolute."""
+    if isinstance(options.get("tokenizer"), str) and options["tokenizer"]:
+        return {**options, "tokenizer": _absolute(options["tokenizer"])}
+    return options
+
+
+def absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with its data directory, data option paths and pretrained file absolute, so that config.yaml
+    names what the run read wherever its directory is opened from (relative to the current directory)."""
+    return dataclasses.replace(cfg, data_dir=_absolute(cfg.data_dir), data_options=_absolute_options(cfg.data_options),
+                               pretrained_file=_absolute(cfg.pretrained_file) if cfg.pretrained_file else None)
+
+
+FAMILY_WORDS = {"image": "an image classifier", "sequence": "a sequence classifier", "lm": "a language model",
+                "video": "a video model", "detect": "a detector"}
+
+
+def model_family(name: str) -> str | None:
+    """The task family of an attnlab preset (a detector preset: detect; a GPT: lm; a TimeSformer: video; an LRA
+    sequence model: sequence; the image presets: image), None for any other name (a timm model, or a typo that
+    building names)."""
+    from attnlab.models import DETECTOR_PRESETS, PRESETS
+    from attnlab.models.gpt import GPT
+    from attnlab.models.sequence import SequenceClassifier
+    from attnlab.models.timesformer import TimeSformer
+
+    if name in DETECTOR_PRESETS:
+        return "detect"
+    if name not in PRESETS:
+        return None
+    cls = PRESETS[name].cls
+    return {GPT: "lm", TimeSformer: "video", SequenceClassifier: "sequence"}.get(cls, "image")
+
+
+def models_of(family: str) -> list[str]:
+    """The presets of task family ``family`` (detection and images: or a timm ViT/DeiT/Swin name)."""
+    from attnlab.models import DETECTOR_PRESETS, PRESETS
+
+    names = [n for n in [*DETECTOR_PRESETS, *PRESETS] if model_family(n) == family]
+    return names + (["a timm ViT/DeiT/Swin name"] if family in ("image", "detect") else [])
 
 
 def run_dir_of(cfg: TrainConfig) -> Path:

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from attnlab.errors import ConfigError
+
 from .classify import Classification, classification_stats
 
 
@@ -26,6 +28,19 @@ class VideoClassification(Classification):
     def __init__(self, run) -> None:
         super().__init__(run)
         self.headline = run.cfg.video_metric
+
+    def build_model(self, pretrained: bool = True):
+        """The TimeSformer of the run; a crop size that its patches do not tile is refused, as the detector refuses
+        it (timm's patch embedding would drop the border pixels without a word)."""
+        model = super().build_model(pretrained)
+        embed = getattr(model, "patch_embed", None)
+        patch, size = getattr(embed, "patch_size", None), getattr(embed, "img_size", None)
+        if patch is not None and size is not None and any(s % p for s, p in zip(size, patch)):
+            raise ConfigError(f"the video image_size {size[0]} is not a multiple of {self.cfg.model}'s patch size "
+                              f"{patch[0]}, so the border pixels past the last whole patch would be dropped; give "
+                              f"--data-options '{{image_size: {max(patch[0], size[0] // patch[0] * patch[0])}}}' or "
+                              f"another multiple of {patch[0]}.")
+        return model
 
     def train_stats(self, sums, seconds):
         stats = classification_stats(sums, seconds)
