@@ -351,14 +351,14 @@ def build_coco(train: bool, *, data_dir, download: bool = False, augment: str = 
 
 def coco_fingerprint(data_dir, *, train_split: str = "train2017", val_split: str = "val2017", **_options
                      ) -> dict[str, str]:
-    """The content hash of both splits' annotation files and the number of files in their image folders."""
-    from attnlab.data.registry import file_sha256
+    """The content hash of both splits' annotation files and every image file's size and modification time."""
+    from attnlab.data.registry import file_sha256, folder_stamp
 
     out = {}
     for split in dict.fromkeys((train_split, val_split)):
         images, annotations = split_paths(data_dir, split)
         out[annotations.name] = file_sha256(annotations)
-        out[f"{split}/"] = f"{sum(1 for _ in images.iterdir())} files" if images.is_dir() else "missing"
+        out[f"{split}/"] = folder_stamp(images)
     return out
 
 

@@ -260,6 +260,19 @@ def file_stamp(path) -> str:
     return f"{st.st_size} bytes, modified {when.isoformat(timespec='microseconds')}"
 
 
+def folder_stamp(folder) -> str:
+    """Every file of ``folder`` (recursively) by name, size and modification time, as a count and one digest: what a
+    run records of an image or frame folder (a replaced file changes it, even with the count the same)."""
+    import hashlib
+    from pathlib import Path
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return "missing"
+    lines = sorted(f"{p.relative_to(folder).as_posix()} {file_stamp(p)}" for p in folder.rglob("*") if p.is_file())
+    return f"{len(lines)} files, stamps sha256 {hashlib.sha256(chr(10).join(lines).encode()).hexdigest()[:16]}"
+
+
 def file_sha256(path) -> str:
     """The sha256 of a (small) file's content, shortened to 16 hex digits; "missing" if it cannot be read."""
     import hashlib

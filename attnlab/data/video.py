@@ -402,10 +402,11 @@ def scan_clips(data_dir, train: bool, *, lists: str = "", num_classes: int = 0, 
 
 def video_fingerprint(data_dir="data", **options) -> dict[str, str]:
     """The class list (index = label) and, per split, the clips and their labels as a count and a digest (a renamed
-    class folder or a clip moved to another class changes them); video files' sizes and times go into the digest."""
+    class folder or a clip moved to another class changes them); the sizes and times of video files and of every
+    frame in a frame folder go into the digest."""
     import hashlib
 
-    from attnlab.data.registry import file_stamp
+    from attnlab.data.registry import file_stamp, folder_stamp
 
     opts = _check(options)
     out = {}
@@ -414,7 +415,8 @@ def video_fingerprint(data_dir="data", **options) -> dict[str, str]:
                                     verify=False)
         out["classes"] = ", ".join(classes) if len(classes) <= 20 else \
             f"{len(classes)} classes, sha256 {hashlib.sha256(repr(classes).encode()).hexdigest()[:16]}"
-        lines = sorted(f"{c.path} {c.label} {'' if c.path.is_dir() else file_stamp(c.path)}" for c in clips)
+        lines = sorted(f"{c.path} {c.label} {folder_stamp(c.path) if c.path.is_dir() else file_stamp(c.path)}"
+                       for c in clips)
         out[split] = f"{len(clips)} clips, sha256 {hashlib.sha256(chr(10).join(lines).encode()).hexdigest()[:16]}"
     return out
 

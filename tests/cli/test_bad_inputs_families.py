@@ -429,4 +429,19 @@ def test_nanogpt_and_coco_fingerprints_name_the_files(tmp_path):
     assert set(data_fingerprint("nanogpt", data_dir=tmp_path / "d")) == {"train.bin", "val.bin", "meta.pkl"}
     _write_coco(tmp_path / "c")
     coco = data_fingerprint("coco", data_dir=tmp_path / "c", train_split="t", val_split="v")
-    assert coco["instances_t.json"].startswith("sha256 ") and coco["t/"] == "2 files"
+    assert coco["instances_t.json"].startswith("sha256 ") and coco["t/"].startswith("2 files, stamps sha256 ")
+    image = next((tmp_path / "c" / "t").iterdir())
+    image.write_bytes(image.read_bytes() + b"\0")  # a replaced image: the same count of files
+    assert data_fingerprint("coco", data_dir=tmp_path / "c", train_split="t", val_split="v")["t/"] != coco["t/"]
+
+
+def test_a_replaced_frame_changes_the_recorded_clips(tmp_path):
+    from attnlab.data.registry import data_fingerprint
+
+    for split in ("train", "val"):
+        _frames(tmp_path / "v", f"{split}/run/c")
+    before = data_fingerprint("video", data_dir=tmp_path / "v")
+    frame = sorted((tmp_path / "v" / "train" / "run" / "c").iterdir())[0]
+    frame.write_bytes(frame.read_bytes() + b"\0")
+    after = data_fingerprint("video", data_dir=tmp_path / "v")
+    assert after["training clips"] != before["training clips"] and after["evaluation clips"] == before["evaluation clips"]
