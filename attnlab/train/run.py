@@ -150,10 +150,12 @@ class Run:
             return None
         try:
             recorded = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"{path} cannot be read ({type(err).__name__}); delete it, and the run records its "
-                              f"data again when it resumes.") from None
-        return recorded if isinstance(recorded, dict) else None
+            if not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
+                raise ValueError("not a mapping of descriptions")
+        except (OSError, ValueError, RecursionError) as err:
+            raise ConfigError(f"{path} cannot be read ({type(err).__name__}: {err}"[:300] + "); delete it, and the "
+                              f"run records its data again when it resumes.") from None
+        return recorded
 
     def data_changes(self, only: tuple[str, ...] | None = None) -> str:
         """What differs between the recorded data and the data now, in words (empty if nothing, or nothing was

@@ -376,6 +376,18 @@ def test_byte_level_run_samples_without_its_corpus(lm_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.parametrize("content", [b"\xff\xfe not json", b"[1, 2]", b'{"corpus.txt": 3}', b"[" * 100_000],
+                         ids=["bytes", "list", "number", "nested"])
+def test_a_damaged_data_json_is_one_line_and_eval_still_runs(lm_run, tmp_path, content):
+    run = tmp_path / "runs" / "lm"
+    shutil.copytree(lm_run, run)
+    (run / "data.json").write_bytes(content)
+    (run / "result.json").unlink()  # as if stopped: resume reads the record
+    refused(["train", "--resume", run], tmp_path, "data.json cannot be read")
+    proc = in_process(["eval", run], tmp_path)  # a reader measures what is there; the record only adds a warning
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
 # ---- 7: a run records its data; resume refuses other data, eval and sample warn -----------------------------------
 def test_tokenizer_replaced_resume_refuses_eval_and_sample_warn(tmp_path):
     pytest.importorskip("tokenizers")
