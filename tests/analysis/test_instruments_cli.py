@@ -95,6 +95,7 @@ def test_analyze_device_flag(run_dir, monkeypatch, capsys):
     import torch
 
     import attnlab.train
+    from attnlab.train.run import Run
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["analyze", str(run_dir), "--device", "cuda"]) == 2
@@ -110,7 +111,7 @@ def test_analyze_device_flag(run_dir, monkeypatch, capsys):
         asked.append(torch.device(map_location))
         raise attnlab.AttnlabError("stop here")
 
-    monkeypatch.setattr(attnlab.train, "load_run", spy)
+    monkeypatch.setattr(Run, "load_model", spy)  # what load_run and analyze call
     assert main(["analyze", str(run_dir), "--device", "cuda:1"]) == 2
     assert asked == [torch.device("cuda:1")]
     assert main(["analyze", str(run_dir), "--device", "cuda:2"]) == 2
