@@ -49,7 +49,7 @@ def rel_pos_attention(attn: nn.Module, x: torch.Tensor, rel_pos_h: torch.Tensor,
     if why:
         raise UnsupportedModelError(f"{why} approximates global attention without an additive bias, and ViTDet's "
                                     f"relative positions add one to every logit; build the detector with "
-                                    f"rel_pos=False to use it.")
+                                    f"rel_pos=False (--model-options '{{rel_pos: false}}') to use it.")
     q, k, v = attn.project(x)
     bias = decomposed_rel_pos(q[0] if isinstance(q, tuple) else q, rel_pos_h, rel_pos_w, hw, hw)
     mask = AttentionMask(attn_mask=bias)

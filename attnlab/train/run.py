@@ -18,7 +18,7 @@ import torch
 import yaml
 from torch import nn
 
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, UnsupportedModelError
 
 from . import distributed
 from .config import RUNTIME_KEYS, TrainConfig, config_to_dict, load_config, run_name, validate
@@ -255,6 +255,8 @@ class Run:
         except NotImplementedError:
             if str(device) == "meta":  # an op without a meta kernel: the check is left to training
                 return
+            raise
+        except UnsupportedModelError:  # a term the model cannot take says why itself; the data is not the cause
             raise
         except Exception as err:  # noqa: BLE001 - timm and torch raise what they raise for a shape
             raise self._cannot_build(err, ": it does not take the dataset's inputs",

@@ -457,3 +457,11 @@ def test_a_replaced_frame_changes_the_recorded_clips(tmp_path):
     frame.write_bytes(frame.read_bytes() + b"\0")
     after = data_fingerprint("video", data_dir=tmp_path / "v")
     assert after["training clips"] != before["training clips"] and after["evaluation clips"] == before["evaluation clips"]
+
+
+def test_a_term_the_detector_cannot_take_is_its_own_reason_not_the_datas(tmp_path):
+    """The plan's check forward finds that nystrom takes no relative-position bias; the line is the term's reason,
+    not "check the options against the data" (the data is not the cause)."""
+    line = refused(["train", "--recipe", "detect_demo", "--attn", "nystrom", "--epochs", "1"], tmp_path,
+                   "nystrom approximates global attention without an additive bias")
+    assert "--model-options '{rel_pos: false}'" in line and "against the data" not in line
