@@ -44,7 +44,7 @@ from ..errors import ConfigError, SpecError
 from ..ops import dna_cpu
 from ..ops.dna_triton import call_error as triton_call_error
 from ..ops.dna_triton import dna_attention_triton
-from ..ops.sdpa import sdpa
+from ..ops.sdpa import causal_keep, sdpa
 from .base import AttnlabAttention, Branch
 from .mask import AttentionMask
 
@@ -207,7 +207,7 @@ def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_p
     if backend == "kernel":
         if is_causal:
             N, M = q_pos.shape[-2], k.shape[-2]
-            causal = torch.ones(N, M, dtype=torch.bool, device=k.device).tril()
+            causal = causal_keep(N, M, k.device)
             bias_pos = bias_neg = torch.zeros(N, M, device=k.device).masked_fill_(~causal, float("-inf"))
         return dna_cpu.dna_attention(*args, scale_pos=scale_pos, scale_neg=scale_neg, bias_pos=bias_pos,
                                      bias_neg=bias_neg, input_bias=input_bias)

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import ConfigError, UnsupportedModelError
+from ..ops.sdpa import causal_keep
 
 #: an additive float mask's entries at or below this exclude their key from every branch (weight exactly 0): -inf,
 #: any dtype's ``finfo.min`` (Hugging Face's padding), the -1e9 / -1e4 of older code. A softmax gives such a key
@@ -100,7 +101,7 @@ class AttentionMask(NamedTuple):
         docstring), or None."""
         keep = None
         if self.is_causal:
-            keep = torch.ones(N, M, dtype=torch.bool, device=device).tril()
+            keep = causal_keep(N, M, device)
         if padding and self.key_padding is not None:
             kp = self.key_padding[:, None, None, :]
             keep = kp if keep is None else keep & kp

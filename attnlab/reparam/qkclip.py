@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..errors import SpecError
+from ..ops.sdpa import causal_keep
 from ..variants import TrainingHooks
 from .qknorm import has_qk_norm
 
@@ -105,8 +106,7 @@ def allowed_positions(mask, device):
     def allowed(b0, b1, r0, r1, c0, c1):
         ok = torch.ones((), dtype=torch.bool, device=device)
         if mask.is_causal:
-            rows = torch.arange(r0, r1, device=device)[:, None]
-            ok = ok & (rows >= torch.arange(c0, c1, device=device)[None, :])
+            ok = ok & causal_keep(r1 - r0, c1 - c0, device, offset=r0 - c0)
         if mask.key_padding is not None:
             kp = mask.key_padding
             ok = ok & kp[b0:b1, None, r0:r1, None] & kp[b0:b1, None, None, c0:c1]
