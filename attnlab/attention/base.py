@@ -15,7 +15,6 @@ analyses read. With key padding, the rows of padded queries are zero before the 
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
@@ -41,6 +40,10 @@ class Branch:
 
     weights: torch.Tensor
     effective: torch.Tensor
+
+
+#: :meth:`AttnlabAttention.forward`'s arguments in order; every attention module's forward takes exactly these
+FORWARD_ARGUMENTS = ("x", "attn_mask", "is_causal", "mask")
 
 
 class AttnlabAttention(nn.Module):
@@ -278,9 +281,10 @@ class AttnlabAttention(nn.Module):
         return self.merge(self.head_transform(o), x)
 
     def forward_mask(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, AttentionMask | None]:
-        """(x, the call's mask) from the arguments of a forward call (what a forward hook sees)."""
-        bound = inspect.signature(self.forward).bind(*args, **kwargs).arguments
-        x = next(iter(bound.values()))
+        """(x, the call's mask) from the arguments of a forward call (what a forward hook sees), positional or named
+        as :meth:`forward` takes them (every subclass keeps that signature)."""
+        bound = {**dict(zip(FORWARD_ARGUMENTS, args)), **kwargs}
+        x = bound["x"]
         return x, self.mask_of(x, bound.get("attn_mask"), bound.get("is_causal", False), bound.get("mask"))
 
     def extra_repr(self) -> str:
