@@ -26,6 +26,7 @@ from timm.layers import RmsNorm
 from ..errors import UnsupportedModelError
 from ..ops.sdpa import sdpa
 from .base import AttnlabAttention, Branch
+from .capabilities import Capabilities
 from .mask import AttentionMask
 
 
@@ -40,7 +41,8 @@ class DiffAttention(AttnlabAttention):
     is ``d ** -0.5`` as in timm. ``layer_index`` is timm's ``depth``.
     """
 
-    kv_cache = True  # generation may cache keys/values: a new query against them is its causal output
+    capabilities = Capabilities(kv_cache=True, explicit_maps=True, branches=True, backends=("sdpa", "explicit"))
+
     def __init__(self, dim: int, num_heads: int = 8, *, dual_lambda: bool = False, qk_norm: bool = False,
                  norm_layer: type[nn.Module] | None = None, **kwargs) -> None:
         super().__init__(dim, num_heads, qk_norm=qk_norm, norm_layer=norm_layer, **kwargs)
@@ -148,6 +150,15 @@ class DiffAttention(AttnlabAttention):
         """
         q, k, v = self.project(x)
         return self.branches(q, k, v, mask)
+
+    def branch_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(v, v): both branches share the one V, (B, H, N, D)."""
+        v = self.project(x)[2]
+        return v, v
+
+    def branch_coefficients(self) -> tuple[str, torch.Tensor]:
+        """("lambda", lambda): the negative branch's coefficient (one for every head)."""
+        return "lambda", self.lambda_full()
 
     def explicit_maps(self, x: torch.Tensor, mask: AttentionMask | None = None):
         """(output, {"pos": A1, "neg": A2 with coefficient -lambda}) on the explicit path."""

@@ -25,9 +25,9 @@ load. :func:`choose_backend` is the one place a backend is picked (``explicit``,
 opt-in CUDA ``triton``, ``sdpa``), for the self- and the cross-attention module alike; docs/methods.md, "DnA", has
 the masks, the layout and the backends in full.
 
-Two-branch convention (shared with ``diff``, used by :mod:`attnlab.analysis.dna`): ``branch_outputs(x, mask=None)
--> (o_pos, o_neg)``, each (B, H, N, D), the two branches before alpha; ``branch_values(x) ->
-(v_pos, v_neg)``, each (B, H, N, D); ``alpha_values() -> (H,)``.
+Two-branch convention (shared with ``diff``, declared by ``Capabilities.branches``, read by
+:mod:`attnlab.analysis.dna`): ``branch_outputs(x, mask=None) -> (o_pos, o_neg)``, each (B, H, N, D), the two branches
+before alpha; ``branch_values(x) -> (v_pos, v_neg)``, each (B, H, N, D); ``branch_coefficients() -> ("alpha", (H,))``.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from ..ops.dna_triton import call_error as triton_call_error
 from ..ops.dna_triton import dna_attention_triton
 from ..ops.sdpa import causal_keep, sdpa
 from .base import AttnlabAttention, Branch
+from .capabilities import Capabilities
 from .mask import AttentionMask
 
 VARIANTS = ("qv", "q", "v", "shared", "sum")
@@ -260,6 +261,15 @@ class _DnAParams:
         """alpha_h per head, (H,): the learned values, or ones for ``variant=sum``."""
         return torch.ones(self.num_heads) if self.alpha is None else self.alpha.detach()
 
+    def branch_coefficients(self) -> tuple[str, torch.Tensor]:
+        """("alpha", alpha_h per head (H,)): the negative branch's coefficient."""
+        return "alpha", self.alpha_values()
+
+    def use_backend(self, name: str) -> None:
+        """As :meth:`AttnlabAttention.use_backend`, ``sdpa``, ``kernel`` and ``triton`` pinned (``backend``)."""
+        super().use_backend(name)
+        self.backend = "auto" if name == "explicit" else name
+
     def _init_negative(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
                        only: tuple[str, ...] = ("q_neg", "v_neg")) -> None:
         """Fill the q_neg / v_neg rows (those in ``only``) in place: ``init=copy`` gives Q- = |neg_init| * Q+ and
@@ -318,7 +328,8 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         neg_init: the warm-start factor (1e-4, paper Sec. 4.2 and Table 13).
     """
 
-    kv_cache = True  # generation may cache keys/values: a new query against them is its causal output
+    capabilities = Capabilities(kv_cache=True, explicit_maps=True, branches=True,
+                                backends=("sdpa", "explicit", "kernel", "triton"))
     adopts_wide_qkv = True  # reads Q+, K, V+ (and Q-, V-) out of another DnA module's fused projection
 
     def __init__(self, dim: int, num_heads: int = 8, *, variant: str = "qv", alpha_init: float = 0.5,

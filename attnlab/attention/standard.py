@@ -16,14 +16,14 @@ import torch
 
 from ..ops.sdpa import sdpa
 from .base import AttnlabAttention, Branch
+from .capabilities import Capabilities
 from .mask import AttentionMask
 
 
 class StandardAttention(AttnlabAttention):
     """Softmax attention; the reference every other mechanism is compared against. Arguments as AttnlabAttention."""
 
-    plain_softmax = True
-    kv_cache = True  # generation may cache keys/values: a new query against them is its causal output
+    capabilities = Capabilities(kv_cache=True, plain_softmax=True, explicit_maps=True, backends=("sdpa", "explicit"))
 
     def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:
         if self.fused_attn:

@@ -200,7 +200,7 @@ def _check(module: nn.Module, index: int) -> None:
         raise SpecError(
             f"qkclip cannot act on attention module {index}: it normalises q and k after the projection (QK-norm), "
             f"which divides out any rescaling of W_q and W_k, so the clip would have no effect; use qknorm or qkclip.")
-    if not getattr(module, "plain_softmax", False):
+    if not module.capabilities.plain_softmax:
         raise SpecError(
             f"qkclip needs softmax attention (the standard kernel, optionally with ns), but attention module {index} "
             f"is {type(module).__name__}, whose logits are not q_h k_h^T / sqrt(D) of the fused projection.")

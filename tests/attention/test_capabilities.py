@@ -1,6 +1,7 @@
 """Capabilities instead of class identity: which mechanisms form one plain softmax per head (what QK-clip, entropy
 and the attention Jacobian need), and terms that act during training plug into the trainer through the registry."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import attnlab
 from attnlab.analysis import entropy, jacobian
 from attnlab.attention import CogAttention, DiffAttention, DnAAttention, DnACrossAttention
+from attnlab.attention.capabilities import capabilities_of
 from attnlab.attention.standard import StandardAttention
 from attnlab.errors import SpecError, UnsupportedModelError
 from attnlab.reparam import qkclip
@@ -21,17 +23,17 @@ class OwnAttend(StandardAttention):
 
 
 class DeclaredSoftmax(StandardAttention):
-    plain_softmax = True
+    capabilities = replace(StandardAttention.capabilities, explicit_maps=False)
 
     def attend(self, q, k, v, mask=None):
         return super().attend(q, k, v, mask)
 
 
 def test_plain_softmax_is_declared_by_standard_only_and_lost_by_overriding_attend():
-    assert StandardAttention.plain_softmax and DeclaredSoftmax.plain_softmax
+    assert StandardAttention.capabilities.plain_softmax and DeclaredSoftmax.capabilities.plain_softmax
     for cls in (DnAAttention, DiffAttention, CogAttention, OwnAttend):
-        assert not cls.plain_softmax, cls
-    assert not getattr(DnACrossAttention, "plain_softmax", False)
+        assert not cls.capabilities.plain_softmax, cls
+    assert not capabilities_of(DnACrossAttention(16, 2)).plain_softmax
 
 
 def _model_with(cls):
@@ -76,9 +78,9 @@ def test_explicit_maps_are_owned_per_mechanism_and_lost_by_overriding_attend():
     from attnlab.attention.nystrom import NystromAttention
 
     for cls in (StandardAttention, CogAttention, DnAAttention, DiffAttention):
-        assert callable(cls.explicit_maps), cls
+        assert cls.capabilities.explicit_maps and callable(cls.explicit_maps), cls
     for cls in (OwnAttend, OwnCog, DeclaredSoftmax, NystromAttention):
-        assert cls.explicit_maps is None, cls
+        assert not cls.capabilities.explicit_maps, cls
     model = _model_with(OwnCog)
     with pytest.raises(UnsupportedModelError, match="explicit_maps"):
         map_modules(model)
