@@ -29,7 +29,7 @@ from timm.models.swin_transformer import WindowAttention as TimmWindowAttention
 from timm.models.swin_transformer import get_relative_position_index
 from timm.models.xcit import XCA
 
-from ..errors import ConfigError, UnsupportedModelError
+from ..errors import UnsupportedModelError
 from .capabilities import Capabilities, Declares, capabilities_of
 from .mask import AttentionMask
 
@@ -266,14 +266,6 @@ class AttnlabAttention(Declares, nn.Module):
         if isinstance(head, nn.Identity):
             return ()
         return tuple(head) if isinstance(head, nn.Sequential) else (head,)
-
-    def use_backend(self, name: str) -> None:
-        """Compute this module's forward on backend ``name``, one its record declares: ``explicit`` (the readable
-        path) or the fused one (``sdpa``); mechanisms with more backends say how they pick them."""
-        if name not in self.capabilities.backends:
-            raise ConfigError(f"{type(self).__name__} has no {name!r} backend; it has: "
-                              f"{', '.join(self.capabilities.backends)}.")
-        self.fused_attn = name != "explicit"
 
     def finish(self, o: torch.Tensor, mask: AttentionMask | None, x: torch.Tensor) -> torch.Tensor:
         """Padded queries' rows zeroed, the head transform, head merge and projection: (B, H, N, D) -> (B, N, dim)."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -75,6 +77,14 @@ class Declares:
     transforms, DnA cross-attention)."""
 
     capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def use_backend(self, name: str) -> None:
+        """Compute this module's forward on backend ``name``, one its record declares: ``explicit`` (the readable
+        path) or the fused one (``sdpa``); mechanisms with more backends say how they pick them."""
+        if name not in self.capabilities.backends:
+            raise ConfigError(f"{type(self).__name__} has no {name!r} backend; it has: "
+                              f"{', '.join(self.capabilities.backends) or 'none'}.")
+        self.fused_attn = name != "explicit"
 
 
 def capabilities_of(module) -> Capabilities:

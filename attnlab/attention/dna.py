@@ -266,7 +266,8 @@ class _DnAParams:
         return "alpha", self.alpha_values()
 
     def use_backend(self, name: str) -> None:
-        """As :meth:`AttnlabAttention.use_backend`, ``sdpa``, ``kernel`` and ``triton`` pinned (``backend``)."""
+        """As :meth:`~attnlab.attention.capabilities.Declares.use_backend`, ``sdpa``, ``kernel`` and ``triton``
+        pinned (``backend``)."""
         super().use_backend(name)
         self.backend = "auto" if name == "explicit" else name
 

@@ -101,7 +101,8 @@ class PerformerAttention(AttnlabAttention):
         return performer_attention(q, k, v, projection, key_padding=key_padding, causal=causal)
 
     def use_backend(self, name: str) -> None:
-        """As :meth:`AttnlabAttention.use_backend`: ``explicit`` is ``impl=torch``, ``kernel`` ``impl=kernel``."""
+        """As :meth:`~attnlab.attention.capabilities.Declares.use_backend`: ``explicit`` is ``impl=torch``,
+        ``kernel`` ``impl=kernel``."""
         super().use_backend(name)
         self.impl = "torch" if name == "explicit" else "kernel"
 
