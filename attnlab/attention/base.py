@@ -212,6 +212,11 @@ class AttnlabAttention(Declares, nn.Module):
             return bias
         return self.rel_pos_bias() if bias is None else self.rel_pos_bias() + bias
 
+    def sdpa_causal(self, mask: AttentionMask | None) -> bool:
+        """Whether causality is all this call asks and no position bias is added: SDPA's ``is_causal`` path, no mask
+        in memory."""
+        return mask is not None and mask.causal_only and self.window_size is None
+
     def add_bias(self, logits: torch.Tensor, mask: AttentionMask | None) -> torch.Tensor:
         """``logits + bias`` in the order timm's explicit paths add it (position bias, then window mask)."""
         B, _, N, M = logits.shape

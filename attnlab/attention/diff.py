@@ -128,7 +128,7 @@ class DiffAttention(AttnlabAttention):
         k1, k2 = k[..., :d], k[..., d:]
         if self.fused_attn:
             p = self.attn_drop.p if self.training else 0.0
-            causal = mask is not None and mask.causal_only and self.window_size is None
+            causal = self.sdpa_causal(mask)
             bias = None if causal else self.attn_bias(mask, q)
             return (sdpa(q1, k1, v, attn_mask=bias, dropout_p=p, is_causal=causal),
                     sdpa(q2, k2, v, attn_mask=bias, dropout_p=p, is_causal=causal))

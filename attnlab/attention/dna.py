@@ -453,7 +453,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
     def _biases(self, mask: AttentionMask | None, like: torch.Tensor):
         """(bias_pos, bias_neg, is_causal) for the fused backends: the standard fused bias, the softmin branch's in
         negated-logit form (both None and ``is_causal`` True when causality is all the mask asks)."""
-        if mask is not None and mask.causal_only and self.window_size is None:
+        if self.sdpa_causal(mask):
             return None, None, True
         return self.attn_bias(mask, like), self._softmin_bias(mask, like, like.shape[-2]), False
 

@@ -27,7 +27,7 @@ class StandardAttention(AttnlabAttention):
 
     def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:
         if self.fused_attn:
-            causal = mask is not None and mask.causal_only and self.window_size is None
+            causal = self.sdpa_causal(mask)
             return sdpa(q, k, v, attn_mask=None if causal else self.attn_bias(mask, q),
                         dropout_p=self.attn_drop.p if self.training else 0.0, is_causal=causal)
         return self.attn_drop(self.weights(q, k, mask)) @ v
