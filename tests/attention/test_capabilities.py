@@ -84,3 +84,22 @@ def test_explicit_maps_are_owned_per_mechanism_and_lost_by_overriding_attend():
     model = _model_with(OwnCog)
     with pytest.raises(UnsupportedModelError, match="explicit_maps"):
         map_modules(model)
+
+
+def test_dna_cross_attention_reads_its_record_for_refusals_and_backends():
+    """DnA cross-attention is no AttnlabAttention, yet its causal refusal and backend choice are its record's."""
+    from attnlab.attention.mask import AttentionMask
+    from attnlab.errors import ConfigError
+
+    cross = DnACrossAttention(16, 2).double().eval()
+    x, context = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 7, 16, dtype=torch.float64)
+    with pytest.raises(UnsupportedModelError) as info:
+        cross(x, context, attn_mask=AttentionMask(is_causal=True))
+    assert str(info.value) == f"{cross.capabilities.causal}."
+    with torch.no_grad():
+        cross.use_backend("explicit")
+        explicit = cross(x, context)
+        cross.use_backend("sdpa")
+        torch.testing.assert_close(cross(x, context), explicit, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ConfigError, match="has no 'flash' backend"):
+        cross.use_backend("flash")
