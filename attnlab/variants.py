@@ -273,5 +273,5 @@ register(Variant(
                     "scale the logits by the clip's factor",
         "speccond": "spectral conditioning adds lambda I_k to qkv's weight, so scaling rows of W would not scale the "
                     "logits by the clip's factor",
-    },  # kernels by capability: qkclip.apply refuses any module that is not plain softmax attention (plain_softmax)
+    },  # kernels by capability: qkclip.apply refuses a module whose record does not declare plain_softmax
 ))

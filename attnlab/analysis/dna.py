@@ -14,9 +14,9 @@ shares V, so V+ = V-):
 - alpha statistics per layer (Appendix C.5 (D), Figure 11): mean, max, min and sample SD of alpha_h over heads
   (diff: its one lambda per layer, SD 0).
 
-The two-branch convention every such module follows: ``branch_outputs(x, mask=None) -> (o_pos,
-o_neg)``, each (B, H, N, D) before alpha / lambda; ``branch_values(x) -> (v_pos, v_neg)`` (optional: without it the
-module's ``project(x)`` value is used for both, as diff shares V); ``alpha_values() -> (H,)`` or ``lambda_full()``.
+The two-branch convention every such module follows (its record declares ``branches``): ``branch_outputs(x,
+mask=None) -> (o_pos, o_neg)``, each (B, H, N, D) before alpha / lambda; ``branch_values(x) -> (v_pos, v_neg)``
+(diff: its one V twice); ``branch_coefficients() -> ("alpha", (H,))`` or ``("lambda", lambda)``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..attention.capabilities import capabilities_of
 from ..errors import UnsupportedModelError
 from .figures import agg_figure, save_png
 from .maps import forward_batches
@@ -66,26 +67,13 @@ def branch_cosine(o_pos: torch.Tensor, o_neg: torch.Tensor) -> torch.Tensor:
 
 
 def two_branch_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every module with ``branch_outputs`` (DnA, diff), in forward order."""
-    found = [(n, m) for n, m in model.named_modules() if callable(getattr(m, "branch_outputs", None))]
+    """(name, module) of every module whose record declares the two-branch convention (DnA, diff), in forward
+    order."""
+    found = [(n, m) for n, m in model.named_modules() if capabilities_of(m).branches]
     if not found:
         raise UnsupportedModelError(
             f"{type(model).__name__} has no two-branch attention; build or convert it with attn='dna' or 'diff'.")
     return found
-
-
-def _branch_values(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if callable(getattr(module, "branch_values", None)):
-        return module.branch_values(x)
-    v = module.project(x)[2]  # diff: both branches share the one V
-    return v, v
-
-
-def _coefficients(module: nn.Module) -> tuple[str, torch.Tensor]:
-    for kind, method in (("alpha", "alpha_values"), ("lambda", "lambda_full")):
-        if callable(getattr(module, method, None)):
-            return kind, getattr(module, method)().detach().double().cpu().reshape(-1)
-    raise UnsupportedModelError(f"{type(module).__name__} exposes neither alpha_values() nor lambda_full().")
 
 
 def alpha_stats(model: nn.Module) -> list[dict]:
@@ -93,7 +81,8 @@ def alpha_stats(model: nn.Module) -> list[dict]:
     "sd"}``; sd is the sample SD over heads (0 for one value)."""
     out = []
     for index, (name, module) in enumerate(two_branch_modules(model)):
-        kind, values = _coefficients(module)
+        kind, values = module.branch_coefficients()
+        values = values.detach().double().cpu().reshape(-1)
         out.append({"layer": index, "name": name, "kind": kind, "values": values.tolist(),
                     "mean": float(values.mean()), "max": float(values.max()), "min": float(values.min()),
                     "sd": float(values.std()) if values.numel() > 1 else 0.0})
@@ -146,7 +135,7 @@ def branch_instruments(model: nn.Module, images: torch.Tensor, k: int = DEFAULT_
         def record(module, args, kwargs):
             x, mask = module.forward_mask(args, kwargs)
             o_pos, o_neg = module.branch_outputs(x, mask)
-            v_pos, v_neg = _branch_values(module, x)
+            v_pos, v_neg = module.branch_values(x)
             parts[index]["i"].append(intruder_dimensions(o_pos, o_neg, k, eps).cpu())
             parts[index]["c"].append(value_similarity(v_pos, v_neg).cpu())
             parts[index]["o"].append(branch_cosine(o_pos, o_neg).cpu())

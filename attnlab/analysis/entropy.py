@@ -35,6 +35,8 @@ import math
 import torch
 from torch import nn
 
+from ..attention.base import AttnlabAttention
+from ..attention.capabilities import capabilities_of
 from ..errors import UnsupportedModelError
 from ..models.convert import attention_modules
 from .maps import forward_batches, measured_modules, unconverted
@@ -43,10 +45,10 @@ from .maps import forward_batches, measured_modules, unconverted
 def _softmax_modules(model: nn.Module, skip_unsupported: bool) -> list[tuple[str, nn.Module]]:
     keep = []
     for name, module in measured_modules(model):
-        if getattr(module, "plain_softmax", False):
+        if capabilities_of(module).plain_softmax:
             keep.append((name, module))
         elif not skip_unsupported:
-            raise UnsupportedModelError(unconverted(name, module) if not hasattr(module, "project") else (
+            raise UnsupportedModelError(unconverted(name, module) if not isinstance(module, AttnlabAttention) else (
                 f"attention module {name!r} is {type(module).__name__}, which does not form one softmax per head; "
                 f"attention entropy and logits are measured for the standard kernel (with or without ns)."))
     return keep
@@ -177,7 +179,7 @@ def training_probe(model: nn.Module, images: torch.Tensor, topk_percent: float =
     out: dict[str, float] = {}
     found = attention_modules(model)
     records = _collect(model, images, want_entropy=True, include_bias=False, batch_size=batch_size,
-                       skip_unsupported=True) if any(getattr(m, "plain_softmax", False) for _, m in found) else []
+                       skip_unsupported=True) if any(capabilities_of(m).plain_softmax for _, m in found) else []
     if records:
         layers = [_summarise(r, topk_percent) for r in records]
         for i, (layer, record) in enumerate(zip(layers, records)):

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.func import jacrev
 
+from ..attention.capabilities import capabilities_of
 from ..errors import ConfigError, UnsupportedModelError
 from ..models import attention_modules
 from .maps import eval_mode, forward_batches
@@ -121,7 +122,8 @@ def _own_head(module: nn.Module, head: int, head_transform=None, mask=None) -> C
 
 
 def _check(module: nn.Module, name: str) -> None:
-    if not getattr(module, "plain_softmax", False) and not hasattr(module, "head_output"):
+    record = capabilities_of(module)
+    if not (record.plain_softmax or record.head_output):
         raise UnsupportedModelError(
             f"the attention Jacobian is defined for softmax attention, but {name} is {type(module).__name__}; "
             f"measure a model built with a softmax kernel (standard, optionally with ns, sigma, speccond, qknorm).")
@@ -184,7 +186,7 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
                 for s in sequences:
                     one = None if mask is None else mask.for_sample(s)
                     real = None if one is None or one.key_padding is None else one.key_padding[0]
-                    if hasattr(module, "head_output"):  # channel maps, Nyström, FAVOR+: the module's own formula
+                    if module.capabilities.head_output:  # channel maps, Nyström, FAVOR+: the module's own formula
                         head = {"head_fn": _own_head(module, h, transform, one)}
                     else:
                         with torch.no_grad():

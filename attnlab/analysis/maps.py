@@ -5,8 +5,8 @@ attention module, per branch for two-branch mechanisms, and relevance needs them
 mechanism owns its maps: ``module.explicit_maps(x, mask) -> (output, {branch: Branch})`` recomputes the module's
 output on its explicit (non-SDPA) path with the call's mask. A forward hook calls it and returns its output in
 place of the module's, so gradients of the model's output reach the maps; the hook checks that the recomputed
-output matches the module's own. A mechanism without ``explicit_maps`` (``None``: Nyström, Performer, channel
-maps, or a subclass that changed ``attend``) cannot be measured. Branches as the mechanisms name them, each a
+output matches the module's own. A mechanism whose record does not declare ``explicit_maps`` (Nyström, Performer,
+channel maps, or a subclass that changed ``attend``) cannot be measured. Branches as the mechanisms name them, each a
 weight map W (rows over keys) and its signed coefficient c in the module's output o_h = sum_b c_b,h W_b,h V_b,h:
 
     standard (with or without ns), cog   "attn": W = softmax(s) (cog: sign(s) softmax(|s|)),   c = 1
@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..attention.base import Branch
+from ..attention.base import AttnlabAttention, Branch
 from ..errors import UnsupportedModelError
 from ..models.convert import attention_modules
 
@@ -48,9 +48,9 @@ def map_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     attention maps cannot be read."""
     found = measured_modules(model)
     for name, module in found:
-        if not hasattr(module, "project"):
+        if not isinstance(module, AttnlabAttention):
             raise UnsupportedModelError(unconverted(name, module))
-        if getattr(module, "explicit_maps", None) is None:
+        if not module.capabilities.explicit_maps:
             raise UnsupportedModelError(
                 f"attention module {name!r} is {type(module).__name__}, which has no explicit attention maps "
                 f"(explicit_maps) to read.")

@@ -15,9 +15,8 @@ analyses read. With key padding, the rows of padded queries are zero before the 
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
-from typing import ClassVar, Final
+from dataclasses import dataclass, replace
+from typing import Final
 
 import torch
 from torch import nn
@@ -31,6 +30,7 @@ from timm.models.swin_transformer import get_relative_position_index
 from timm.models.xcit import XCA
 
 from ..errors import UnsupportedModelError
+from .capabilities import Capabilities, Declares, capabilities_of
 from .mask import AttentionMask
 
 
@@ -43,7 +43,11 @@ class Branch:
     effective: torch.Tensor
 
 
-class AttnlabAttention(nn.Module):
+#: :meth:`AttnlabAttention.forward`'s arguments in order; every attention module's forward takes exactly these
+FORWARD_ARGUMENTS = ("x", "attn_mask", "is_causal", "mask")
+
+
+class AttnlabAttention(Declares, nn.Module):
     """Multi-head self-attention for ViT global attention (``window_size=None``) and Swin window attention.
 
     The constructor mirrors timm's ``Attention`` and ``WindowAttention`` so one mechanism stands in for another.
@@ -66,21 +70,17 @@ class AttnlabAttention(nn.Module):
 
     fused_attn: Final[bool]
     adopts_wide_qkv = False  # True for mechanisms that know how to read a wider fused projection (DnA)
-    #: capability: the weights are one row-stochastic softmax(q k^T / sqrt(D) + bias) per head, with q and k from
-    #: :meth:`project` (the first two blocks of ``qkv``). Entropy, the attention Jacobian and QK-clip act only on
-    #: modules that have it; a subclass that overrides ``attend`` loses it unless it declares it again.
-    plain_softmax: ClassVar[bool] = False
-    #: capability: :meth:`explicit_maps`, the module's output recomputed on its explicit path with its named weight
-    #: maps (what head redundancy and relevance read); None for a mechanism without N x M weight maps. Lost, like
-    #: ``plain_softmax``, by a subclass that overrides ``attend`` or ``weights`` without defining it again.
-    explicit_maps = None
+    #: what this mechanism can do (:class:`~attnlab.attention.capabilities.Capabilities`): every mask part honoured,
+    #: no KV cache, plain softmax, maps, branches or head formula, the explicit path only. A subclass that overrides
+    #: ``attend`` without declaring its own record loses ``plain_softmax``; one that overrides ``attend`` or
+    #: ``weights`` loses ``explicit_maps`` as well.
+    capabilities = Capabilities()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        if "attend" in cls.__dict__ and "plain_softmax" not in cls.__dict__:
-            cls.plain_softmax = False
-        if ("attend" in cls.__dict__ or "weights" in cls.__dict__) and "explicit_maps" not in cls.__dict__:
-            cls.explicit_maps = None
+        if "capabilities" not in cls.__dict__ and ("attend" in cls.__dict__ or "weights" in cls.__dict__):
+            cls.capabilities = replace(cls.capabilities, explicit_maps=False,
+                                       plain_softmax=cls.capabilities.plain_softmax and "attend" not in cls.__dict__)
 
     def __init__(
         self,
@@ -134,21 +134,11 @@ class AttnlabAttention(nn.Module):
                                  persistent=False)
 
     # ---- construction from an existing module ------------------------------------------------------------------
-    #: why this mechanism has no causal form (a sentence naming the term), or None: a model that declares its
-    #: attention causal (``causal = True``, the GPT presets) refuses it when it is built or converted
-    causal_refusal: ClassVar[str | None] = None
-    #: the term name of a global-attention approximation that takes no additive bias (nystrom, performer): such a
-    #: mechanism refuses Swin's window attention, whose logits carry a relative-position bias
-    global_only: ClassVar[str | None] = None
-
     @classmethod
     def geometry_refusal(cls, geometry: dict) -> str | None:
-        """Why this mechanism cannot replace an attention of ``geometry`` (:meth:`geometry`), or None: asked by
-        the constructor and by ``variants --support``, so the two always agree."""
-        if cls.global_only and geometry.get("window_size") is not None:
-            return (f"{cls.global_only} approximates global attention without an additive bias, and Swin's window "
-                    "attention adds a relative-position bias; use it on a ViT-family or sequence model")
-        return None
+        """Why this mechanism cannot replace an attention of ``geometry`` (:meth:`geometry`), or None: the record's
+        window refusal on a Swin window geometry. Asked by the constructor and by ``variants --support``."""
+        return cls.capabilities.window if geometry.get("window_size") is not None else None
 
     @staticmethod
     def geometry(module: nn.Module) -> dict:
@@ -222,6 +212,11 @@ class AttnlabAttention(nn.Module):
             return bias
         return self.rel_pos_bias() if bias is None else self.rel_pos_bias() + bias
 
+    def sdpa_causal(self, mask: AttentionMask | None) -> bool:
+        """Whether causality is all this call asks and no position bias is added: SDPA's ``is_causal`` path, no mask
+        in memory."""
+        return mask is not None and mask.causal_only and self.window_size is None
+
     def add_bias(self, logits: torch.Tensor, mask: AttentionMask | None) -> torch.Tensor:
         """``logits + bias`` in the order timm's explicit paths add it (position bias, then window mask)."""
         B, _, N, M = logits.shape
@@ -259,17 +254,23 @@ class AttnlabAttention(nn.Module):
         return self.finish(self.attend(q, k, v, mask), mask, x)
 
     def mask_of(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False, window=None) -> AttentionMask | None:
-        """The call's :class:`AttentionMask` (None when nothing is masked), checked against x and the head term."""
+        """The call's :class:`AttentionMask` (None when nothing is masked), checked against x; UnsupportedModelError
+        with the sentence of the mechanism's record, or of a head transform's, that refuses a part of it."""
         mask = AttentionMask.of(attn_mask, is_causal, window)
         if mask is not None:
             mask.check(x.shape[0], x.shape[1])
-            heads = self.head_transform if isinstance(self.head_transform, nn.Sequential) else (self.head_transform,)
-            asked = [name for present, name in ((mask.is_causal, "causal_refusal"),
-                                                (mask.attn_mask is not None, "mask_refusal")) if present]
-            for why in (getattr(head, name, None) for head in heads for name in asked):
+            for record in (self.capabilities, *(capabilities_of(head) for head in self.heads())):
+                why = record.refusal(mask)
                 if why:
                     raise UnsupportedModelError(f"{why}.")
         return mask
+
+    def heads(self) -> tuple[nn.Module, ...]:
+        """The head transforms applied before head merge, in order (none for ``nn.Identity``)."""
+        head = self.head_transform
+        if isinstance(head, nn.Identity):
+            return ()
+        return tuple(head) if isinstance(head, nn.Sequential) else (head,)
 
     def finish(self, o: torch.Tensor, mask: AttentionMask | None, x: torch.Tensor) -> torch.Tensor:
         """Padded queries' rows zeroed, the head transform, head merge and projection: (B, H, N, D) -> (B, N, dim)."""
@@ -278,9 +279,10 @@ class AttnlabAttention(nn.Module):
         return self.merge(self.head_transform(o), x)
 
     def forward_mask(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, AttentionMask | None]:
-        """(x, the call's mask) from the arguments of a forward call (what a forward hook sees)."""
-        bound = inspect.signature(self.forward).bind(*args, **kwargs).arguments
-        x = next(iter(bound.values()))
+        """(x, the call's mask) from the arguments of a forward call (what a forward hook sees), positional or named
+        as :meth:`forward` takes them (every subclass keeps that signature)."""
+        bound = {**dict(zip(FORWARD_ARGUMENTS, args)), **kwargs}
+        x = bound["x"]
         return x, self.mask_of(x, bound.get("attn_mask"), bound.get("is_causal", False), bound.get("mask"))
 
     def extra_repr(self) -> str:
@@ -307,4 +309,5 @@ def is_supported(module: nn.Module) -> bool:
     return type(module) in SUPPORTED_TYPES or isinstance(module, AttnlabAttention)
 
 
-__all__ = ["AttentionMask", "AttnlabAttention", "Branch", "SUPPORTED_TYPES", "is_supported", "norm_in_dtype"]
+__all__ = ["AttentionMask", "AttnlabAttention", "Branch", "Capabilities", "FORWARD_ARGUMENTS", "SUPPORTED_TYPES",
+           "is_supported", "norm_in_dtype"]

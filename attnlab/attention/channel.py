@@ -24,9 +24,8 @@ from timm.models.davit import ChannelAttention as TimmChannelAttention
 from timm.models.davit import ChannelAttentionV2 as TimmChannelAttentionV2
 from timm.models.xcit import XCA as TimmXCA
 
-from ..errors import UnsupportedModelError
 from .base import AttnlabAttention, norm_in_dtype
-from .mask import AttentionMask
+from .capabilities import Capabilities
 
 
 #: why a term does not apply to a channel map, by term; a kernel term missing here gets the generic sentence
@@ -42,6 +41,14 @@ CHANNEL_REFUSALS: dict[str, str] = {
 }
 
 
+def channel_capabilities(family: str, backends: tuple[str, ...] = ("explicit",)) -> Capabilities:
+    """The record of a channel map: every mask refused (a D x D map summed over every token has no token-by-token
+    mask), its own head formula for the Jacobian."""
+    why = (f"{family} takes no attention mask: its map is D x D over features, summed over every token, so no "
+           f"token-by-token mask applies to it")
+    return Capabilities(causal=why, key_padding=why, attn_mask=why, window=why, head_output=True, backends=backends)
+
+
 class ChannelMapAttention(AttnlabAttention):
     """Base of the mechanisms whose map is D x D over features; declares which spec terms they accept.
 
@@ -49,6 +56,7 @@ class ChannelMapAttention(AttnlabAttention):
     """
 
     family: ClassVar[str] = "channel attention"
+    capabilities = channel_capabilities(family)
 
     @classmethod
     def refusal(cls, term: str, kind: str) -> str | None:
@@ -64,11 +72,6 @@ class ChannelMapAttention(AttnlabAttention):
         geo.pop("window_size", None)
         return geo
 
-    def mask_of(self, x, attn_mask=None, is_causal: bool = False, window=None):
-        if AttentionMask.of(attn_mask, is_causal, window) is not None:
-            raise UnsupportedModelError(f"{self.family} takes no attention mask: its map is D x D over features, "
-                                        f"summed over every token, so no token-by-token mask applies to it.")
-
     def head_output(self, x: torch.Tensor, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
         """One head's output (N, D) from x (N, C) and its rows of the qkv weight: the Jacobian instrument's function."""
         raise NotImplementedError  # pragma: no cover - abstract
@@ -82,6 +85,7 @@ class DaViTChannelAttention(ChannelMapAttention):
     """
 
     family = "DaViT's channel attention"
+    capabilities = channel_capabilities(family)
 
     def __init__(self, *args, v2: bool = False, dynamic_scale: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -138,4 +142,5 @@ def channel_mechanism(module) -> type[ChannelMapAttention] | None:
             TimmChannelAttentionV2: DaViTChannelAttention}.get(type(module))
 
 
-__all__ = ["CHANNEL_REFUSALS", "ChannelMapAttention", "DaViTChannelAttention", "channel_mechanism"]
+__all__ = ["CHANNEL_REFUSALS", "ChannelMapAttention", "DaViTChannelAttention", "channel_capabilities",
+           "channel_mechanism"]

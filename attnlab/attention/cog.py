@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .capabilities import Capabilities
 from .mask import AttentionMask
 from .standard import StandardAttention
 
@@ -27,7 +28,9 @@ class CogAttention(StandardAttention):
         all_layers: use signed weights in every layer, including the first and last (default: those stay softmax).
     """
 
-    kv_cache = True  # generation may cache keys/values: a new query against them is its causal output
+    #: signed layers compute the explicit path on either backend; the first and last run the standard one
+    capabilities = Capabilities(kv_cache=True, explicit_maps=True, backends=("sdpa", "explicit"))
+
     def __init__(self, dim: int, num_heads: int = 8, *, all_layers: bool = False, **kwargs) -> None:
         super().__init__(dim, num_heads, **kwargs)
         self.all_layers = all_layers

@@ -26,6 +26,7 @@ from timm.layers import RmsNorm
 from ..errors import UnsupportedModelError
 from ..ops.sdpa import sdpa
 from .base import AttnlabAttention, Branch
+from .capabilities import Capabilities
 from .mask import AttentionMask
 
 
@@ -40,7 +41,8 @@ class DiffAttention(AttnlabAttention):
     is ``d ** -0.5`` as in timm. ``layer_index`` is timm's ``depth``.
     """
 
-    kv_cache = True  # generation may cache keys/values: a new query against them is its causal output
+    capabilities = Capabilities(kv_cache=True, explicit_maps=True, branches=True, backends=("sdpa", "explicit"))
+
     def __init__(self, dim: int, num_heads: int = 8, *, dual_lambda: bool = False, qk_norm: bool = False,
                  norm_layer: type[nn.Module] | None = None, **kwargs) -> None:
         super().__init__(dim, num_heads, qk_norm=qk_norm, norm_layer=norm_layer, **kwargs)
@@ -126,7 +128,7 @@ class DiffAttention(AttnlabAttention):
         k1, k2 = k[..., :d], k[..., d:]
         if self.fused_attn:
             p = self.attn_drop.p if self.training else 0.0
-            causal = mask is not None and mask.causal_only and self.window_size is None
+            causal = self.sdpa_causal(mask)
             bias = None if causal else self.attn_bias(mask, q)
             return (sdpa(q1, k1, v, attn_mask=bias, dropout_p=p, is_causal=causal),
                     sdpa(q2, k2, v, attn_mask=bias, dropout_p=p, is_causal=causal))
@@ -148,6 +150,15 @@ class DiffAttention(AttnlabAttention):
         """
         q, k, v = self.project(x)
         return self.branches(q, k, v, mask)
+
+    def branch_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(v, v): both branches share the one V, (B, H, N, D)."""
+        v = self.project(x)[2]
+        return v, v
+
+    def branch_coefficients(self) -> tuple[str, torch.Tensor]:
+        """("lambda", lambda): the negative branch's coefficient (one for every head)."""
+        return "lambda", self.lambda_full()
 
     def explicit_maps(self, x: torch.Tensor, mask: AttentionMask | None = None):
         """(output, {"pos": A1, "neg": A2 with coefficient -lambda}) on the explicit path."""

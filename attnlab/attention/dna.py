@@ -25,9 +25,9 @@ load. :func:`choose_backend` is the one place a backend is picked (``explicit``,
 opt-in CUDA ``triton``, ``sdpa``), for the self- and the cross-attention module alike; docs/methods.md, "DnA", has
 the masks, the layout and the backends in full.
 
-Two-branch convention (shared with ``diff``, used by :mod:`attnlab.analysis.dna`): ``branch_outputs(x, mask=None)
--> (o_pos, o_neg)``, each (B, H, N, D), the two branches before alpha; ``branch_values(x) ->
-(v_pos, v_neg)``, each (B, H, N, D); ``alpha_values() -> (H,)``.
+Two-branch convention (shared with ``diff``, declared by ``Capabilities.branches``, read by
+:mod:`attnlab.analysis.dna`): ``branch_outputs(x, mask=None) -> (o_pos, o_neg)``, each (B, H, N, D), the two branches
+before alpha; ``branch_values(x) -> (v_pos, v_neg)``, each (B, H, N, D); ``branch_coefficients() -> ("alpha", (H,))``.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ from ..errors import ConfigError, SpecError
 from ..ops import dna_cpu
 from ..ops.dna_triton import call_error as triton_call_error
 from ..ops.dna_triton import dna_attention_triton
-from ..ops.sdpa import sdpa
+from ..ops.sdpa import causal_keep, sdpa
 from .base import AttnlabAttention, Branch
+from .capabilities import Capabilities
 from .mask import AttentionMask
 
 VARIANTS = ("qv", "q", "v", "shared", "sum")
@@ -207,7 +208,7 @@ def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_p
     if backend == "kernel":
         if is_causal:
             N, M = q_pos.shape[-2], k.shape[-2]
-            causal = torch.ones(N, M, dtype=torch.bool, device=k.device).tril()
+            causal = causal_keep(N, M, k.device)
             bias_pos = bias_neg = torch.zeros(N, M, device=k.device).masked_fill_(~causal, float("-inf"))
         return dna_cpu.dna_attention(*args, scale_pos=scale_pos, scale_neg=scale_neg, bias_pos=bias_pos,
                                      bias_neg=bias_neg, input_bias=input_bias)
@@ -259,6 +260,16 @@ class _DnAParams:
     def alpha_values(self) -> torch.Tensor:
         """alpha_h per head, (H,): the learned values, or ones for ``variant=sum``."""
         return torch.ones(self.num_heads) if self.alpha is None else self.alpha.detach()
+
+    def branch_coefficients(self) -> tuple[str, torch.Tensor]:
+        """("alpha", alpha_h per head (H,)): the negative branch's coefficient."""
+        return "alpha", self.alpha_values()
+
+    def use_backend(self, name: str) -> None:
+        """As :meth:`~attnlab.attention.capabilities.Declares.use_backend`, ``sdpa``, ``kernel`` and ``triton``
+        pinned (``backend``)."""
+        super().use_backend(name)
+        self.backend = "auto" if name == "explicit" else name
 
     def _init_negative(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
                        only: tuple[str, ...] = ("q_neg", "v_neg")) -> None:
@@ -318,7 +329,8 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         neg_init: the warm-start factor (1e-4, paper Sec. 4.2 and Table 13).
     """
 
-    kv_cache = True  # generation may cache keys/values: a new query against them is its causal output
+    capabilities = Capabilities(kv_cache=True, explicit_maps=True, branches=True,
+                                backends=("sdpa", "explicit", "kernel", "triton"))
     adopts_wide_qkv = True  # reads Q+, K, V+ (and Q-, V-) out of another DnA module's fused projection
 
     def __init__(self, dim: int, num_heads: int = 8, *, variant: str = "qv", alpha_init: float = 0.5,
@@ -441,7 +453,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
     def _biases(self, mask: AttentionMask | None, like: torch.Tensor):
         """(bias_pos, bias_neg, is_causal) for the fused backends: the standard fused bias, the softmin branch's in
         negated-logit form (both None and ``is_causal`` True when causality is all the mask asks)."""
-        if mask is not None and mask.causal_only and self.window_size is None:
+        if self.sdpa_causal(mask):
             return None, None, True
         return self.attn_bias(mask, like), self._softmin_bias(mask, like, like.shape[-2]), False
 

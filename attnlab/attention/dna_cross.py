@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from .capabilities import Capabilities, Declares
 from .dna import _canonical, _DnAParams, _rows, _slots, combine, dna_attention, dna_branches, negative_bias
 from .mask import AttentionMask
 
 
-class DnACrossAttention(_DnAParams, nn.Module):
+class DnACrossAttention(_DnAParams, Declares, nn.Module):
     """DnA cross-attention (Sec. 3.3, the visual-probe adapter): queries from ``x``, keys and values from ``context``.
 
         P' = softmax(P W_{Q+} (X W_K)^T / sqrt(d)) X W_{V+} + alpha * softmin(P W_{Q-} (X W_K)^T / sqrt(d)) X W_{V-}
@@ -31,6 +32,10 @@ class DnACrossAttention(_DnAParams, nn.Module):
         qkv_bias, proj_bias, attn_drop, proj_drop, fused_attn: as :class:`AttnlabAttention`.
         variant, alpha_init, scale, init, neg_init: as :class:`DnAAttention`.
     """
+
+    capabilities = Capabilities(
+        causal="DnA cross-attention takes no causal mask: its queries and keys are different sequences, so no order "
+               "relates them", backends=("sdpa", "explicit", "kernel", "triton"))
 
     def __init__(self, dim: int, num_heads: int = 8, kv_dim: int | None = None, *, head_dim: int | None = None,
                  qkv_bias: bool = False, proj_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0,
@@ -114,9 +119,9 @@ class DnACrossAttention(_DnAParams, nn.Module):
         mask = AttentionMask.of(attn_mask)
         if mask is not None:
             mask.check(x.shape[0], context.shape[1])
-            if mask.is_causal:
-                raise UnsupportedModelError("DnA cross-attention takes no causal mask: its queries and keys are "
-                                            "different sequences, so no order relates them.")
+            why = self.capabilities.refusal(mask)
+            if why:
+                raise UnsupportedModelError(f"{why}.")
         return mask
 
     def branch_outputs(self, x: torch.Tensor, context: torch.Tensor, attn_mask=None):

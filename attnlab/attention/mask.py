@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import ConfigError, UnsupportedModelError
+from ..errors import ConfigError
+from ..ops.sdpa import causal_keep
 
 #: an additive float mask's entries at or below this exclude their key from every branch (weight exactly 0): -inf,
 #: any dtype's ``finfo.min`` (Hugging Face's padding), the -1e9 / -1e4 of older code. A softmax gives such a key
@@ -78,17 +79,6 @@ class AttentionMask(NamedTuple):
         """Only causality is asked: SDPA's ``is_causal`` path, no mask in memory."""
         return self.is_causal and self.key_padding is None and self.attn_mask is None and self.window is None
 
-    def refuse(self, name: str, *, causal: str | None = None, padding: str | None = None,
-               other: str | None = None) -> None:
-        """UnsupportedModelError with the first reason (given per part) why mechanism ``name`` cannot honour this
-        mask; a part whose reason is None is honoured."""
-        other_present = self.attn_mask is not None or self.window is not None
-        for present, part, why in ((self.is_causal, "a causal mask", causal),
-                                   (self.key_padding is not None, "key padding", padding),
-                                   (other_present, "this attention mask", other)):
-            if present and why:
-                raise UnsupportedModelError(f"{name} cannot honour {part}: {why}.")
-
     # ---- the mask as tensors --------------------------------------------------------------------------------------
     def _windows(self, B: int, t: torch.Tensor) -> torch.Tensor:
         """A (num_windows, N, M) tensor as (B, 1, N, M): windows are the fastest-varying part of Swin's batch."""
@@ -100,7 +90,7 @@ class AttentionMask(NamedTuple):
         docstring), or None."""
         keep = None
         if self.is_causal:
-            keep = torch.ones(N, M, dtype=torch.bool, device=device).tril()
+            keep = causal_keep(N, M, device)
         if padding and self.key_padding is not None:
             kp = self.key_padding[:, None, None, :]
             keep = kp if keep is None else keep & kp

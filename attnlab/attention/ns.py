@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from ..ops.ns import NS_COEFFS, NS_EPS, check_ns_options, ns_transform
+from .capabilities import Capabilities, Declares
 
 
-class NSTransform(nn.Module):
+class NSTransform(Declares, nn.Module):
     """Applies :func:`attnlab.ops.ns_transform` to head outputs of shape (B, H, N, D).
 
     Args:
@@ -35,13 +36,14 @@ class NSTransform(nn.Module):
             run) or ``reference`` (Algorithm 1 literally). See :func:`attnlab.ops.ns_transform`.
     """
 
-    #: why the transform cannot run under a causal mask (the attention module refuses with it)
-    causal_refusal = ("ns cannot honour a causal mask: its transform mixes all N tokens of a head (the Frobenius norm "
-                      "and the Gram product run over every token), so token i's output depends on later tokens")
-    #: why it cannot run under a caller's attn_mask (Swin's window mask is the model's own geometry and is kept)
-    mask_refusal = ("ns cannot honour this attention mask: its transform mixes the outputs of all N tokens of a head, "
-                    "so tokens the mask hides from each other meet there; pass padding as key_padding (an "
-                    "AttentionMask), whose tokens it leaves out")
+    #: a causal mask and a caller's attn_mask are refused (Swin's window mask is the model's own geometry and is
+    #: kept; key padding's rows are zero before the transform); tokens mix, so no KV cache
+    capabilities = Capabilities(
+        causal="ns cannot honour a causal mask: its transform mixes all N tokens of a head (the Frobenius norm and the "
+               "Gram product run over every token), so token i's output depends on later tokens",
+        attn_mask="ns cannot honour this attention mask: its transform mixes the outputs of all N tokens of a head, so "
+                  "tokens the mask hides from each other meet there; pass padding as key_padding (an AttentionMask), "
+                  "whose tokens it leaves out")
 
     def __init__(self, steps: int = 1, eps: float = NS_EPS, impl: str = "auto",
                  coeffs: tuple[float, float, float] = NS_COEFFS) -> None:

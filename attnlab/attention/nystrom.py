@@ -11,7 +11,7 @@ bias; their LRA configurations use 35). The formula is in :func:`attnlab.ops.low
 projections are the standard module's, so weight terms (``nystrom+speccond``) act on them as on softmax attention.
 
 Masks: key padding as the authors mask it (:func:`~attnlab.ops.lowrank.nystrom_attention`); causal masks, Swin's
-windows (a relative-position bias) and a caller's ``attn_mask`` are refused, with the reasons of :data:`MASK_REFUSALS`.
+windows (a relative-position bias) and a caller's ``attn_mask`` are refused, with the reasons its record holds.
 """
 
 from __future__ import annotations
@@ -22,12 +22,8 @@ from torch import nn
 from ..errors import SpecError
 from ..ops.lowrank import Z0_SCALES, nystrom_attention
 from .base import AttnlabAttention, norm_in_dtype
+from .capabilities import Capabilities, global_only
 from .mask import AttentionMask
-
-#: what Nyström attention cannot honour of a mask, by part (AttentionMask.refuse)
-MASK_REFUSALS = dict(
-    causal="its landmarks are means over segments of the whole sequence, so every output depends on every token",
-    other="it takes no attn_mask or window bias, only key padding (an AttentionMask)")
 
 
 class NystromAttention(AttnlabAttention):
@@ -42,8 +38,12 @@ class NystromAttention(AttnlabAttention):
             default), ``authors`` (one maximum over the batch), ``lucidrains``.
     """
 
-    global_only = "nystrom"
-    causal_refusal = f"nystrom cannot honour a causal mask: {MASK_REFUSALS['causal']}"
+    capabilities = Capabilities(
+        causal="nystrom cannot honour a causal mask: its landmarks are means over segments of the whole sequence, so "
+               "every output depends on every token",
+        attn_mask="nystrom cannot honour this attention mask: it takes no attn_mask or window bias, only key padding "
+                  "(an AttentionMask)",
+        window=global_only("nystrom"), head_output=True)
 
     def __init__(self, dim: int, num_heads: int = 8, *, landmarks: int = 64, pinv: str = "iterative",
                  iters: int = 6, conv: int = 0, z0: str = "head", **kwargs) -> None:
@@ -61,10 +61,7 @@ class NystromAttention(AttnlabAttention):
                                  pinv_iters=None if self.pinv == "exact" else self.iters)
 
     def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:
-        kp = None
-        if mask is not None:
-            mask.refuse("nystrom", **MASK_REFUSALS)
-            kp = mask.key_padding
+        kp = None if mask is None else mask.key_padding  # the rest of a mask is refused by mask_of (the record)
         o = self._nystrom(q, k, v, None if kp is None else kp[:, None, :])
         if self.conv is None:
             return o
@@ -76,10 +73,7 @@ class NystromAttention(AttnlabAttention):
         sequence's (a batch of one)."""
         q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
         q, k = norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k)
-        kp = None
-        if mask is not None:
-            mask.refuse("nystrom", **MASK_REFUSALS)
-            kp = None if mask.key_padding is None else mask.key_padding[0]
+        kp = None if mask is None or mask.key_padding is None else mask.key_padding[0]
         o = self._nystrom(q, k, v, kp)
         if self.conv is not None:
             weight = self.conv.weight[head : head + 1].detach().to(x.dtype)

@@ -25,11 +25,8 @@ from ..errors import ConfigError
 from ..ops import performer_cpu
 from ..ops.lowrank import orthogonal_gaussian, performer_attention
 from .base import AttnlabAttention, norm_in_dtype
+from .capabilities import Capabilities, global_only
 from .mask import AttentionMask
-
-#: what FAVOR+ cannot honour of a mask, by part (AttentionMask.refuse)
-MASK_REFUSALS = dict(other="FAVOR+ has no N x N map to add an attn_mask or Swin's window bias to; pass key padding "
-                           "and causality as an AttentionMask instead")
 
 
 class PerformerAttention(AttnlabAttention):
@@ -44,7 +41,11 @@ class PerformerAttention(AttnlabAttention):
             it cannot run).
     """
 
-    global_only = "performer"
+    #: backends: ``explicit`` the torch ops (``impl=torch``), ``kernel`` the fused CPU kernel (``impl=kernel``)
+    capabilities = Capabilities(
+        attn_mask="performer cannot honour this attention mask: FAVOR+ has no N x N map to add an attn_mask or Swin's "
+                  "window bias to; pass key padding and causality as an AttentionMask instead",
+        window=global_only("performer"), head_output=True, backends=("explicit", "kernel"))
 
     def __init__(self, dim: int, num_heads: int = 8, *, features: int = 256, redraw: int = 0, seed: int = 0,
                  impl: str = "auto", **kwargs) -> None:
@@ -84,8 +85,7 @@ class PerformerAttention(AttnlabAttention):
 
     def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:
         key_padding, causal = None, False
-        if mask is not None:
-            mask.refuse("performer", **MASK_REFUSALS)
+        if mask is not None:  # the rest of a mask is refused by mask_of (the record)
             causal = mask.is_causal
             key_padding = None if mask.key_padding is None else mask.key_padding[:, None, :]
         if self.training and self.redraw:
@@ -100,14 +100,18 @@ class PerformerAttention(AttnlabAttention):
                 raise ConfigError(f"performer(impl=kernel) cannot run here: {why}; use impl=auto.")
         return performer_attention(q, k, v, projection, key_padding=key_padding, causal=causal)
 
+    def use_backend(self, name: str) -> None:
+        """As :meth:`~attnlab.attention.capabilities.Declares.use_backend`: ``explicit`` is ``impl=torch``,
+        ``kernel`` ``impl=kernel``."""
+        super().use_backend(name)
+        self.impl = "torch" if name == "explicit" else "kernel"
+
     def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int,
                     mask: AttentionMask | None = None) -> torch.Tensor:
         """One head's o (N, D) from x (N, C) and its weights (D, C), with the current features; ``mask``: this
         sequence's (a batch of one)."""
         q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
         q, k = norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k)
-        if mask is not None:
-            mask.refuse("performer", **MASK_REFUSALS)
         kp = None if mask is None or mask.key_padding is None else mask.key_padding[0]
         return performer_attention(q, k, v, self.projection.to(x.dtype), key_padding=kp,
                                    causal=mask is not None and mask.is_causal)

@@ -16,18 +16,18 @@ import torch
 
 from ..ops.sdpa import sdpa
 from .base import AttnlabAttention, Branch
+from .capabilities import Capabilities
 from .mask import AttentionMask
 
 
 class StandardAttention(AttnlabAttention):
     """Softmax attention; the reference every other mechanism is compared against. Arguments as AttnlabAttention."""
 
-    plain_softmax = True
-    kv_cache = True  # generation may cache keys/values: a new query against them is its causal output
+    capabilities = Capabilities(kv_cache=True, plain_softmax=True, explicit_maps=True, backends=("sdpa", "explicit"))
 
     def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:
         if self.fused_attn:
-            causal = mask is not None and mask.causal_only and self.window_size is None
+            causal = self.sdpa_causal(mask)
             return sdpa(q, k, v, attn_mask=None if causal else self.attn_bias(mask, q),
                         dropout_p=self.attn_drop.p if self.training else 0.0, is_causal=causal)
         return self.attn_drop(self.weights(q, k, mask)) @ v

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import norm_in_dtype
-from .channel import ChannelMapAttention
+from .channel import ChannelMapAttention, channel_capabilities
 
 
 class XCAttention(ChannelMapAttention):
@@ -30,6 +30,7 @@ class XCAttention(ChannelMapAttention):
     """
 
     family = "XCiT's cross-covariance attention"
+    capabilities = channel_capabilities(family, ("sdpa", "explicit"))
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -51,7 +51,7 @@ def refusal(module: nn.Module, spec: Spec, name: str = "") -> str | None:
 def causal_refusal(spec: Spec) -> str | None:
     """Why ``spec`` has no causal form (its kernel's or a head term's reason, one sentence), or None."""
     for term in (spec.kernel, *spec.of_kind("head")):
-        why = term.variant.load().causal_refusal
+        why = term.variant.load().capabilities.causal
         if why:
             return why
     return None
@@ -134,7 +134,7 @@ def convert(model: nn.Module, spec: str | Spec, only: str | None = None) -> nn.M
 
 def _causal_terms() -> list[str]:
     """The kernel and head terms that have a causal form."""
-    return [name for name, v in VARIANTS.items() if v.kind in ("kernel", "head") and not v.load().causal_refusal]
+    return [name for name, v in VARIANTS.items() if v.kind in ("kernel", "head") and not v.load().capabilities.causal]
 
 
 def term_support(model: nn.Module) -> list[dict]:
@@ -164,7 +164,7 @@ def term_support(model: nn.Module) -> list[dict]:
                 elif variant.kind == "kernel":  # the mechanism's own constructor check, on this module's geometry
                     reason = variant.load().geometry_refusal(AttnlabAttention.geometry(module))
                 if not reason and causal and variant.kind in ("kernel", "head"):
-                    reason = variant.load().causal_refusal
+                    reason = variant.load().capabilities.causal
                 if reason:
                     group["refused"][term] = reason
                 else:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from timm.layers import Attention, Mlp
 from torch import nn
 
+from ..attention.capabilities import capabilities_of
 from ..errors import ConfigError
 from .convert import attention_modules
 
@@ -193,10 +194,10 @@ class KVCache:
 
 
 def supports_kv_cache(model: nn.Module) -> bool:
-    """Whether every attention module of ``model`` declares ``kv_cache`` (a new token's query against the earlier
-    keys is its exact causal output) and has no head transform mixing tokens."""
+    """Whether every attention module of ``model`` declares ``kv_cache`` in its record (a new token's query against
+    the earlier keys is its exact causal output), and so does each of its head transforms."""
     found = attention_modules(model)
-    return bool(found) and all(getattr(m, "kv_cache", False) and isinstance(m.head_transform, nn.Identity)
+    return bool(found) and all(capabilities_of(m).kv_cache and all(capabilities_of(h).kv_cache for h in m.heads())
                                for _, m in found)
 
 

@@ -45,11 +45,10 @@ def rel_pos_attention(attn: nn.Module, x: torch.Tensor, rel_pos_h: torch.Tensor,
     """``attn`` on tokens x (B, h*w, C) of an (h, w) grid with ViTDet's relative positions in every logit: the bias
     q . R_h + q . R_w of the module's queries (DnA: the softmax branch's Q+, whose bias the softmin branch also takes,
     as it takes Swin's) enters each branch as a float mask does (docs/methods.md, Detection backbones)."""
-    why = getattr(attn, "global_only", None)
+    why = attn.capabilities.attn_mask  # the kernel's: the bias enters as a float attn_mask
     if why:
-        raise UnsupportedModelError(f"{why} approximates global attention without an additive bias, and ViTDet's "
-                                    f"relative positions add one to every logit; build the detector with "
-                                    f"rel_pos=False (--model-options '{{rel_pos: false}}') to use it.")
+        raise UnsupportedModelError(f"{why}; ViTDet's relative positions add a bias to every logit, so build the "
+                                    f"detector with rel_pos=False (--model-options '{{rel_pos: false}}') to use it.")
     q, k, v = attn.project(x)
     bias = decomposed_rel_pos(q[0] if isinstance(q, tuple) else q, rel_pos_h, rel_pos_w, hw, hw)
     mask = AttentionMask(attn_mask=bias)

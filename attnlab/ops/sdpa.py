@@ -21,13 +21,20 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-__all__ = ["EXPLICIT_MAX_KEYS", "explicit_is_faster", "sdpa", "short_sequence_products"]
+__all__ = ["EXPLICIT_MAX_KEYS", "causal_keep", "explicit_is_faster", "sdpa", "short_sequence_products"]
 
 # largest key count at which the explicit product is faster for a CPU training step, per compute dtype
 EXPLICIT_MAX_KEYS = {torch.float32: 96, torch.bfloat16: 224, torch.float16: 224}
 
 
 _enabled = False
+
+
+def causal_keep(N: int, M: int, device=None, offset: int = 0) -> torch.Tensor:
+    """The causal order as a keep map (N, M), True where query i may attend key j: j <= i + ``offset`` (SDPA's
+    top-left convention at ``offset=0``; a tile whose first query is r0 and first key c0 takes ``offset=r0 - c0``).
+    The one place attnlab builds the causal triangle."""
+    return torch.ones(N, M, dtype=torch.bool, device=device).tril(offset)
 
 
 @contextlib.contextmanager
@@ -61,7 +68,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Ten
                                               is_causal=is_causal)
     logits = (q * (q.shape[-1] ** -0.5 if scale is None else scale)) @ k.transpose(-2, -1)
     if is_causal:
-        attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        attn_mask = causal_keep(q.shape[-2], k.shape[-2], q.device)
     if attn_mask is not None:
         logits = logits.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else logits + attn_mask
     weights = logits.softmax(dim=-1, dtype=torch.float32).to(v.dtype)  # bf16 logits, float32 normalisation

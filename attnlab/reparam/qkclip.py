@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..errors import SpecError
+from ..ops.sdpa import causal_keep
 from ..variants import TrainingHooks
 from .qknorm import has_qk_norm
 
@@ -105,8 +106,7 @@ def allowed_positions(mask, device):
     def allowed(b0, b1, r0, r1, c0, c1):
         ok = torch.ones((), dtype=torch.bool, device=device)
         if mask.is_causal:
-            rows = torch.arange(r0, r1, device=device)[:, None]
-            ok = ok & (rows >= torch.arange(c0, c1, device=device)[None, :])
+            ok = ok & causal_keep(r1 - r0, c1 - c0, device, offset=r0 - c0)
         if mask.key_padding is not None:
             kp = mask.key_padding
             ok = ok & kp[b0:b1, None, r0:r1, None] & kp[b0:b1, None, None, c0:c1]
@@ -200,7 +200,7 @@ def _check(module: nn.Module, index: int) -> None:
         raise SpecError(
             f"qkclip cannot act on attention module {index}: it normalises q and k after the projection (QK-norm), "
             f"which divides out any rescaling of W_q and W_k, so the clip would have no effect; use qknorm or qkclip.")
-    if not getattr(module, "plain_softmax", False):
+    if not module.capabilities.plain_softmax:
         raise SpecError(
             f"qkclip needs softmax attention (the standard kernel, optionally with ns), but attention module {index} "
             f"is {type(module).__name__}, whose logits are not q_h k_h^T / sqrt(D) of the fused projection.")

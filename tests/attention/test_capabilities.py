@@ -1,6 +1,7 @@
 """Capabilities instead of class identity: which mechanisms form one plain softmax per head (what QK-clip, entropy
 and the attention Jacobian need), and terms that act during training plug into the trainer through the registry."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import attnlab
 from attnlab.analysis import entropy, jacobian
 from attnlab.attention import CogAttention, DiffAttention, DnAAttention, DnACrossAttention
+from attnlab.attention.capabilities import capabilities_of
 from attnlab.attention.standard import StandardAttention
 from attnlab.errors import SpecError, UnsupportedModelError
 from attnlab.reparam import qkclip
@@ -21,17 +23,17 @@ class OwnAttend(StandardAttention):
 
 
 class DeclaredSoftmax(StandardAttention):
-    plain_softmax = True
+    capabilities = replace(StandardAttention.capabilities, explicit_maps=False)
 
     def attend(self, q, k, v, mask=None):
         return super().attend(q, k, v, mask)
 
 
 def test_plain_softmax_is_declared_by_standard_only_and_lost_by_overriding_attend():
-    assert StandardAttention.plain_softmax and DeclaredSoftmax.plain_softmax
+    assert StandardAttention.capabilities.plain_softmax and DeclaredSoftmax.capabilities.plain_softmax
     for cls in (DnAAttention, DiffAttention, CogAttention, OwnAttend):
-        assert not cls.plain_softmax, cls
-    assert not getattr(DnACrossAttention, "plain_softmax", False)
+        assert not cls.capabilities.plain_softmax, cls
+    assert not capabilities_of(DnACrossAttention(16, 2)).plain_softmax
 
 
 def _model_with(cls):
@@ -76,9 +78,28 @@ def test_explicit_maps_are_owned_per_mechanism_and_lost_by_overriding_attend():
     from attnlab.attention.nystrom import NystromAttention
 
     for cls in (StandardAttention, CogAttention, DnAAttention, DiffAttention):
-        assert callable(cls.explicit_maps), cls
+        assert cls.capabilities.explicit_maps and callable(cls.explicit_maps), cls
     for cls in (OwnAttend, OwnCog, DeclaredSoftmax, NystromAttention):
-        assert cls.explicit_maps is None, cls
+        assert not cls.capabilities.explicit_maps, cls
     model = _model_with(OwnCog)
     with pytest.raises(UnsupportedModelError, match="explicit_maps"):
         map_modules(model)
+
+
+def test_dna_cross_attention_reads_its_record_for_refusals_and_backends():
+    """DnA cross-attention is no AttnlabAttention, yet its causal refusal and backend choice are its record's."""
+    from attnlab.attention.mask import AttentionMask
+    from attnlab.errors import ConfigError
+
+    cross = DnACrossAttention(16, 2).double().eval()
+    x, context = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 7, 16, dtype=torch.float64)
+    with pytest.raises(UnsupportedModelError) as info:
+        cross(x, context, attn_mask=AttentionMask(is_causal=True))
+    assert str(info.value) == f"{cross.capabilities.causal}."
+    with torch.no_grad():
+        cross.use_backend("explicit")
+        explicit = cross(x, context)
+        cross.use_backend("sdpa")
+        torch.testing.assert_close(cross(x, context), explicit, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ConfigError, match="has no 'flash' backend"):
+        cross.use_backend("flash")

@@ -118,7 +118,7 @@ def test_masks_are_honoured_or_refused_in_one_line(spec, kind):
 def test_map_instruments_ask_the_module(spec):
     model = _build(spec)
     modules = [m for _, m in attention_modules(model)]
-    if any(getattr(m, "explicit_maps", None) is None for m in modules):
+    if not all(m.capabilities.explicit_maps for m in modules):
         with pytest.raises(UnsupportedModelError, match="explicit attention maps"):
             head_redundancy(model, _images())
         return
@@ -210,7 +210,7 @@ def test_every_mask_form_excludes_a_key_from_every_branch(spec, path, causal):
 
 @pytest.mark.parametrize("term", [name for name, v in VARIANTS.items() if v.kind in ("kernel", "head")])
 def test_a_causal_model_refuses_a_term_without_a_causal_form_when_it_is_built(term):
-    """What a term declares (``causal_refusal``) is what its forward does under ``is_causal``: a term that refuses
+    """What a term declares (its record's ``causal``) is what its forward does under ``is_causal``: a term that refuses
     there is refused by ``build_model`` and ``convert`` on a causal model (GPT), in one line; a term with a causal
     form builds it, and its outputs never see later tokens."""
     torch.manual_seed(0)

@@ -6,11 +6,13 @@
 
 from __future__ import annotations
 
-from attnlab.attention.base import AttnlabAttention, Branch
+from attnlab.attention.base import AttnlabAttention, Branch, Capabilities
 
 
 class ToyAttention(AttnlabAttention):
     """Softmax attention at a temperature; arguments as :class:`AttnlabAttention` plus ``temperature``."""
+
+    capabilities = Capabilities(explicit_maps=True)  # every mask honoured; maps; the explicit path
 
     def __init__(self, dim: int, num_heads: int = 8, *, temperature: float = 2.0, **kwargs) -> None:
         super().__init__(dim, num_heads, **kwargs)

@@ -1,0 +1,275 @@
+"""The attention contract, generated from the capability records (docs/methods.md, "Adding a method").
+
+Every registered kernel and head term (and the registry suite's toy method) x every backend its record declares x
+{float64, float32, bfloat16 autocast} x {no mask, causal, key padding, additive -inf, additive finfo.min, Swin's
+window bias}: the output equals the term's own explicit float64 path within the dtype's tolerance (:data:`TOLERANCE`),
+or the call is refused with one line of UnsupportedModelError, the sentence the record holds. Whether a cell is
+refused is what the record says: a term that declares it honours a mask and raises fails, and so does one that
+declares a refusal and runs. The float64 reference itself is checked to honour each mask it takes: what causality or
+padding hides reaches no output it must not; Swin's window mask changes exactly the windows it masks (a head
+transform such as ns mixes a window's tokens after attention by design, so hidden regions may meet there). A backend that cannot run a cell (the C kernel in float64, Triton without
+CUDA) is skipped with the backend's own reason. A new registered term enters every cell with no edit here.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+from timm.models.swin_transformer import WindowAttention
+from timm.models.vision_transformer import Block
+from torch import nn
+
+import attnlab
+from attnlab.attention.base import FORWARD_ARGUMENTS, AttnlabAttention
+from attnlab.attention.capabilities import Capabilities, capabilities_of
+from attnlab.attention.mask import AttentionMask
+from attnlab.errors import ConfigError, UnsupportedModelError
+from attnlab.models import attention_modules
+from attnlab.variants import VARIANTS, register
+
+from tests.attention.test_registry import TOY
+
+#: what the registry says an attention term is: the kernels and the head transforms (toy: registered below)
+TERMS = [name for name, v in VARIANTS.items() if v.kind in ("kernel", "head")] + ["toy"]
+DTYPES = ["float64", "float32", "bf16-autocast"]
+MASKS = ["none", "causal", "key padding", "additive -inf", "additive finfo.min", "window bias"]
+#: |output - float64 explicit| <= tol (1 + |reference|) per dtype, inputs and weights O(1) (measured worst: 2e-15,
+#: 7e-7, 1.4e-2). In bf16 up to 1% of the elements may lie beyond, within :data:`BF16_CEILING`: rounding a logit near 0
+#: can flip Cog's sign(s), which moves that output by about 0.1
+TOLERANCE = {"float64": 1e-12, "float32": 1e-5, "bf16-autocast": 5e-2}
+BF16_CEILING = 0.25
+#: which record field predicts each mask's refusal
+FIELD = {"causal": "causal", "key padding": "key_padding", "additive -inf": "attn_mask",
+         "additive finfo.min": "attn_mask", "window bias": "window"}
+N, DIM, WINDOW = 10, 32, (2, 5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def toy_method():
+    register(TOY)
+    yield
+    del VARIANTS["toy"]
+
+
+def _spec(term: str) -> str:
+    """The term as the registry's demo builds it (cog: signed in every layer, or the 2-block model has no signed one)."""
+    demo = VARIANTS[term].demo if term in VARIANTS else TOY.demo
+    return demo if isinstance(demo, str) else term
+
+
+def _backends(term: str) -> tuple[str, ...]:
+    """The backends the term's kernel record declares, read from the class (collection time: toy is not registered)."""
+    v = VARIANTS.get(term, TOY)
+    kernel = v.load() if v.kind == "kernel" else VARIANTS["standard"].load()
+    return kernel.capabilities.backends
+
+
+CELLS = [(t, b) for t in TERMS for b in _backends(t)]
+
+
+class _Blocks(nn.Module):
+    """Two timm ViT blocks (dim 32, 2 heads), as the registry suite's."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(DIM, 2, mlp_ratio=2.0, qkv_bias=True) for _ in range(2))
+
+    def forward(self, x, attn_mask=None, is_causal=False):
+        for block in self.blocks:
+            x = block(x, attn_mask=attn_mask, is_causal=is_causal)
+        return x
+
+
+class _Window(nn.Module):
+    """One Swin window attention (timm's WindowAttention, window 2 x 5) with its relative-position bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = WindowAttention(DIM, num_heads=2, window_size=WINDOW, qkv_bias=True)
+        with torch.no_grad():  # make the relative-position bias matter (timm's init is trunc-normal 0.02)
+            self.attn.relative_position_bias_table.normal_(0, 1)
+
+    def forward(self, x, mask=None):
+        return self.attn(x, mask=mask)
+
+
+_MODELS: dict = {}
+
+
+def _model(term: str, window: bool) -> nn.Module:
+    """The converted float64 model (built once per term and geometry, copied per cell); raises what convert raises."""
+    key = (term, window)
+    if key not in _MODELS:
+        torch.manual_seed(0)
+        try:
+            _MODELS[key] = attnlab.convert(_Window() if window else _Blocks(), _spec(term)).double().eval()
+        except UnsupportedModelError as err:
+            _MODELS[key] = err
+    if isinstance(_MODELS[key], Exception):
+        raise _MODELS[key]
+    return copy.deepcopy(_MODELS[key])
+
+
+def _keep() -> torch.Tensor:
+    keep = torch.ones(2, N, dtype=torch.bool)
+    keep[0, 7:] = False  # right padding
+    keep[1, 3] = keep[1, 5] = False  # holes; every query keeps key 0, so no row is empty under causality
+    return keep
+
+
+def _window_mask() -> torch.Tensor:
+    """Swin's shifted-window mask for 2 windows (num_windows, N, N): window 0 holds two regions of 5 tokens, 0 within
+    a region and -100 across; window 1 is one region."""
+    region = torch.zeros(2, N, dtype=torch.long)
+    region[0, 5:] = 1
+    return (region[:, :, None] != region[:, None, :]).double() * -100.0
+
+
+def _call(model: nn.Module, x: torch.Tensor, mask: str) -> torch.Tensor:
+    """``model`` on x with the mask named ``mask``, formed in x's dtype (finfo.min of the dtype the caller computes
+    in: float32 under autocast)."""
+    if mask == "window bias":
+        return model(x, mask=_window_mask().to(x.dtype))
+    if mask == "none":
+        return model(x)
+    if mask == "causal":
+        return model(x, is_causal=True)
+    keep = _keep()
+    if mask == "key padding":
+        return model(x, attn_mask=AttentionMask(key_padding=keep))
+    fill = float("-inf") if mask == "additive -inf" else torch.finfo(x.dtype).min
+    return model(x, attn_mask=torch.zeros(2, 1, 1, N, dtype=x.dtype).masked_fill(~keep[:, None, None, :], fill))
+
+
+def _input() -> torch.Tensor:
+    return torch.randn(2, N, DIM, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+
+def _records(model: nn.Module) -> list[Capabilities]:
+    """The kernel's record and its head transforms' records, in the order the forward asks them."""
+    attn = attention_modules(model)[0][1]
+    return [attn.capabilities, *(capabilities_of(h) for h in attn.heads())]
+
+
+def _predicted(records: list[Capabilities], mask: str) -> str | None:
+    """The refusal sentence the records predict for ``mask``, or None (honoured)."""
+    if mask == "none":
+        return None
+    return next((getattr(r, FIELD[mask]) for r in records if getattr(r, FIELD[mask])), None)
+
+
+def _hidden(mask: str) -> torch.Tensor | None:
+    """(2, N) bool: tokens whose inputs ``mask`` hides from the outputs of :func:`_seen`'s tokens, or None."""
+    if mask in ("key padding", "additive -inf", "additive finfo.min"):
+        return ~_keep()
+    if mask == "causal":
+        hidden = torch.zeros(2, N, dtype=torch.bool)
+        hidden[:, 6:] = True
+        return hidden
+    return None
+
+
+def _seen(mask: str) -> torch.Tensor:
+    """(2, N) bool: the outputs that must not depend on the hidden tokens."""
+    if mask == "causal":
+        return ~_hidden(mask)
+    return _keep()
+
+
+_REFERENCE: dict = {}
+
+
+def _reference(term: str, mask: str) -> torch.Tensor | UnsupportedModelError:
+    """The term's explicit float64 output for ``mask`` (the refusal, if it refuses), checked to honour the mask."""
+    key = (term, mask)
+    if key in _REFERENCE:
+        return _REFERENCE[key]
+    try:
+        model = _model(term, mask == "window bias")
+        backends = _records(model)[0].backends
+        for _, m in attention_modules(model):
+            m.use_backend("explicit" if "explicit" in backends else backends[0])
+        x = _input()
+        with torch.no_grad():
+            out = _call(model, x, mask)
+            hidden = _hidden(mask)
+            if mask == "window bias":  # window 1's mask is all zero: as unmasked; window 0's regions: not
+                plain = model(x)
+                torch.testing.assert_close(out[1], plain[1], rtol=1e-12, atol=1e-12)
+                assert not torch.allclose(out[0], plain[0]), f"{term} ignores the window mask"
+            if hidden is not None:  # what the mask hides reaches no output it must not
+                moved = x.clone()
+                moved[hidden] = torch.randn(int(hidden.sum()), DIM, generator=torch.Generator().manual_seed(3),
+                                            dtype=torch.float64) * 4
+                seen = _seen(mask)
+                torch.testing.assert_close(_call(model, moved, mask)[seen], out[seen], rtol=1e-10, atol=1e-10,
+                                           msg=lambda m: f"{term} does not honour {mask}: {m}")
+        _REFERENCE[key] = out
+    except UnsupportedModelError as err:
+        _REFERENCE[key] = err
+    return _REFERENCE[key]
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("term,backend", CELLS, ids=[f"{t}-{b}" for t, b in CELLS])
+def test_cell_matches_the_float64_explicit_path_or_is_refused_as_the_record_says(term, backend, dtype, mask):
+    reference = _reference(term, mask)
+    try:
+        model = _model(term, mask == "window bias")
+    except UnsupportedModelError as err:
+        model, built = None, err
+    if model is not None:
+        predicted = _predicted(_records(model), mask)
+    else:  # refused when it was built (a geometry the mechanism does not take): only the window geometry is one
+        predicted = _predicted(_records(_model(term, False)), mask)
+        assert mask == "window bias" and predicted is not None, f"{term} refused to build: {built}"
+        assert str(built) == f"{predicted}.", str(built)
+        return
+    if isinstance(reference, UnsupportedModelError):
+        assert predicted is not None, f"{term}'s record says it honours {mask}, but it refused: {reference}"
+    for _, m in attention_modules(model):
+        m.use_backend(backend)
+    x = _input()
+    if dtype == "float32":
+        model, x = model.float(), x.float()
+    if dtype == "bf16-autocast":
+        model, x = model.float(), x.float()
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16-autocast"):
+            out = _call(model, x, mask)
+    except UnsupportedModelError as err:
+        assert predicted is not None, f"{term}'s record says it honours {mask}, but it refused: {err}"
+        assert "\n" not in str(err) and str(err) == f"{predicted}.", str(err)
+        return
+    except ConfigError as err:
+        if backend in ("sdpa", "explicit"):
+            raise
+        pytest.skip(f"{term}'s {backend} backend: {err}")
+    assert predicted is None, f"{term}'s record refuses {mask} ({predicted}), but it ran"
+    err = (out.double() - reference).abs() / (1 + reference.abs())
+    beyond = float((err > TOLERANCE[dtype]).double().mean())
+    where = f"{term} on {backend} in {dtype} with {mask}: largest error {err.max():.3g}"
+    if dtype == "bf16-autocast":
+        assert beyond <= 0.01 and err.max() <= BF16_CEILING, f"{where}, {beyond:.1%} beyond {TOLERANCE[dtype]}"
+    else:
+        assert beyond == 0, where
+
+
+@pytest.mark.parametrize("term", TERMS)
+def test_the_record_is_frozen_and_the_forward_takes_the_contract_arguments(term):
+    """Hooks read (x, mask) from a forward's arguments by position (``forward_mask``): every mechanism's forward takes
+    exactly :data:`FORWARD_ARGUMENTS`."""
+    v = VARIANTS[term]
+    cls = v.load() if v.kind == "kernel" else VARIANTS["standard"].load()
+    assert issubclass(cls, AttnlabAttention)
+    assert tuple(inspect.signature(cls.forward).parameters)[1:] == FORWARD_ARGUMENTS
+    record = v.load().capabilities
+    assert isinstance(record, Capabilities)
+    with pytest.raises(AttributeError):
+        record.causal = None  # frozen
+    if v.kind == "kernel":
+        assert record.backends and set(record.backends) <= {"sdpa", "explicit", "kernel", "triton"}
