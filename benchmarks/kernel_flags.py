@@ -4,8 +4,8 @@ Each level builds the ns and dna kernels into a fresh cache in a fresh process (
 forward on a CPU pays), then times them on one thread; the levels alternate over ``--rounds``. Prints the build
 seconds and the forward milliseconds per level, and each level's ratio to the first.
 
-    python benchmarks/kernel_flags.py                 # -O2 (attnlab's) against -O3
-    python benchmarks/kernel_flags.py --levels=-O2,-O3 --rounds 2
+    python benchmarks/kernel_flags.py                 # -O3 (attnlab's) against -O2
+    python benchmarks/kernel_flags.py --levels=-O3,-O2 --rounds 2
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ print(json.dumps(out))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--levels", default="-O2,-O3", help="comma-separated optimisation flags (default: -O2,-O3)")
+    parser.add_argument("--levels", default="-O3,-O2",
+                        help="comma-separated optimisation flags, attnlab's first (default: -O3,-O2)")
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds per level (default: 1)")
     args = parser.parse_args()
     levels = args.levels.split(",")
