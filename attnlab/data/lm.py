@@ -13,6 +13,7 @@ run draws the blocks the uninterrupted one would; evaluation batch j is ``batch(
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import sys
@@ -289,14 +290,41 @@ def _bin(folder: Path, split: str, dtype: str = "uint16") -> np.ndarray:
 
 
 CHUNK = 1 << 24  # tokens per step of the id check: 32 MiB of uint16 at a time
+REMEMBERED = 1 << 26  # token files from this size on: a passed check is remembered (OpenWebText's 9B tokens take ~1 min)
+
+
+def _passed_key(path: Path, vocab: int, dtype: str) -> str:
+    """What a passed id check of ``path`` is remembered by: the file's path, size and modification time (a file
+    rewritten since is checked again), the vocabulary and dtype."""
+    st = path.stat()
+    return f"{path.resolve()} {st.st_size} {st.st_mtime_ns} {vocab} {dtype}"
+
+
+def _passed_file() -> Path:
+    from attnlab.ops.ckernel import cache_dir
+
+    return cache_dir() / "checked-token-files.json"
+
+
+def _passed() -> set[str]:
+    try:
+        found = json.loads(_passed_file().read_text())
+    except (OSError, ValueError):
+        return set()
+    return set(found) if isinstance(found, list) else set()
 
 
 def check_token_ids(tokens: np.ndarray, vocab: int, path: Path, dtype: str) -> None:
     """Every id of a token file below ``vocab``, and a uint16 file that is not a uint32 file read as uint16 (whose
     odd halves would all be 0), checked in one vectorised pass of ``CHUNK`` tokens at a time (a progress bar for
     files past 2**28 tokens); DatasetError naming the file otherwise. nanoGPT finds a bad id only when a batch
-    draws it, thousands of steps in."""
+    draws it, thousands of steps in. A file of ``REMEMBERED`` tokens or more that passed is remembered in attnlab's
+    cache, so a run's resume, evaluation and the next run on it do not read it again."""
     from tqdm.auto import tqdm
+
+    key = _passed_key(path, vocab, dtype) if len(tokens) >= REMEMBERED else None
+    if key is not None and key in _passed():
+        return
 
     top, odd_top, even_top = 0, 0, 0
     for start in tqdm(range(0, len(tokens), CHUNK), desc=f"checking {path.name}", unit="chunk", leave=False,
@@ -311,6 +339,15 @@ def check_token_ids(tokens: np.ndarray, vocab: int, path: Path, dtype: str) -> N
     if top >= vocab:
         raise DatasetError(f"{path} holds token id {top}, outside its vocabulary of {vocab} (0 to {vocab - 1}); give "
                            f"the vocab_size the corpus was encoded with (or its meta.pkl).")
+    if key is not None:  # best effort: a cache that cannot be written only means checking again next time
+        try:
+            file = _passed_file()
+            file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(sorted(_passed() | {key})[-1000:]))
+            os.replace(tmp, file)
+        except OSError:
+            pass
 
 
 def nanogpt_vocab(data_dir, vocab_size: int = 0, dtype: str = "uint16") -> tuple[int, dict]:

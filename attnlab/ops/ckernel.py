@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["available", "disabled", "load", "load_error", "run_split"]
+__all__ = ["available", "cache_dir", "disabled", "load", "load_error", "run_split"]
 
 # -O3: with GCC 12 the DnA kernel runs 1.6-2x faster than at -O2 and builds in about 2 s (docs/perf.md, "Fused CPU
 # kernels: -O2 against -O3")
@@ -63,7 +63,8 @@ def disabled() -> str | None:
     return None
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """attnlab's cache: ``$ATTNLAB_CACHE``, else ``$XDG_CACHE_HOME/attnlab`` or ``~/.cache/attnlab``."""
     if os.environ.get("ATTNLAB_CACHE"):
         return Path(os.environ["ATTNLAB_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnlab"
@@ -209,7 +210,7 @@ def _build_with(source: Path, defines: tuple[str, ...]) -> ctypes.CDLL:
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what its #include "..." lines read
     parts = [source.read_text(), *headers, compiler, *flags, _cpu_id()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
-    target = _private_dir(_cache_dir()) / f"{source.stem}_{key[:16]}.so"
+    target = _private_dir(cache_dir()) / f"{source.stem}_{key[:16]}.so"
     return _load_cached(target, key) or _compile(compiler, flags, source, target, key)
 
 

@@ -465,3 +465,42 @@ def test_a_term_the_detector_cannot_take_is_its_own_reason_not_the_datas(tmp_pat
     line = refused(["train", "--recipe", "detect_demo", "--attn", "nystrom", "--epochs", "1"], tmp_path,
                    "nystrom cannot honour this attention mask: it takes no attn_mask or window bias")
     assert "--model-options '{rel_pos: false}'" in line and "against the data" not in line
+
+
+def test_a_large_token_file_that_passed_its_id_check_is_not_read_again(tmp_path, monkeypatch):
+    """The check reads every id (a minute for OpenWebText's 9B tokens); a file that passed is remembered by path,
+    size, time, vocabulary and dtype, so a resume or an evaluation does not read it again, while a rewritten file
+    and a file that failed are checked each time."""
+    import os
+
+    import numpy as np
+
+    from attnlab.data import lm
+
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(lm, "REMEMBERED", 0)
+    path = tmp_path / "train.bin"
+    np.asarray([1, 2, 3, 4] * 20, dtype="uint16").tofile(path)
+    reads = []
+
+    class Counted(np.ndarray):
+        def __getitem__(self, index):
+            reads.append(index)
+            return super().__getitem__(index)
+
+    def tokens():
+        return np.memmap(path, dtype="uint16", mode="r").view(Counted)
+
+    lm.check_token_ids(tokens(), 8, path, "uint16")
+    assert reads
+    reads.clear()
+    lm.check_token_ids(tokens(), 8, path, "uint16")
+    assert not reads  # remembered
+    lm.check_token_ids(tokens(), 7, path, "uint16")
+    assert reads  # another vocabulary is checked again
+    reads.clear()
+    np.asarray([1, 2, 9, 4] * 20, dtype="uint16").tofile(path)  # rewritten with an id past the vocabulary
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
+    for _ in range(2):
+        with pytest.raises(Exception, match="holds token id 9, outside its vocabulary of 8"):
+            lm.check_token_ids(tokens(), 8, path, "uint16")
