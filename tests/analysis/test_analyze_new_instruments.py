@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from attnlab.cli import main
 from attnlab.train import RECIPES, train
@@ -31,3 +32,20 @@ def test_analyze_trained_dna_run(tmp_path, capsys):
     assert data["curves"]["dna"]["epochs"] == [1, 2] and data["curves"]["dna"]["runs"] == 1
     for name in ("redundancy.png", "robustness.png", "relevance.png", "curves.png"):
         assert (out / name).stat().st_size > 1000, name
+
+
+def test_instruments_refuse_a_vitdet_whose_blocks_add_relative_positions_and_run_without_them():
+    import attnlab
+    from attnlab.analysis.instruments import analyze_model
+
+    images = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    geo = dict(num_classes=3, global_blocks=(1,), backbone_options=dict(embed_dim=24, depth=2, num_heads=2))
+    for rel_pos in (True, False):
+        torch.manual_seed(0)
+        model = attnlab.build_model("vitdet_tiny", attn="dna", rel_pos=rel_pos, **geo).eval()
+        out = analyze_model(model, images, ["branches", "redundancy"], skip_unsupported=True)
+        if rel_pos:
+            assert set(out["skipped"]) == {"branches", "redundancy"}
+            assert all("not called through its forward" in why and "\n" not in why for why in out["skipped"].values())
+        else:
+            assert "skipped" not in out and out["summary"]
