@@ -102,6 +102,8 @@ def _parse_term(text: str) -> Term:
         key, sep, raw = item.partition("=")
         if not sep or not key or not raw:
             raise SpecError(f"cannot read option {item!r} of {name!r}: write key=value, e.g. '{name}(key=value)'.")
+        if key == "impl" and "backend" in variant.options:  # the option's name before the one dispatcher
+            key, raw = "backend", {"torch": "explicit"}.get(raw, raw)
         if key not in variant.options:
             valid = ", ".join(variant.options) or "none"
             raise SpecError(f"{name!r} has no option {key!r}; its options are: {valid}.")

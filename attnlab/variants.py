@@ -141,6 +141,13 @@ def list_variants() -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------------------------
 # The registry. One line (one entry) per method.
 # ---------------------------------------------------------------------------------------------------------------
+def _backend(*names: str, help: str = "auto: SDPA, or the explicit product where it measures faster (a CPU "
+                                       "training step with few keys)") -> Option:
+    """A kernel's ``backend`` option: ``auto`` (the dispatcher's choice) or one of the backends its record declares."""
+    return Option("auto", str, choices=("auto", *names), help=help + "; a forced backend that cannot run a call "
+                                                                       "says why")
+
+
 _SIGMA_TARGETS = Option("all", str, choices=("all", "attn"),
                         help="all: every Linear and Conv2d; attn: the Linears inside the attention modules")
 _SIGMA_SPECNORM = ("specnorm is sigma-Reparam with gamma removed, so the two would normalise the same weights twice; "
@@ -149,6 +156,7 @@ _SIGMA_SPECNORM = ("specnorm is sigma-Reparam with gamma removed, so the two wou
 register(Variant(
     "standard", "kernel", "softmax attention, fused SDPA (timm's)", "Vaswani et al. 2017",
     "attnlab.attention.standard:StandardAttention",
+    options={"backend": _backend("sdpa", "explicit")},
 ))
 register(Variant(
     "ns", "head", "Newton-Schulz step on each head's feature-by-token output before head merge", "NS-Attn (Sec. 2, Alg. 1)",
@@ -156,9 +164,9 @@ register(Variant(
     options={
         "steps": Option(1, int, minimum=1, help="polynomial iterations K (paper: 1; ablation: 2)"),
         "eps": Option(1e-6, float, above=0.0, help="clamp of both Frobenius-norm divisions (> 0)"),
-        "impl": Option("auto", str, choices=("auto", "fast", "kernel", "reference"),
-                       help="auto: fused CPU kernel without gradient, else the Gram-space torch path (fast); "
-                            "reference: Algorithm 1 literally"),
+        "backend": Option("auto", str, choices=("auto", "kernel", "fast", "reference"),
+                          help="auto: fused CPU kernel without gradient, else the Gram-space torch path (fast); "
+                               "reference: Algorithm 1 literally"),
     },
 ))
 register(Variant(
@@ -175,17 +183,21 @@ register(Variant(
                        help="negative branch on conversion: random (timm's init) or copy (warm start "
                             "Q- = |neg_init| Q, V- = neg_init V)"),
         "neg_init": Option(1e-4, float, help="warm-start factor; negative flips V- as the authors' video code"),
+        "backend": _backend("kernel", "triton", "sdpa", "explicit",
+                            help="auto: the fused CPU kernel where it runs, Triton where opted in, else SDPA"),
     },
 ))
 register(Variant(
     "diff", "kernel", "Differential attention: (softmax(q1k1) - lambda softmax(q2k2)) v, per-head RMSNorm (timm's)",
     "Ye et al. 2024", "attnlab.attention.diff:DiffAttention",
-    options={"dual_lambda": Option(False, bool, help="timm's 2-scalar lambda instead of the paper's 4 vectors")},
+    options={"dual_lambda": Option(False, bool, help="timm's 2-scalar lambda instead of the paper's 4 vectors"),
+             "backend": _backend("sdpa", "explicit")},
 ))
 register(Variant(
     "cog", "kernel", "Cog attention: sign(s) * softmax(|s|), first and last layers softmax", "Lv et al. 2024",
     "attnlab.attention.cog:CogAttention",
-    options={"all_layers": Option(False, bool, help="signed weights in the first and last layers too")},
+    options={"all_layers": Option(False, bool, help="signed weights in the first and last layers too"),
+             "backend": _backend("sdpa", "explicit")},
     demo="cog(all_layers=true)",  # the demo's 2-block model has only a first and a last layer
 ))
 register(Variant(
@@ -213,8 +225,8 @@ register(Variant(
         "redraw": Option(0, int, minimum=0, help="draw new features every this many training forwards (0: never; "
                                                  "1: every call, as Google's FAVOR+)"),
         "seed": Option(0, int, minimum=0, help="seed of the feature draws (with the block index and draw number)"),
-        "impl": Option("auto", str, choices=("auto", "torch", "kernel"),
-                       help="auto: the fused CPU kernel for float32 passes without gradient, else torch ops"),
+        "backend": _backend("kernel", "explicit", help="auto: the fused CPU kernel for float32 passes without "
+                                                       "gradient or mask, else torch ops (explicit)"),
     },
     demo=False,  # a long-sequence kernel (benchmarks/long_sequence.py, the listops dataset)
 ))

@@ -43,7 +43,7 @@ REQUIRED = {
     "torch.nn.attention.sdpa_kernel": "torch 2.3", "torch.nn.attention.SDPBackend": "torch 2.2+",
     "torch.utils.flop_counter.register_flop_formula": "torch 2.1+", "torch.utils.flop_counter.FlopCounterMode":
     "torch 2.1+", "torch.utils.flop_counter.sdpa_flop_count": "torch 2.2+", "torch.amp.GradScaler": "torch 2.3",
-    "torch.amp.is_autocast_available": "torch 2.4", "torch.func.functional_call": "torch 2.0",
+    "torch.amp.is_autocast_available": "torch 2.4",
     "torch.func.jacrev": "torch 2.0",
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": "torch 2.2+, private",
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward": "torch 2.2+, private",

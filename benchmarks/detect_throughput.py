@@ -3,8 +3,8 @@ whose transformer carries each spec, against the same detector around the unconv
 one run.
 
 Every arm starts from the same weights and sees the same fixed batch (images with boxes and masks). A training
-step is the trainer's: zero_grad, forward inside ``short_sequence_products`` (attnlab's CPU path for short
-sequences), the summed torchvision losses, backward, AdamW. An inference pass keeps every detection (score
+step is the trainer's: zero_grad, forward (the attention dispatcher takes attnlab's CPU path for short
+sequences in training), the summed torchvision losses, backward, AdamW. An inference pass keeps every detection (score
 threshold 0), so each arm runs its heads on exactly ``detections_per_img`` boxes whatever its backbone outputs.
 Rounds rotate the order of the arms; an arm's rate is the fastest of its rounds (on a shared machine load only
 ever adds time, so the fastest is the least disturbed), and the ratios are against ``standard`` and ``timm``.
@@ -34,7 +34,6 @@ import torch
 
 from attnlab.bench import resolve_device
 from attnlab.models import build_detector
-from attnlab.ops.sdpa import short_sequence_products
 from attnlab.spec import split_specs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +80,7 @@ def _autocast(device, amp):
 def train_step(model, optimizer, images, targets, device, amp) -> None:
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    with _autocast(device, amp), short_sequence_products():
+    with _autocast(device, amp):
         loss = sum(model(images, targets).values())
     loss.backward()
     optimizer.step()

@@ -2,10 +2,10 @@
 
 Every configuration loads identical parameters; the protocol is the NS-Attn paper's (Section 3.5): rounds of
 warm-up and timed forwards with the order alternating between rounds. Rows:
-  ns                 attnlab's default (impl=auto): the fused C kernel on CPU forwards without gradient
+  ns                 attnlab's default (backend=auto): the fused C kernel on CPU forwards without gradient
                      (ns_kernel.c), the Gram-space torch formulation elsewhere (GPU, autograd, torch.compile)
-  ns(impl=fast)      the Gram-space torch formulation on every device
-  ns(impl=reference) Algorithm 1 written literally, batched over samples and heads
+  ns(backend=fast)      the Gram-space torch formulation on every device
+  ns(backend=reference) Algorithm 1 written literally, batched over samples and heads
 
 CPU (issue targets, 2 cores, batch 64, fp32 eager): ns/standard <= 1.10 for vit_cifar, <= 1.15 for swin_cifar.
 GPU (batch 128, fp32 and bf16, eager and compiled): <= 1.05 for both.
@@ -31,7 +31,7 @@ from attnlab.spec import split_specs
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="vit_cifar,swin_cifar")
-    p.add_argument("--attn", default="standard,ns,ns(impl=fast),ns(impl=reference)")
+    p.add_argument("--attn", default="standard,ns,ns(backend=fast),ns(backend=reference)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtypes", default="fp32", help="comma-separated: fp32, bf16")

@@ -56,7 +56,7 @@ def variant_costs(model_name: str, variants: list[str], img_size: int | tuple[in
         shape = example_input(model, 1, img_size=img_size)
         macs = count_macs(model, shape)
         for _, module in attention_modules(model):
-            module.fused_attn = False
+            module.use_backend("explicit")
         macs_explicit = count_macs(model, shape)
         params = sum(p.numel() for p in model.parameters())
         rows.append({"variant": spec, "params": params, "params_m": params / 1e6, "gmacs": macs / 1e9,

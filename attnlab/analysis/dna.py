@@ -14,9 +14,9 @@ shares V, so V+ = V-):
 - alpha statistics per layer (Appendix C.5 (D), Figure 11): mean, max, min and sample SD of alpha_h over heads
   (diff: its one lambda per layer, SD 0).
 
-The two-branch convention every such module follows (its record declares ``branches``): ``branch_outputs(x,
-mask=None) -> (o_pos, o_neg)``, each (B, H, N, D) before alpha / lambda; ``branch_values(x) -> (v_pos, v_neg)``
-(diff: its one V twice); ``branch_coefficients() -> ("alpha", (H,))`` or ``("lambda", lambda)``.
+Every such module's record declares the ``branches`` intermediate: its kernel returns the branch outputs (o_pos,
+o_neg), each (B, H, N, D) before alpha / lambda, and values (v_pos, v_neg) (diff: its one V twice), read here from
+the real forward; ``branch_coefficients() -> ("alpha", (H,))`` or ``("lambda", lambda)`` gives the coefficient.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..attention.base import Want
 from ..attention.capabilities import capabilities_of
 from ..errors import UnsupportedModelError
 from .figures import agg_figure, save_png
@@ -69,7 +70,7 @@ def branch_cosine(o_pos: torch.Tensor, o_neg: torch.Tensor) -> torch.Tensor:
 def two_branch_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every module whose record declares the two-branch convention (DnA, diff), in forward
     order."""
-    found = [(n, m) for n, m in model.named_modules() if capabilities_of(m).branches]
+    found = [(n, m) for n, m in model.named_modules() if "branches" in capabilities_of(m).intermediates]
     if not found:
         raise UnsupportedModelError(
             f"{type(model).__name__} has no two-branch attention; build or convert it with attn='dna' or 'diff'.")
@@ -124,26 +125,23 @@ def branch_instruments(model: nn.Module, images: torch.Tensor, k: int = DEFAULT_
     """Run ``model`` (eval mode, no grad) on ``images`` and measure, at every two-branch layer and for every sample
     (Swin: window) and head, the intruder count, C(V+, V-) and the branch cosine; plus alpha statistics.
 
-    Each layer's input and its mask (Swin's windows, causal order, key padding) are taken from the real forward by a
-    pre-hook; the layer's ``branch_outputs`` / ``branch_values`` are then evaluated on it.
+    Each layer's branch outputs and values are its kernel's intermediates in the real forward (Swin's windows,
+    causal order, key padding as the forward received them).
     """
     modules = two_branch_modules(model)
     result = BranchInstruments(layers=[n for n, _ in modules], k=k, eps=eps, alpha=alpha_stats(model))
     parts: list[dict[str, list[torch.Tensor]]] = [{"i": [], "c": [], "o": []} for _ in modules]
 
-    def hook(index):
-        def record(module, args, kwargs):
-            x, mask = module.forward_mask(args, kwargs)
-            o_pos, o_neg = module.branch_outputs(x, mask)
-            v_pos, v_neg = module.branch_values(x)
+    def observer(index):
+        def record(module, found):
+            (o_pos, o_neg), (v_pos, v_neg) = found.branches, found.values
             parts[index]["i"].append(intruder_dimensions(o_pos, o_neg, k, eps).cpu())
             parts[index]["c"].append(value_similarity(v_pos, v_neg).cpu())
             parts[index]["o"].append(branch_cosine(o_pos, o_neg).cpu())
         return record
 
     forward_batches(model, images, batch_size,
-                    [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, (_, m) in enumerate(modules)],
-                    watch=modules)
+                    [m.observe(Want(branches=True), observer(i)) for i, (_, m) in enumerate(modules)], watch=modules)
     for p in parts:
         result.intruders.append(torch.cat(p["i"]))
         result.value_similarity.append(torch.cat(p["c"]))

@@ -12,9 +12,9 @@ For query i of head h, with weights A_ij = softmax_j(l_ij) over the N keys of it
 - ``low``: the mean of the ``topk_percent`` % lowest H_i of the head (at least one query), the collapsed tail that
   the mean hides: a head with a few one-hot queries has a low ``low`` before its ``mean`` moves.
 
-l_ij = q_h,i . k_h,j / sqrt(D) + bias_ij is recomputed in float32 from the module's own ``project`` (so QK-norm
-is included) and ``add_bias`` (Swin's relative-position bias and the call's mask), outside the fused kernel; a
-forward pre-hook sees the module's real input and mask. Masks: a key that the call's mask excludes (causal order,
+l_ij = q_h,i . k_h,j / sqrt(D) + bias_ij is the forward's own float32 logits intermediate (QK-norm included), plus
+its resolved mask's position bias and mask (Swin's relative-position bias and window mask, ViTDet's relative
+positions, the call's mask), whatever backend computed the output. Masks: a key that the call's mask excludes (causal order,
 key padding, Swin's window mask) has weight 0 and is not in the maximum; the queries of padded tokens are measured
 neither in the entropy nor in the maximum, so a padded sequence model (which passes its key-padding mask to its
 blocks) and a causal one are measured on their real positions only. Only softmax kernels are measured
@@ -35,7 +35,7 @@ import math
 import torch
 from torch import nn
 
-from ..attention.base import AttnlabAttention
+from ..attention.base import AttnlabAttention, Want
 from ..attention.capabilities import capabilities_of
 from ..errors import UnsupportedModelError
 from ..models.convert import attention_modules
@@ -54,16 +54,6 @@ def _softmax_modules(model: nn.Module, skip_unsupported: bool) -> list[tuple[str
     return keep
 
 
-def _logits(module: nn.Module, args: tuple, kwargs: dict):
-    """(q.k/sqrt(D), the same plus the module's bias and mask), both float32 (B, H, N, M), and the call's mask, from
-    a forward's arguments."""
-    x, mask = module.forward_mask(args, kwargs)
-    q, k, _ = module.project(x)
-    with torch.autocast(x.device.type, enabled=False):  # float32 logits even when called under autocast
-        qk = (q.float() @ k.float().transpose(-2, -1)) * module.scale
-        return qk, module.add_bias(qk, mask), mask
-
-
 @torch.no_grad()
 def _collect(model: nn.Module, images: torch.Tensor, *, want_entropy: bool, include_bias: bool, batch_size: int,
              skip_unsupported: bool) -> list[dict]:
@@ -72,14 +62,15 @@ def _collect(model: nn.Module, images: torch.Tensor, *, want_entropy: bool, incl
     modules = _softmax_modules(model, skip_unsupported)
     records = [{"layer": name, "entropies": [], "max_logit": None, "num_keys": 0} for name, _ in modules]
 
-    def make_hook(record):
-        def hook(module, args, kwargs):
-            qk, logits, mask = _logits(module, args, kwargs)
+    def make_observer(record):
+        def seen(module, found):
+            qk, mask = found.logits, found.mask
+            logits = qk if mask is None else mask.add_to(qk)
             B, H, N, M = qk.shape
             measured = logits if include_bias else qk
             rows = None if mask is None else mask.key_padding  # (B, N): padded queries are not measured
             if mask is not None:
-                keep = mask.keep(B, N, M, qk.device)
+                keep = mask.keep()
                 if keep is not None:
                     measured = measured.masked_fill(~keep, float("-inf"))
                 if rows is not None:
@@ -92,9 +83,9 @@ def _collect(model: nn.Module, images: torch.Tensor, *, want_entropy: bool, incl
                 ent = ent.transpose(0, 1)  # (H, B, N)
                 ent = ent.reshape(H, -1) if rows is None else ent[:, rows]
                 record["entropies"].append(ent.double().cpu())
-        return hook
+        return seen
 
-    handles = [m.register_forward_pre_hook(make_hook(r), with_kwargs=True) for (_, m), r in zip(modules, records)]
+    handles = [m.observe(Want(logits=True), make_observer(r)) for (_, m), r in zip(modules, records)]
     forward_batches(model, images, batch_size, handles, watch=modules)  # modes restored after: a caller may mix them
     return records
 

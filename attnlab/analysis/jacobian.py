@@ -9,8 +9,8 @@ QK-norm when it has one, and the head's output transform (``ns``) applied when o
 
     J = d vec(O_h) / d [vec(W_Q), vec(W_K), vec(W_V)]        (N * D rows, 3 * D * C columns; row-major vec)
 
-(XCiT's and DaViT's channel attentions, Nyström and FAVOR+: O_h from the module's own formula, ``head_output``) is
-computed with ``torch.func.jacrev`` (reverse mode: N * D outputs are fewer than 3 * D * C inputs), and its
+(XCiT's and DaViT's channel attentions, Nyström and FAVOR+: O_h from the module's own kernel on that one head, its
+record's ``head`` intermediate; :func:`head_function`) is computed with ``torch.func.jacrev`` (reverse mode: N * D outputs are fewer than 3 * D * C inputs), and its
 condition number is kappa(J) = sigma_max / sigma_min over its min(N * D, 3 * D * C) singular values
 (``torch.linalg.svdvals``), in float64 by default: the paper reports kappa up to 1e10, beyond float32's reach.
 The weights are the ones the forward uses: under ``sigma`` gamma W / sigma(W), under ``speccond`` W + lam I_k.
@@ -25,6 +25,7 @@ matrix, about a second on two CPU cores, so pass a few images and, if need be, a
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -32,39 +33,17 @@ import torch
 from torch import nn
 from torch.func import jacrev
 
+from ..attention.base import Want
 from ..attention.capabilities import capabilities_of
 from ..errors import ConfigError, UnsupportedModelError
 from ..models import attention_modules
 from .maps import eval_mode, forward_batches
 
 
-def head_attention(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
-                   b_q: torch.Tensor | None = None, b_k: torch.Tensor | None = None, b_v: torch.Tensor | None = None,
-                   *, scale: float, bias: torch.Tensor | None = None,
-                   q_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   k_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   head_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   real: torch.Tensor | None = None) -> torch.Tensor:
-    """One head's output softmax(q k^T * scale + bias) v, (N, D). x: (N, C); w_*: (D, C); b_*: (D,); bias: (N, N)
-    (masked keys -inf); ``real`` (N,) bool: the sequence's real tokens (the others' rows are zero)."""
-    q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
-    if q_norm is not None:
-        q, k = q_norm(q), k_norm(k)
-    logits = (q * scale) @ k.T
-    if bias is not None:
-        logits = logits + bias
-    o = logits.softmax(dim=-1) @ v
-    if real is not None:  # padded queries' rows are zero before the head transform, as in the module
-        o = o * real[:, None]
-    if head_transform is not None:
-        o = head_transform(o[None, None])[0, 0]
-    return o
-
-
 def attention_jacobian(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
-                       head_fn: Callable[..., torch.Tensor] = head_attention, rows: torch.Tensor | None = None,
+                       head_fn: Callable[..., torch.Tensor], rows: torch.Tensor | None = None,
                        **kwargs) -> torch.Tensor:
-    """J = d vec(O) / d [vec(W_Q), vec(W_K), vec(W_V)] of ``head_fn`` (default :func:`head_attention`), shape
+    """J = d vec(O) / d [vec(W_Q), vec(W_K), vec(W_V)] of ``head_fn(x, w_q, w_k, w_v, **kwargs)`` (N, D), shape
     (N * D, 3 * D * C); ``rows`` (N,) bool keeps the outputs of those tokens only (the real ones of a padded
     sequence), (n * D, 3 * D * C)."""
     def f(wq, wk, wv):
@@ -108,41 +87,41 @@ class JacobianConditioning:
                 "sigma_min": self.sigma_min.tolist()}
 
 
-def _own_head(module: nn.Module, head: int, head_transform=None, mask=None) -> Callable[..., torch.Tensor]:
-    """One head of a module with its own formula (``head_output``: channel maps, Nyström, FAVOR+) as a function of
-    x and its weights, with the head transform; ``mask``: the sequence's, when it has one."""
-    extra = {} if mask is None else {"mask": mask}
-
+def head_function(module: nn.Module, head: int, mask=None) -> Callable[..., torch.Tensor]:
+    """One head of ``module`` (an attention module in the Jacobian's dtype) as a function of x (N, C) and its
+    weights (D, C) and biases (D,): the module's own per-head steps and kernel on that head alone (its record's
+    ``head`` intermediate), padded queries' rows zeroed and the head transform applied, as in its forward."""
     def f(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None):
-        o = module.head_output(x, w_q, w_k, w_v, b_q, b_k, b_v, head=head, **extra)
-        if mask is not None and mask.key_padding is not None:
-            o = o * mask.key_padding[0, :, None]  # padded rows zero before the head transform, as in the module
-        return o if head_transform is None else head_transform(o[None, None])[0, 0]
+        q, k, v = ((x @ w.T + (b if b is not None else 0))[None, None] for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
+        o = module.kernel(*module.normed(q, k, v), mask, Want(head=head), "explicit")[0]
+        if mask is not None:
+            o = mask.zero_padded_queries(o)
+        return module.head_transform(o)[0, 0]
     return f
 
 
 def _check(module: nn.Module, name: str) -> None:
-    record = capabilities_of(module)
-    if not (record.plain_softmax or record.head_output):
+    if "head" not in capabilities_of(module).intermediates:
         raise UnsupportedModelError(
             f"the attention Jacobian is defined for softmax attention, but {name} is {type(module).__name__}; "
             f"measure a model built with a softmax kernel (standard, optionally with ns, sigma, speccond, qknorm).")
 
 
 def _capture_inputs(model: nn.Module, modules: list[tuple[str, nn.Module]], images: torch.Tensor) -> dict:
-    """Each attention module's input x and its call's mask (Swin's windows, causal order, key padding) in one
-    forward pass."""
-    seen: dict[str, tuple[torch.Tensor, object]] = {}
+    """Each attention module's input x and its forward's resolved mask (Swin's windows and position bias, causal
+    order, key padding) in one forward pass."""
+    seen: dict[str, list] = {name: [None, None] for name, _ in modules}
 
-    def hook(name):
-        def record(mod, args, kwargs):
-            x, mask = mod.forward_mask(args, kwargs)
-            seen[name] = (x.detach(), mask)
-        return record
+    def pre_hook(name):
+        return lambda mod, args, kwargs: seen[name].__setitem__(0, (args[0] if args else kwargs["x"]).detach())
 
+    def observer(name):
+        return lambda mod, found: seen[name].__setitem__(1, found.mask)
+
+    handles = [m.register_forward_pre_hook(pre_hook(n), with_kwargs=True) for n, m in modules]
+    handles += [m.observe(Want(), observer(n)) for n, m in modules]
     with torch.no_grad():
-        forward_batches(model, images, len(images),
-                        [m.register_forward_pre_hook(hook(n), with_kwargs=True) for n, m in modules], watch=modules)
+        forward_batches(model, images, len(images), handles, watch=modules)
     return seen
 
 
@@ -173,10 +152,7 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
             with torch.no_grad():
                 weight = module.qkv.weight.to(dtype)  # effective weight (parametrisations applied)
                 qkv_bias = module.qkv.bias.to(dtype) if module.qkv.bias is not None else None
-            norms = {}
-            if not isinstance(module.q_norm, nn.Identity):
-                norms = dict(q_norm=_in_dtype(module.q_norm, dtype), k_norm=_in_dtype(module.k_norm, dtype))
-            transform = None if isinstance(module.head_transform, nn.Identity) else module.head_transform
+            own = copy.deepcopy(module).to(dtype)  # its norms, kernel and head transform in the Jacobian's dtype
             per_head = []
             for h in head_list:
                 rows = [slice(part * A + h * D, part * A + (h + 1) * D) for part in range(3)]
@@ -184,18 +160,10 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
                 b_q, b_k, b_v = (qkv_bias[r] for r in rows) if qkv_bias is not None else (None, None, None)
                 per_seq = []
                 for s in sequences:
-                    one = None if mask is None else mask.for_sample(s)
+                    one = None if mask is None else mask.for_sample(s).for_head(h)
                     real = None if one is None or one.key_padding is None else one.key_padding[0]
-                    if module.capabilities.head_output:  # channel maps, Nyström, FAVOR+: the module's own formula
-                        head = {"head_fn": _own_head(module, h, transform, one)}
-                    else:
-                        with torch.no_grad():
-                            like = x_all.new_empty(1, module.num_heads, N, D, dtype=dtype)
-                            bias = module.attn_bias(one, like)
-                        bias = None if bias is None else bias.expand(1, module.num_heads, N, N)[0, h].to(dtype)
-                        head = dict(scale=module.scale, bias=bias, head_transform=transform, real=real, **norms)
-                    j = attention_jacobian(x_all[s].to(dtype), w_q, w_k, w_v, b_q=b_q, b_k=b_k, b_v=b_v, rows=real,
-                                           **head)
+                    j = attention_jacobian(x_all[s].to(dtype), w_q, w_k, w_v, head_function(own, h, one), rows=real,
+                                           b_q=b_q, b_k=b_k, b_v=b_v)
                     per_seq.append(torch.stack(condition_number(j)))
                 per_head.append(torch.stack(per_seq))
             results.append((head_list, torch.stack(per_head)))  # (heads, sequences, 3)
@@ -208,11 +176,5 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
     return JacobianConditioning(out[..., 0], out[..., 1], out[..., 2], [n for n, _ in chosen], all_heads, sequences)
 
 
-def _in_dtype(norm: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The module's QK-norm as a function evaluated in ``dtype`` (its parameters cast, the module untouched)."""
-    params = {k: v.detach().to(dtype) for k, v in norm.named_parameters()}
-    return lambda t: torch.func.functional_call(norm, params, (t,))
-
-
-__all__ = ["JacobianConditioning", "attention_jacobian", "condition_number", "head_attention",
+__all__ = ["JacobianConditioning", "attention_jacobian", "condition_number", "head_function",
            "jacobian_conditioning"]

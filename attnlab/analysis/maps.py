@@ -1,13 +1,12 @@
 """Attention maps of every layer and branch, read from a real forward through each mechanism's explicit path.
 
 The instruments that look at attention weights (head redundancy, relevance) need the (B, H, N, M) maps of every
-attention module, per branch for two-branch mechanisms, and relevance needs them inside the autograd graph. Each
-mechanism owns its maps: ``module.explicit_maps(x, mask) -> (output, {branch: Branch})`` recomputes the module's
-output on its explicit (non-SDPA) path with the call's mask. A forward hook calls it and returns its output in
-place of the module's, so gradients of the model's output reach the maps; the hook checks that the recomputed
-output matches the module's own. A mechanism whose record does not declare ``explicit_maps`` (Nyström, Performer,
-channel maps, or a subclass that changed ``attend``) cannot be measured. Branches as the mechanisms name them, each a
-weight map W (rows over keys) and its signed coefficient c in the module's output o_h = sum_b c_b,h W_b,h V_b,h:
+attention module, per branch for two-branch mechanisms, and relevance needs them inside the autograd graph. They are
+a kernel's intermediates: an observer asks every forward of the module for ``weights``
+(:meth:`~attnlab.attention.base.AttnlabAttention.observe`), which runs the explicit backend, so the model's output
+is computed from the very maps recorded and gradients reach them. A mechanism whose record does not declare the
+``weights`` intermediate (Nyström, Performer, channel maps) cannot be measured. Branches as the mechanisms name them,
+each a weight map W (rows over keys) and its signed coefficient c in the module's output o_h = sum_b c_b,h W_b,h V_b,h:
 
     standard (with or without ns), cog   "attn": W = softmax(s) (cog: sign(s) softmax(|s|)),   c = 1
     dna (Sec. 3.2)                       "pos": softmax(s^+), c = 1;   "neg": softmin(s^-), c = alpha_h
@@ -24,7 +23,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..attention.base import AttnlabAttention, Branch
+from ..attention.base import AttnlabAttention, Branch, Want
 from ..errors import UnsupportedModelError
 from ..models.convert import attention_modules
 
@@ -50,42 +49,34 @@ def map_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, module in found:
         if not isinstance(module, AttnlabAttention):
             raise UnsupportedModelError(unconverted(name, module))
-        if not module.capabilities.explicit_maps:
+        if "weights" not in module.capabilities.intermediates:
             raise UnsupportedModelError(
-                f"attention module {name!r} is {type(module).__name__}, which has no explicit attention maps "
-                f"(explicit_maps) to read.")
+                f"attention module {name!r} is {type(module).__name__}, which has no attention weight maps to read.")
     return found
 
 
 @contextmanager
 def capture_maps(model: nn.Module, record: Callable[[int, str, nn.Module, dict[str, Branch]], None]
                  ) -> Iterator[list[tuple[str, nn.Module]]]:
-    """While open, every forward of an attention module of ``model`` calls ``record(index, name, module,
-    branches)`` and returns the explicit path's output (so the maps sit in the autograd graph). Yields the modules."""
+    """While open, every forward of an attention module of ``model`` runs its explicit backend and calls
+    ``record(index, name, module, branches)`` with its weight maps (in the autograd graph). Yields the modules;
+    UnsupportedModelError (:func:`not_called`) when one of them was never called."""
     modules = map_modules(model)
-
-    def hook(index, name):
-        def run(module, args, kwargs, output):
-            x, mask = module.forward_mask(args, kwargs)
-            out, branches = module.explicit_maps(x, mask)
-            gap = (out.detach() - output.detach()).abs().max().item()
-            if not gap <= 1e-3 * (1 + output.detach().abs().max().item()):
-                raise UnsupportedModelError(
-                    f"attention module {name!r} ({type(module).__name__}) computes something other than its "
-                    f"explicit attention path (largest difference {gap:.3g}), so its maps cannot be read.")
-            record(index, name, module, branches)
-            return out
-        return run
-
-    handles = [m.register_forward_hook(hook(i, n), with_kwargs=True) for i, (n, m) in enumerate(modules)]
     called: set[int] = set()
-    handles += [m.register_forward_pre_hook(lambda mod, args: called.add(id(mod))) for _, m in modules]
+
+    def observer(index, name):
+        def seen(module, found):
+            called.add(index)
+            record(index, name, module, found.weights)
+        return seen
+
+    handles = [m.observe(Want(weights=True), observer(i, n)) for i, (n, m) in enumerate(modules)]
     try:
         yield modules
     finally:
         for h in handles:
             h.remove()
-    missed = next((name for name, m in modules if id(m) not in called), None)
+    missed = next((name for i, (name, _) in enumerate(modules) if i not in called), None)
     if missed is not None:
         raise not_called(missed)
 
@@ -105,9 +96,8 @@ def eval_mode(model: nn.Module) -> Iterator[torch.device]:
 def not_called(name: str) -> UnsupportedModelError:
     """The refusal for an attention module whose forward a pass never called (its hooks saw nothing)."""
     return UnsupportedModelError(
-        f"attention module {name!r} was not called through its forward (its block runs the module's steps itself, "
-        f"as ViTDet's blocks with relative positions do), so this instrument cannot see it; build the model without "
-        f"them (ViTDet: model option rel_pos=False).")
+        f"attention module {name!r} was not called through its forward (its block runs the module's steps itself), "
+        f"so this instrument cannot see it; call the attention module itself in the block.")
 
 
 def forward_batches(model: nn.Module, images: torch.Tensor, batch_size: int, handles=(),

@@ -1,25 +1,33 @@
-"""The shared frame of every attnlab attention module: projections, ViT/Swin biases, head transform, head merge.
+"""The one attention contract every attnlab mechanism follows: resolve the mask once, dispatch once, one kernel.
 
-A mechanism (standard, dna, diff, cog) subclasses :class:`AttnlabAttention` and overrides :meth:`attend`, which maps
-per-head queries, keys and values to per-head outputs. Everything around it is shared and keeps timm's parameter
-names, so a converted model loads the original state dict:
+    forward(x, attn_mask, is_causal, mask, *, cache, position_bias)
+      -> Mask.resolve(...)              every mask argument, Swin's and ViTDet's position bias, a KV cache's offset:
+                                        ONE value; the record refuses what the mechanism cannot honour (one line)
+      -> choose(Call)                   the dispatcher asks each declared backend supports(call) once, in the
+                                        record's order of preference (``backend=`` forces one)
+      -> project(x, backend)            q, k, v per head (B, H, N, D), QK-norm applied; a KV cache extends k and v
+      -> kernel(q, k, v, mask, want, backend) -> (o, Intermediates)
+                                        the mechanism's formula, once; weights, branch outputs, one head alone when
+                                        ``want`` asks
+      -> finish(o)                      padded queries' rows zeroed, the head transform (``ns``), head merge, proj
 
-    x --qkv--> q, k, v (B, H, N, D) --q_norm/k_norm--> attend(q, k, v, mask) --head_transform--> merge --proj--> y
-
-``mask`` is the one :class:`~attnlab.attention.mask.AttentionMask` of the call (causal order, key padding, a ViT
-``attn_mask``, Swin's shifted-window mask), or None; Swin's relative-position bias is the module's own and enters
-each branch's logits with it (:meth:`attn_bias`, :meth:`add_bias`). ``head_transform`` is ``nn.Identity`` unless a
-head term (``ns``) is set; a forward hook on it sees exactly the tensor right before head merge, which is what the
-analyses read. With key padding, the rows of padded queries are zero before the head transform.
+:meth:`AttnlabAttention.run` returns the output with the :class:`Intermediates`; the instruments, QK-clip and the
+KV cache read them, through :meth:`AttnlabAttention.observe` (what every forward of the module computes and reports)
+or a direct call. A plain-softmax mechanism (its record's ``plain_softmax``) also gives its logits and per-head max
+logits. A new method is one file: a subclass that writes ``kernel`` (and ``project`` when it has other projections)
+and declares its :class:`~attnlab.attention.capabilities.Capabilities`; docs/methods.md, "Adding a method".
+The constructor keeps timm's parameter names, so a converted model loads the original state dict.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Final
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from timm.layers import Attention as TimmAttention
 from timm.models.davit import ChannelAttention as DaViTChannelAttention
@@ -29,22 +37,118 @@ from timm.models.swin_transformer import WindowAttention as TimmWindowAttention
 from timm.models.swin_transformer import get_relative_position_index
 from timm.models.xcit import XCA
 
-from ..errors import UnsupportedModelError
+from ..errors import ConfigError, UnsupportedModelError
+from ..ops.logits import screened_max_logits
+from ..ops.sdpa import causal_keep
 from .capabilities import Capabilities, Declares, capabilities_of
-from .mask import AttentionMask
+from .mask import AttentionMask, Mask
 
 
 @dataclass
 class Branch:
-    """One branch of a module's explicit path (:meth:`AttnlabAttention.explicit_maps`): ``weights`` W (B, H, N, M)
-    and ``effective`` c_h W (the same tensor when c = 1), the map the module's output is linear in."""
+    """One branch's weight map: ``weights`` W (B, H, N, M) and ``effective`` c_h W (the same tensor when c = 1), the
+    map the module's output is linear in."""
 
     weights: torch.Tensor
     effective: torch.Tensor
 
 
-#: :meth:`AttnlabAttention.forward`'s arguments in order; every attention module's forward takes exactly these
-FORWARD_ARGUMENTS = ("x", "attn_mask", "is_causal", "mask")
+class Want(NamedTuple):
+    """What a forward computes besides its output (each only when asked).
+
+    ``weights``: each branch's weight map (the explicit backend); ``branches``: each branch's output and values
+    before its coefficient; ``logits``: float32 q k^T / sqrt(D) (plain softmax); ``max_logits``: per-head max of
+    those logits over the allowed positions, exact for every head whose Cauchy-Schwarz bound exceeds this value and
+    the bound for the others (-inf: exact everywhere; QK-clip passes tau); ``head``: the kernel's q, k, v are that
+    one head's (the attention Jacobian)."""
+
+    weights: bool = False
+    branches: bool = False
+    logits: bool = False
+    max_logits: float | None = None
+    head: int | None = None
+
+    def __or__(self, other: "Want") -> "Want":
+        cap = [m for m in (self.max_logits, other.max_logits) if m is not None]
+        return Want(self.weights or other.weights, self.branches or other.branches, self.logits or other.logits,
+                    min(cap) if cap else None, self.head if other.head is None else other.head)
+
+
+@dataclass
+class Intermediates:
+    """What a forward computed besides its output: the resolved ``mask``, and what ``want`` asked for: ``weights``
+    {branch: :class:`Branch`}, ``branches`` (o_pos, o_neg) and ``values`` (v_pos, v_neg) each (B, H, N, D),
+    ``logits`` (B, H, N, M) float32, ``max_logits`` (H,) float32, and ``kv`` the keys and values the call used."""
+
+    mask: Mask | None = None
+    weights: dict[str, Branch] | None = None
+    branches: tuple[torch.Tensor, torch.Tensor] | None = None
+    values: tuple[torch.Tensor, torch.Tensor] | None = None
+    logits: torch.Tensor | None = None
+    max_logits: torch.Tensor | None = None
+    kv: tuple | None = None
+
+
+class Call(NamedTuple):
+    """What a backend's ``supports`` decides on, known before the projection runs."""
+
+    device: torch.device
+    dtype: torch.dtype  # the compute dtype (autocast's, under autocast)
+    needs_grad: bool
+    training: bool
+    dropout: bool
+    masked: bool  # a mask or a position bias of any kind
+    causal_only: bool
+    head_dim: int
+    batch_heads: int
+    queries: int
+    keys: int
+    row_stride: int  # the fused projection's width: the token stride of q, k, v
+    want: Want
+    compiling: bool
+
+
+def make_call(module: nn.Module, x: torch.Tensor, keys: int, mask: Mask | None, want: Want, width: int,
+              masked: bool = False) -> Call:
+    """The :class:`Call` of ``module``'s forward on queries x (B, N, .) and ``keys`` keys, before the projection runs:
+    device, compute dtype (autocast's), whether a gradient will be needed (x's or any parameter's), dropout, the
+    mask (``masked``: a position bias to come), the shapes; ``width``: the fused projection's output width."""
+    device = x.device.type
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))
+    return Call(x.device, torch.get_autocast_dtype(device) if autocast else x.dtype, needs_grad, module.training,
+                module.training and module.attn_drop.p > 0, masked or mask is not None,
+                mask is not None and mask.causal_only, module.head_dim, x.shape[0] * module.num_heads, x.shape[1], keys,
+                width, want, torch.compiler.is_compiling())
+
+
+class LayerCache:
+    """One attention layer's keys and values of the tokens seen so far (as the module's ``project`` returns them:
+    tensors, or DnA's pairs), for ``forward(x, cache=...)``."""
+
+    def __init__(self) -> None:
+        self.k = self.v = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else _first(self.k).shape[-2]
+
+    def extend(self, k, v):
+        """The cached keys and values followed by ``k``, ``v`` (kept for the next call)."""
+        self.k, self.v = (new if old is None else _cat(old, new) for old, new in ((self.k, k), (self.v, v)))
+        return self.k, self.v
+
+
+def _first(t):
+    return t[0] if isinstance(t, tuple) else t
+
+
+def _cat(old, new):
+    """``old`` followed by ``new`` along the token axis; DnA's pairs pairwise, a shared tensor staying one."""
+    if isinstance(new, tuple):
+        first = _cat(old[0], new[0])
+        return type(new)(first, first if new[1] is new[0] else _cat(old[1], new[1]))
+    return torch.cat([old, new], dim=-2)
 
 
 class AttnlabAttention(Declares, nn.Module):
@@ -64,23 +168,19 @@ class AttnlabAttention(Declares, nn.Module):
         window_size: Swin window ``(Wh, Ww)``; adds the learned relative-position bias table.
         scale_norm: normalise the merged heads before the projection (timm option).
         proj_bias: bias in the output projection.
-        fused_attn: use ``F.scaled_dot_product_attention`` (True) or the explicit, readable path (False).
+        backend: ``auto`` (the dispatcher picks, :meth:`choose`) or one of the record's backends, forced.
         layer_index, num_layers: position of this block in the model (some mechanisms depend on depth).
     """
 
-    fused_attn: Final[bool]
     adopts_wide_qkv = False  # True for mechanisms that know how to read a wider fused projection (DnA)
-    #: what this mechanism can do (:class:`~attnlab.attention.capabilities.Capabilities`): every mask part honoured,
-    #: no KV cache, plain softmax, maps, branches or head formula, the explicit path only. A subclass that overrides
-    #: ``attend`` without declaring its own record loses ``plain_softmax``; one that overrides ``attend`` or
-    #: ``weights`` loses ``explicit_maps`` as well.
+    #: every mask part honoured, no KV cache, not plain softmax, no intermediates, the explicit backend only; a
+    #: subclass that writes its own ``kernel`` without declaring a record keeps only the mask and backend fields
     capabilities = Capabilities()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        if "capabilities" not in cls.__dict__ and ("attend" in cls.__dict__ or "weights" in cls.__dict__):
-            cls.capabilities = replace(cls.capabilities, explicit_maps=False,
-                                       plain_softmax=cls.capabilities.plain_softmax and "attend" not in cls.__dict__)
+        if "kernel" in cls.__dict__ and "capabilities" not in cls.__dict__:
+            cls.capabilities = replace(cls.capabilities, plain_softmax=False, intermediates=(), kv_cache=False)
 
     def __init__(
         self,
@@ -95,7 +195,7 @@ class AttnlabAttention(Declares, nn.Module):
         window_size: tuple[int, int] | None = None,
         scale_norm: bool = False,
         proj_bias: bool = True,
-        fused_attn: bool = True,
+        backend: str = "auto",
         layer_index: int = 0,
         num_layers: int = 1,
     ) -> None:
@@ -106,9 +206,10 @@ class AttnlabAttention(Declares, nn.Module):
         self.head_dim = head_dim or dim // num_heads
         self.attn_dim = self.num_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.fused_attn = fused_attn
+        self.use_backend(backend)
         self.layer_index = layer_index
         self.num_layers = num_layers
+        self._observers: OrderedDict[int, tuple[Want, Callable, bool]] = OrderedDict()
 
         self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias)
         self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
@@ -156,7 +257,10 @@ class AttnlabAttention(Declares, nn.Module):
             # DaViT's attentions have no dropout modules
             attn_drop=module.attn_drop.p if hasattr(module, "attn_drop") else 0.0,
             proj_drop=module.proj_drop.p if hasattr(module, "proj_drop") else 0.0,
-            fused_attn=bool(getattr(module, "fused_attn", True)),
+            # timm's explicit path (fused_attn off) stays explicit; an attnlab module's forced backend carries over
+            # where the new mechanism has it
+            backend=module.backend if isinstance(module, AttnlabAttention) else
+            "auto" if getattr(module, "fused_attn", True) else "explicit",
         )
         if isinstance(module, TimmWindowAttention):
             geo["window_size"] = tuple(module.window_size)
@@ -167,7 +271,12 @@ class AttnlabAttention(Declares, nn.Module):
     @classmethod
     def from_module(cls, module: nn.Module, layer_index: int = 0, num_layers: int = 1, **options) -> "AttnlabAttention":
         """Build this mechanism in place of ``module``, taking over its submodules (and so its weights)."""
-        new = cls(**cls.geometry(module), layer_index=layer_index, num_layers=num_layers, **options)
+        geo = cls.geometry(module)
+        if geo.get("backend") not in ("auto", *cls.capabilities.backends):
+            geo["backend"] = "auto"
+        if options.get("backend") == "auto":  # the spec's default keeps the module's own path
+            options = {k: v for k, v in options.items() if k != "backend"}
+        new = cls(**{**geo, **options}, layer_index=layer_index, num_layers=num_layers)
         new.adopt(module)
         return new
 
@@ -188,82 +297,109 @@ class AttnlabAttention(Declares, nn.Module):
             self.relative_position_index = module.relative_position_index
         self.train(module.training)
 
-    # ---- shared pieces ------------------------------------------------------------------------------------------
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of shape (B, H, N, D), q and k normalised when qk_norm is on."""
+    # ---- the contract ------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | AttentionMask | None = None, is_causal: bool = False,
+                mask: torch.Tensor | None = None, *, cache: LayerCache | None = None,
+                position_bias: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """x: (B, N, dim) -> (B, N, dim). ``attn_mask``: a ViT mask (SDPA's: bool or additive) or an
+        :class:`AttentionMask`; ``is_causal``: timm's flag; ``mask``: Swin's shifted-window mask (num_windows, N, N);
+        ``cache``: a :class:`LayerCache` whose keys and values the tokens continue (causal); ``position_bias``: a
+        function of the queries (B, H, N, D) giving a bias added to every logit (ViTDet's relative positions)."""
+        return self.run(x, attn_mask, is_causal, mask, cache=cache, position_bias=position_bias)[0]
+
+    def run(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False, window: torch.Tensor | None = None, *,
+            want: Want = Want(), cache: LayerCache | None = None,
+            position_bias: Callable[[torch.Tensor], torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, Intermediates]:
+        """:meth:`forward`'s output and the :class:`Intermediates` that ``want`` (and every observer) asks for."""
+        B, N, _ = x.shape
+        offset = 0 if cache is None else cache.length
+        mask = Mask.resolve(attn_mask, is_causal or cache is not None, window, B=B, N=N, M=N + offset,
+                            device=x.device, bias=self.rel_pos_bias() if self.window_size is not None else None,
+                            offset=offset)
+        self.refuse(mask, position_bias is not None)
+        observers = [o for o in self._observers.values() if self.training or not o[2]]
+        for seen, _, _ in observers:
+            want = want | seen
+        backend = self.choose(make_call(self, x, N + offset, mask, want, self.qkv.out_features,
+                                        masked=position_bias is not None))
+        q, k, v = self.project(x, backend if cache is None else "explicit")
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        if position_bias is not None:
+            bias = position_bias(_first(q))
+            mask = Mask(AttentionMask(), B, N, N, x.device, bias) if mask is None else mask.with_bias(bias)
+        o, found = self.kernel(q, k, v, mask, want, backend)
+        found.mask = mask
+        if cache is not None:
+            found.kv = (k, v)
+        if want.logits or want.max_logits is not None:
+            self.logit_intermediates(q, k, mask, want, found)
+        out = self.finish(o, mask, x)
+        for _, fn, _ in observers:
+            fn(self, found)
+        return out, found
+
+    def refuse(self, mask: Mask | None, position_bias: bool = False) -> None:
+        """UnsupportedModelError with the sentence of the mechanism's record, or of a head transform's, that refuses
+        a part of the call's mask (or a position bias)."""
+        parts = None if mask is None else mask.parts
+        for record in (self.capabilities, *(capabilities_of(head) for head in self.heads())):
+            why = record.refusal(parts, position_bias)
+            if why:
+                raise UnsupportedModelError(f"{why}.")
+
+    def project(self, x: torch.Tensor, backend: str = "explicit") -> tuple:
+        """q, k, v of shape (B, H, N, D), normalised (:meth:`normed`); ``backend``: the one the kernel will run."""
         B, N, _ = x.shape
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.normed(q, k, v)
+
+    def normed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """The per-head steps after the projection: QK-norm on q and k."""
         return self.q_norm(q), self.k_norm(k), v
+
+    def kernel(self, q, k, v, mask: Mask | None, want: Want, backend: str
+               ) -> tuple[torch.Tensor, Intermediates]:  # pragma: no cover - abstract
+        """The mechanism's formula: per-head outputs (B, H, N, D) from q, k, v and the call's mask, on ``backend``,
+        and the intermediates ``want`` asks for."""
+        raise NotImplementedError
+
+    def softmax(self, logits: torch.Tensor, mask: Mask | None) -> torch.Tensor:
+        """softmax(logits + position bias + mask) over keys, the order timm's explicit paths add them."""
+        return (logits if mask is None else mask.add_to(logits)).softmax(dim=-1)
+
+    def logit_intermediates(self, q, k, mask: Mask | None, want: Want, found: Intermediates) -> None:
+        """Float32 logits q k^T / sqrt(D) and per-head max logits over the allowed positions, for a plain-softmax
+        mechanism (its record says so)."""
+        if not self.capabilities.plain_softmax:
+            raise UnsupportedModelError(f"{type(self).__name__} does not form one softmax(q k^T / sqrt(D)) per head, "
+                                        f"so it has no logits to report.")
+        if q.is_meta:  # a model of shapes only has no logits
+            return
+        with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+            if want.logits:
+                found.logits = (q.detach().float() @ k.detach().float().transpose(-2, -1)) * self.scale
+            if want.max_logits is not None:
+                found.max_logits = screened_max_logits(q.detach(), k.detach(), self.scale, want.max_logits,
+                                                       allowed=_allowed_tiles(mask), query_padding=None if mask is None
+                                                       else mask.key_padding)
 
     def rel_pos_bias(self) -> torch.Tensor:
         """Swin's learned relative-position bias, (1, H, N, N)."""
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
         return bias.view(self.window_area, self.window_area, -1).permute(2, 0, 1).contiguous().unsqueeze(0)
 
-    def attn_bias(self, mask: AttentionMask | None, like: torch.Tensor) -> torch.Tensor | None:
-        """The additive bias a fused softmax takes for queries ``like`` (B, H, N, D): Swin's position bias plus
-        ``mask`` as :meth:`AttentionMask.additive` forms it, broadcastable to (B, H, N, N); None when there is none."""
-        B, _, N, _ = like.shape
-        return self._with_position_bias(None if mask is None else mask.additive(B, N, N, like.dtype, like.device))
-
-    def _with_position_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """Swin's position bias plus ``bias`` (either may be absent)."""
-        if self.window_size is None:
-            return bias
-        return self.rel_pos_bias() if bias is None else self.rel_pos_bias() + bias
-
-    def sdpa_causal(self, mask: AttentionMask | None) -> bool:
-        """Whether causality is all this call asks and no position bias is added: SDPA's ``is_causal`` path, no mask
-        in memory."""
-        return mask is not None and mask.causal_only and self.window_size is None
-
-    def add_bias(self, logits: torch.Tensor, mask: AttentionMask | None) -> torch.Tensor:
-        """``logits + bias`` in the order timm's explicit paths add it (position bias, then window mask)."""
-        B, _, N, M = logits.shape
-        if self.window_size is not None:
-            logits = logits + self.rel_pos_bias()
+    def finish(self, o: torch.Tensor, mask: Mask | None, x: torch.Tensor) -> torch.Tensor:
+        """Padded queries' rows zeroed, the head transform, head merge and projection: (B, H, N, D) -> (B, N, dim)."""
         if mask is not None:
-            bias = mask.additive(B, N, M, logits.dtype, logits.device)
-            if bias is not None:
-                logits = logits + bias
-        return logits
-
-    def logit_bias(self, mask: AttentionMask | None, dtype) -> torch.Tensor | None:
-        """What is part of every branch's logit besides q k^T: Swin's position bias and a float ``attn_mask``'s
-        finite entries (branches that exclude masked positions rather than add -inf: DnA's softmin, Cog)."""
-        return self._with_position_bias(None if mask is None else mask.logit_bias(dtype))
-
-    def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:  # pragma: no cover - abstract
-        """Per-head outputs (B, H, N, D) from q, k, v (B, H, N, D) and the call's mask; the mechanism's formula."""
-        raise NotImplementedError
-
-    def merge(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Head merge and output projection: (B, H, N, D) -> (B, N, dim)."""
+            o = mask.zero_padded_queries(o)
+        o = self.head_transform(o)
         B, _, N, _ = o.shape
         out = self.norm(o.transpose(1, 2).reshape(B, N, self.attn_dim))
         if self.gate is not None:
             out = out * self.gate(x).sigmoid()
         return self.proj_drop(self.proj(out))
-
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | AttentionMask | None = None, is_causal: bool = False,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (B, N, dim). ``attn_mask``: a ViT mask (SDPA's) or an :class:`AttentionMask`; ``is_causal``: timm's
-        flag; ``mask``: Swin's shifted-window mask (num_windows, N, N)."""
-        mask = self.mask_of(x, attn_mask, is_causal, mask)
-        q, k, v = self.project(x)
-        return self.finish(self.attend(q, k, v, mask), mask, x)
-
-    def mask_of(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False, window=None) -> AttentionMask | None:
-        """The call's :class:`AttentionMask` (None when nothing is masked), checked against x; UnsupportedModelError
-        with the sentence of the mechanism's record, or of a head transform's, that refuses a part of it."""
-        mask = AttentionMask.of(attn_mask, is_causal, window)
-        if mask is not None:
-            mask.check(x.shape[0], x.shape[1])
-            for record in (self.capabilities, *(capabilities_of(head) for head in self.heads())):
-                why = record.refusal(mask)
-                if why:
-                    raise UnsupportedModelError(f"{why}.")
-        return mask
 
     def heads(self) -> tuple[nn.Module, ...]:
         """The head transforms applied before head merge, in order (none for ``nn.Identity``)."""
@@ -272,22 +408,37 @@ class AttnlabAttention(Declares, nn.Module):
             return ()
         return tuple(head) if isinstance(head, nn.Sequential) else (head,)
 
-    def finish(self, o: torch.Tensor, mask: AttentionMask | None, x: torch.Tensor) -> torch.Tensor:
-        """Padded queries' rows zeroed, the head transform, head merge and projection: (B, H, N, D) -> (B, N, dim)."""
-        if mask is not None:
-            o = mask.zero_padded_queries(o)
-        return self.merge(self.head_transform(o), x)
-
-    def forward_mask(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, AttentionMask | None]:
-        """(x, the call's mask) from the arguments of a forward call (what a forward hook sees), positional or named
-        as :meth:`forward` takes them (every subclass keeps that signature)."""
-        bound = {**dict(zip(FORWARD_ARGUMENTS, args)), **kwargs}
-        x = bound["x"]
-        return x, self.mask_of(x, bound.get("attn_mask"), bound.get("is_causal", False), bound.get("mask"))
+    # ---- observers ---------------------------------------------------------------------------------------------
+    def observe(self, want: Want, fn: Callable[["AttnlabAttention", Intermediates], None],
+                training_only: bool = False) -> RemovableHandle:
+        """From now on every forward (every training forward, with ``training_only``) computes what ``want`` asks
+        and calls ``fn(module, intermediates)``; returns a handle whose ``remove()`` ends that. ``want.weights``
+        makes the forward's output the explicit path's, so the maps are in its autograd graph."""
+        handle = RemovableHandle(self._observers)
+        self._observers[handle.id] = (want, fn, training_only)
+        return handle
 
     def extra_repr(self) -> str:
         win = f", window_size={self.window_size}" if self.window_size is not None else ""
-        return f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}{win}, fused_attn={self.fused_attn}"
+        return f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}{win}, backend={self.backend}"
+
+
+def _allowed_tiles(mask: Mask | None):
+    """The ``allowed(b0, b1, r0, r1, c0, c1)`` tile function of :func:`~attnlab.ops.logits.max_scaled_logits` for
+    the call's mask (None: every position counts): a slice of its keep map, or causal order tile by tile."""
+    if mask is None:
+        return None
+    if mask.causal_only:
+        return lambda b0, b1, r0, r1, c0, c1: causal_keep(r1 - r0, c1 - c0, mask.device, offset=r0 - c0)
+    keep = mask.keep()
+    if keep is None:
+        return None
+    if keep.shape[1] > 1:  # a per-head mask: a position counts if any head may attend it (never too low a max)
+        keep = keep.any(dim=1, keepdim=True)
+
+    def allowed(b0, b1, r0, r1, c0, c1):
+        return keep[b0:b1 if keep.shape[0] > 1 else 1, :, r0:r1 if keep.shape[2] > 1 else 1, c0:c1]
+    return allowed
 
 
 #: module types that :func:`attnlab.convert` replaces (exact types: subclasses may change the forward); DaViT's window
@@ -296,18 +447,9 @@ SUPPORTED_TYPES: tuple[type, ...] = (TimmAttention, TimmWindowAttention, DaViTWi
                                      DaViTChannelAttention, DaViTChannelAttentionV2)
 
 
-def norm_in_dtype(norm: nn.Module, t: torch.Tensor) -> torch.Tensor:
-    """``norm(t)`` with a LayerNorm's parameters detached and cast to ``t``'s dtype: the QK-norm inside a
-    ``head_output``, which the Jacobian instrument differentiates in float64 with respect to its input alone."""
-    if isinstance(norm, nn.Identity):
-        return t
-    weight, bias = (p.detach().to(t.dtype) if p is not None else None for p in (norm.weight, norm.bias))
-    return nn.functional.layer_norm(t, norm.normalized_shape, weight, bias, norm.eps)
-
-
 def is_supported(module: nn.Module) -> bool:
     return type(module) in SUPPORTED_TYPES or isinstance(module, AttnlabAttention)
 
 
-__all__ = ["AttentionMask", "AttnlabAttention", "Branch", "Capabilities", "FORWARD_ARGUMENTS", "SUPPORTED_TYPES",
-           "is_supported", "norm_in_dtype"]
+__all__ = ["AttentionMask", "AttnlabAttention", "Branch", "Call", "Capabilities", "Intermediates", "LayerCache", "Mask",
+           "SUPPORTED_TYPES", "Want", "is_supported", "make_call"]

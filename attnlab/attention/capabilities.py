@@ -1,13 +1,13 @@
 """What an attention mechanism can do, declared once per class as data.
 
 Every mechanism class (and every head transform) holds one frozen :class:`Capabilities` record as its class attribute
-``capabilities``. The forward's refusals, ``convert`` on a causal model, ``attnlab variants --support``, the
-instruments (entropy, maps, Jacobian, two-branch), QK-clip, the KV cache and the generated contract tests
-(tests/attention/test_contract.py) read it; none of them probes a module for attributes. A mask part's field is None
-when the mechanism honours it, else the one sentence (no final period) its refusal raises:
+``capabilities``. The forward's refusals, the backend dispatcher, ``convert`` on a causal model, ``attnlab variants
+--support``, the instruments (entropy, maps, Jacobian, two-branch), QK-clip, the KV cache and the generated contract
+tests (tests/attention/test_contract.py) read it; none of them probes a module for attributes. A mask part's field is
+None when the mechanism honours it, else the one sentence (no final period) its refusal raises:
 
     capabilities = Capabilities(causal="nystrom cannot honour a causal mask: its landmarks are ...",
-                                attn_mask="nystrom cannot honour this attention mask: ...", head_output=True)
+                                attn_mask="nystrom cannot honour this attention mask: ...", intermediates=("head",))
 
 docs/methods.md, "Adding a method", says what each field promises and how the contract tests check it.
 """
@@ -18,6 +18,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..errors import ConfigError
+from ..ops.sdpa import explicit_is_faster
+
+#: what a kernel can return besides its output (:class:`~attnlab.attention.base.Want`): ``weights`` each branch's
+#: weight map, ``branches`` each branch's output and values before its coefficient (DnA, diff), ``head`` one head
+#: computed alone from its own q, k, v (what the attention Jacobian differentiates)
+INTERMEDIATES = ("weights", "branches", "head")
 
 
 @dataclass(frozen=True)
@@ -30,39 +36,41 @@ class Capabilities:
         attn_mask: refusal of a caller's ``attn_mask`` (bool or additive, -inf or finfo.min), or None.
         window: refusal of Swin's window attention (relative-position bias and shifted-window mask), or None; asked
             when the module is built on a window geometry as well as when a window mask arrives.
+        bias: refusal of a position bias added to every logit (ViTDet's decomposed relative positions), or None.
         kv_cache: a new token's query against the cached keys and values is its causal output (generation may
             cache them). For a head transform: the transform keeps that true.
         plain_softmax: the weights are one row-stochastic softmax(q k^T / sqrt(D) + bias) per head, q and k the first
-            two blocks of ``qkv`` (what entropy, the attention Jacobian and QK-clip need).
-        explicit_maps: ``explicit_maps(x, mask) -> (output, {branch: Branch})`` recomputes the output on the explicit
-            path with its weight maps (head redundancy, relevance).
-        branches: the two-branch convention (``branch_outputs``, ``branch_values``, ``branch_coefficients``) of DnA
-            and diff, which the two-branch instruments read.
-        head_output: ``head_output(x, w_q, w_k, w_v, ...)``, one head's formula for the attention Jacobian (a
-            mechanism that is not plain softmax).
-        backends: the paths ``use_backend`` selects, each computing the same formula: ``sdpa`` (fused), ``explicit``
-            (the readable definition, the contract tests' float64 reference), ``kernel`` (a fused CPU kernel),
-            ``triton`` (CUDA).
+            two blocks of ``qkv``: the forward can return its logits and per-head max logits (entropy, QK-clip, the
+            attention Jacobian).
+        intermediates: what the kernel returns when asked (:data:`INTERMEDIATES`).
+        backends: the backends the dispatcher may pick, in its order of preference, each computing the same formula:
+            ``kernel`` (a fused CPU kernel), ``triton`` (CUDA), ``sdpa`` (PyTorch's fused attention), ``explicit``
+            (the readable definition, the contract tests' float64 reference).
     """
 
     causal: str | None = None
     key_padding: str | None = None
     attn_mask: str | None = None
     window: str | None = None
+    bias: str | None = None
     kv_cache: bool = False
     plain_softmax: bool = False
-    explicit_maps: bool = False
-    branches: bool = False
-    head_output: bool = False
+    intermediates: tuple[str, ...] = ()
     backends: tuple[str, ...] = ("explicit",)
 
-    def refusal(self, mask) -> str | None:
-        """The first sentence (causal, key padding, attn_mask, window) why ``mask`` (an AttentionMask, or None) cannot
-        be honoured, or None."""
+    def __post_init__(self) -> None:
+        unknown = set(self.intermediates) - set(INTERMEDIATES)
+        if unknown:
+            raise ValueError(f"unknown intermediates {sorted(unknown)}; they are: {', '.join(INTERMEDIATES)}")
+
+    def refusal(self, mask, bias: bool = False) -> str | None:
+        """The first sentence (causal, key padding, attn_mask, window, bias) why ``mask`` (an AttentionMask, or
+        None) and, with ``bias``, a position bias cannot be honoured, or None."""
         if mask is None:
-            return None
+            return self.bias if bias else None
         for present, why in ((mask.is_causal, self.causal), (mask.key_padding is not None, self.key_padding),
-                             (mask.attn_mask is not None, self.attn_mask), (mask.window is not None, self.window)):
+                             (mask.attn_mask is not None, self.attn_mask), (mask.window is not None, self.window),
+                             (bias, self.bias)):
             if present and why:
                 return why
         return None
@@ -74,17 +82,49 @@ UNDECLARED = Capabilities(backends=())
 
 class Declares:
     """Mixin of the module classes that declare a :class:`Capabilities` record (attention mechanisms, head
-    transforms, DnA cross-attention)."""
+    transforms, DnA cross-attention). ``backend``: ``auto`` (the dispatcher's choice) or one of the record's
+    backends, forced."""
 
     capabilities: ClassVar[Capabilities] = Capabilities()
+    backend: str = "auto"
 
     def use_backend(self, name: str) -> None:
-        """Compute this module's forward on backend ``name``, one its record declares: ``explicit`` (the readable
-        path) or the fused one (``sdpa``); mechanisms with more backends say how they pick them."""
-        if name not in self.capabilities.backends:
+        """Force backend ``name`` (one the record declares), or ``auto``; ConfigError naming the declared ones."""
+        if name != "auto" and name not in self.capabilities.backends:
             raise ConfigError(f"{type(self).__name__} has no {name!r} backend; it has: "
-                              f"{', '.join(self.capabilities.backends) or 'none'}.")
-        self.fused_attn = name != "explicit"
+                              f"{', '.join(('auto', *self.capabilities.backends))}.")
+        self.backend = name
+
+    def choose(self, call) -> str:
+        """The one backend dispatcher, asked once per forward with the call's
+        :class:`~attnlab.attention.base.Call`: the forced backend (ConfigError with the reason when it cannot run
+        the call), else the first of the record's backends, in order, whose :meth:`supports` accepts it (SDPA passed
+        over where the explicit product measures faster: a CPU training step with few keys,
+        :func:`~attnlab.ops.sdpa.explicit_is_faster`)."""
+        if self.backend != "auto":
+            why = self.supports(self.backend, call)
+            if why:
+                raise ConfigError(f"{type(self).__name__}'s {self.backend} backend cannot run this call: {why}; "
+                                  f"use backend=auto.")
+            return self.backend
+        backends = self.capabilities.backends
+        for name in backends:
+            if self.supports(name, call) is None and not (
+                    name == "sdpa" and "explicit" in backends and explicit_is_faster(call)):
+                return name
+        return "explicit"
+
+    def supports(self, backend: str, call) -> str | None:
+        """Why ``backend`` cannot compute ``call``, or None when it can: ``explicit`` computes everything; the others
+        return no weight maps and (unless the record declares ``head``) no single head. A mechanism with a kernel of
+        its own extends this."""
+        if backend == "explicit":
+            return None
+        if call.want.weights:
+            return "it returns no attention weights"
+        if call.want.head is not None and "head" not in self.capabilities.intermediates:
+            return "it computes no single head"
+        return None
 
 
 def capabilities_of(module) -> Capabilities:
@@ -93,9 +133,10 @@ def capabilities_of(module) -> Capabilities:
 
 
 def global_only(term: str) -> str:
-    """The window refusal of a global-attention approximation that takes no additive bias (nystrom, performer)."""
-    return (f"{term} approximates global attention without an additive bias, and Swin's window attention adds a "
-            "relative-position bias; use it on a ViT-family or sequence model")
+    """The window and position-bias refusal of a global-attention approximation that takes no additive bias
+    (nystrom, performer)."""
+    return (f"{term} approximates global attention without an additive bias, and Swin's window attention and "
+            "ViTDet's relative positions add one; use it on a ViT-family or sequence model without them")
 
 
-__all__ = ["Capabilities", "Declares", "UNDECLARED", "capabilities_of", "global_only"]
+__all__ = ["Capabilities", "Declares", "INTERMEDIATES", "UNDECLARED", "capabilities_of", "global_only"]

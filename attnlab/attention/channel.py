@@ -19,12 +19,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 from timm.models.davit import ChannelAttention as TimmChannelAttention
 from timm.models.davit import ChannelAttentionV2 as TimmChannelAttentionV2
 from timm.models.xcit import XCA as TimmXCA
 
-from .base import AttnlabAttention, norm_in_dtype
+from .base import AttnlabAttention, Intermediates
 from .capabilities import Capabilities
 
 
@@ -46,7 +45,8 @@ def channel_capabilities(family: str, backends: tuple[str, ...] = ("explicit",))
     mask), its own head formula for the Jacobian."""
     why = (f"{family} takes no attention mask: its map is D x D over features, summed over every token, so no "
            f"token-by-token mask applies to it")
-    return Capabilities(causal=why, key_padding=why, attn_mask=why, window=why, head_output=True, backends=backends)
+    return Capabilities(causal=why, key_padding=why, attn_mask=why, window=why, bias=why, intermediates=("head",),
+                        backends=backends)
 
 
 class ChannelMapAttention(AttnlabAttention):
@@ -71,10 +71,6 @@ class ChannelMapAttention(AttnlabAttention):
         geo = AttnlabAttention.geometry(module)
         geo.pop("window_size", None)
         return geo
-
-    def head_output(self, x: torch.Tensor, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
-        """One head's output (N, D) from x (N, C) and its rows of the qkv weight: the Jacobian instrument's function."""
-        raise NotImplementedError  # pragma: no cover - abstract
 
 
 class DaViTChannelAttention(ChannelMapAttention):
@@ -101,31 +97,18 @@ class DaViTChannelAttention(ChannelMapAttention):
             geo.update(v2=True, dynamic_scale=module.dynamic_scale)
         return geo
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v (B, H, N, D); with qknorm the map's factors are normalised (v2: q, k; v1: k by q_norm, v by
-        k_norm)."""
-        if self.v2:
-            return super().project(x)
-        B, N, _ = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        return q, self.q_norm(k), self.k_norm(v)
+    def normed(self, q, k, v):
+        """With qknorm the map's factors are normalised (v2: q, k; v1: k by q_norm, v by k_norm)."""
+        return super().normed(q, k, v) if self.v2 else (q, self.q_norm(k), self.k_norm(v))
 
-    def attend(self, q, k, v, mask=None) -> torch.Tensor:
+    def kernel(self, q, k, v, mask, want, backend):
         if self.v2:  # timm's ChannelAttentionV2, operation for operation
             q = q * (q.shape[-2] ** -0.5 if self.dynamic_scale else self.scale)
             attn = (q.transpose(-1, -2) @ k).softmax(dim=-1)
-            return (attn @ v.transpose(-1, -2)).transpose(-1, -2)
+            return (attn @ v.transpose(-1, -2)).transpose(-1, -2), Intermediates()
         k = k * self.scale  # timm's ChannelAttention: k and v form the map, q is mixed
         attn = (k.transpose(-1, -2) @ v).softmax(dim=-1)
-        return (attn @ q.transpose(-1, -2)).transpose(-1, -2)
-
-    def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
-        q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
-        if self.v2:
-            q, k = norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k)
-        else:
-            k, v = norm_in_dtype(self.q_norm, k), norm_in_dtype(self.k_norm, v)
-        return self.attend(q, k, v)
+        return (attn @ q.transpose(-1, -2)).transpose(-1, -2), Intermediates()
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", v2=True, dynamic_scale={self.dynamic_scale}" if self.v2 else "")

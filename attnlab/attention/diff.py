@@ -8,7 +8,7 @@ Each head h (value width D) splits its query and key into two halves of width d 
     lambda_init = 0.8 - 0.6 * exp(-0.3 * depth)          (depth: 0-based index of the attention layer)
     o_h = (1 - lambda_init) * RMSNorm_D((A1 - lambda * A2) v_h)
 
-``bias`` is Swin's relative-position bias plus the call's mask (:class:`~attnlab.attention.mask.AttentionMask`), in
+``bias`` is the call's position bias plus its mask (:class:`~attnlab.attention.mask.Mask`), in
 both branches' logits before their softmax (timm's ``DiffAttention`` is ViT-only, so the Swin form is attnlab's).
 ``qkv`` and ``proj`` keep the standard module's shapes and the new parameters timm's names (``lambda_q1`` ...,
 ``lambda_a``, ``lambda_b``, ``sub_norm.weight``), so a timm ``DiffAttention`` state dict loads (docs/methods.md).
@@ -19,15 +19,14 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from timm.layers import RmsNorm
 
 from ..errors import UnsupportedModelError
-from ..ops.sdpa import sdpa
-from .base import AttnlabAttention, Branch
+from .base import AttnlabAttention, Branch, Intermediates
 from .capabilities import Capabilities
-from .mask import AttentionMask
 
 
 class DiffAttention(AttnlabAttention):
@@ -41,7 +40,7 @@ class DiffAttention(AttnlabAttention):
     is ``d ** -0.5`` as in timm. ``layer_index`` is timm's ``depth``.
     """
 
-    capabilities = Capabilities(kv_cache=True, explicit_maps=True, branches=True, backends=("sdpa", "explicit"))
+    capabilities = Capabilities(kv_cache=True, intermediates=("weights", "branches"), backends=("sdpa", "explicit"))
 
     def __init__(self, dim: int, num_heads: int = 8, *, dual_lambda: bool = False, qk_norm: bool = False,
                  norm_layer: type[nn.Module] | None = None, **kwargs) -> None:
@@ -89,14 +88,9 @@ class DiffAttention(AttnlabAttention):
         self.sub_norm.to(ref.device, ref.dtype)
 
     # ---- the mechanism ---------------------------------------------------------------------------------------------
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of shape (B, H, N, D); q and k normalised per half (width d) when qk_norm is on.
-
-        A norm sized to the full head width D (e.g. adopted from a standard module with qk_norm) normalises the
-        whole head before the split.
-        """
-        B, N, _ = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    def normed(self, q, k, v):
+        """q and k normalised per half (width d) when qk_norm is on; a norm sized to the full head width D (e.g.
+        adopted from a standard module with qk_norm) normalises the whole head before the split."""
         return self._norm_halves(self.q_norm, q), self._norm_halves(self.k_norm, k), v
 
     def _norm_halves(self, norm: nn.Module, t: torch.Tensor) -> torch.Tensor:
@@ -115,58 +109,29 @@ class DiffAttention(AttnlabAttention):
         dtype = torch.promote_types(a.dtype, torch.float32)  # timm computes lambda in (at least) fp32
         return torch.exp(a.to(dtype)) - torch.exp(b.to(dtype)) + self.lambda_init
 
-    def weights(self, q, k, mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The two softmax maps (A1, A2), each (B, H, N, M), on the explicit path."""
+    def kernel(self, q, k, v, mask, want, backend):
+        """(1 - lambda_init) RMSNorm(A1 v - lambda A2 v); the branches are A1 v and A2 v (before lambda), which
+        share v."""
         d = self.qk_head_dim
-        return tuple(self.add_bias((qh * self.scale) @ kh.transpose(-2, -1), mask).softmax(dim=-1)
-                     for qh, kh in ((q[..., :d], k[..., :d]), (q[..., d:], k[..., d:])))
-
-    def branches(self, q, k, v, mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The two softmax branches ``A1 v`` and ``A2 v``, each (B, H, N, D), sharing v (dropout as in forward)."""
-        d = self.qk_head_dim
-        q1, q2 = q[..., :d], q[..., d:]
-        k1, k2 = k[..., :d], k[..., d:]
-        if self.fused_attn:
+        halves = ((q[..., :d], k[..., :d]), (q[..., d:], k[..., d:]))
+        found = Intermediates()
+        if backend == "sdpa":
             p = self.attn_drop.p if self.training else 0.0
-            causal = self.sdpa_causal(mask)
-            bias = None if causal else self.attn_bias(mask, q)
-            return (sdpa(q1, k1, v, attn_mask=bias, dropout_p=p, is_causal=causal),
-                    sdpa(q2, k2, v, attn_mask=bias, dropout_p=p, is_causal=causal))
-        a1, a2 = self.weights(q, k, mask)
-        return self.attn_drop(a1) @ v, self.attn_drop(a2) @ v
-
-    def combine(self, o_pos: torch.Tensor, o_neg: torch.Tensor) -> torch.Tensor:
-        """(1 - lambda_init) RMSNorm(o_pos - lambda o_neg), the head output from the two branches."""
-        return self.sub_norm(o_pos - self.lambda_full().to(o_pos.dtype) * o_neg) * (1 - self.lambda_init)
-
-    def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:
-        return self.combine(*self.branches(q, k, v, mask))
-
-    def branch_outputs(self, x: torch.Tensor, mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head outputs of the two branches, ``(A1 v, A2 v)``, each (B, H, N, D), for x: (B, N, dim).
-
-        These are the paper's "A1 V and A2 V" (before lambda, sub-norm and head merge): the module's head output
-        before sub-norm is ``o_pos - lambda * o_neg``. Used by the DnA intruder / similarity instruments.
-        """
-        q, k, v = self.project(x)
-        return self.branches(q, k, v, mask)
-
-    def branch_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(v, v): both branches share the one V, (B, H, N, D)."""
-        v = self.project(x)[2]
-        return v, v
+            attn_mask, causal = (None, False) if mask is None else mask.sdpa(q.dtype)
+            o1, o2 = (F.scaled_dot_product_attention(qh, kh, v, attn_mask=attn_mask, dropout_p=p, is_causal=causal)
+                      for qh, kh in halves)
+        else:
+            w1, w2 = (self.softmax((qh * self.scale) @ kh.transpose(-2, -1), mask) for qh, kh in halves)
+            o1, o2 = self.attn_drop(w1) @ v, self.attn_drop(w2) @ v
+            if want.weights:
+                found.weights = {"pos": Branch(w1, w1), "neg": Branch(w2, -self.lambda_full().to(w2.dtype) * w2)}
+        if want.branches:
+            found.branches, found.values = (o1, o2), (v, v)
+        return self.sub_norm(o1 - self.lambda_full().to(o1.dtype) * o2) * (1 - self.lambda_init), found
 
     def branch_coefficients(self) -> tuple[str, torch.Tensor]:
         """("lambda", lambda): the negative branch's coefficient (one for every head)."""
         return "lambda", self.lambda_full()
-
-    def explicit_maps(self, x: torch.Tensor, mask: AttentionMask | None = None):
-        """(output, {"pos": A1, "neg": A2 with coefficient -lambda}) on the explicit path."""
-        q, k, v = self.project(x)
-        w1, w2 = self.weights(q, k, mask)
-        e2 = -self.lambda_full().to(w2.dtype) * w2
-        o = self.sub_norm(w1 @ v + e2 @ v) * (1 - self.lambda_init)
-        return self.finish(o, mask, x), {"pos": Branch(w1, w1), "neg": Branch(w2, e2)}
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lambda_init={self.lambda_init:.4f}, dual_lambda={self.dual_lambda}"

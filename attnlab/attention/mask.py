@@ -1,4 +1,4 @@
-"""One mask for every attention term: causal order, key padding, a caller's ``attn_mask`` and Swin's window mask.
+"""One mask for every attention term: the caller's :class:`AttentionMask`, and the :class:`Mask` a forward resolves.
 
     AttentionMask(is_causal=True)                          query i sees keys j <= i (SDPA's top-left convention)
     AttentionMask(key_padding=tokens != pad_id)            (B, M) bool, True at real tokens: padded keys unseen
@@ -6,13 +6,14 @@
                                                            (an entry <= EXCLUDED, -inf or finfo.min: key excluded)
     AttentionMask(window=swin_mask)                        Swin's shifted-window mask (num_windows, N, N), 0 / -100
 
-They combine (a causal model with padded batches passes both). Every attnlab attention module folds its forward's
-arguments (``attn_mask``, ``is_causal``, Swin's ``mask``) into one (:meth:`AttentionMask.of`); a mechanism asks
-:meth:`keep` (branches that exclude positions: DnA's softmin, Cog's |s|) or :meth:`additive` (softmax branches),
-neither formed when causality is all that is asked (:attr:`causal_only`: SDPA's ``is_causal``). A padded query
-without any allowed key attends every key internally (no 0/0), and :meth:`zero_padded_queries` zeroes its output
-(a row that a caller's own ``attn_mask`` empties follows the backend's convention, SDPA's: zeros on the CPU).
-The conventions and what each term supports: docs/methods.md, "Masks".
+They combine (a causal model with padded batches passes both). :meth:`AttnlabAttention.forward
+<attnlab.attention.base.AttnlabAttention.forward>` is the one place a call's arguments (``attn_mask``, ``is_causal``,
+Swin's ``mask``, a position bias, a KV cache's offset) become one :class:`Mask`; a kernel asks it for the form it
+takes (SDPA's ``attn_mask`` / ``is_causal``, an additive bias, a keep map, the finite logit bias, the softmin
+branch's negated bias, key padding), and each form is built at most once per call. A padded query without any allowed
+key attends every key internally (no 0/0), and its output row is zeroed (:meth:`Mask.zero_padded_queries`; a row
+that a caller's own ``attn_mask`` empties follows the backend's convention, SDPA's: zeros on the CPU). The
+conventions and what each term supports: docs/methods.md, "Masks".
 """
 
 from __future__ import annotations
@@ -40,14 +41,14 @@ def _resolved(attn_mask):
 
 
 class AttentionMask(NamedTuple):
-    """Which keys each query may attend (see the module docstring). A NamedTuple, so ``torch.compile`` traces it."""
+    """Which keys each query may attend, as a caller passes it (see the module docstring). A NamedTuple, so
+    ``torch.compile`` traces it."""
 
     is_causal: bool = False
     key_padding: torch.Tensor | None = None  # (B, M) bool, True at real tokens
     attn_mask: torch.Tensor | None = None  # bool (True = attend) or additive float, broadcastable to (B, H, N, M)
     window: torch.Tensor | None = None  # Swin: (num_windows, N, N), 0 attend / nonzero masked, windows fastest in B
 
-    # ---- construction ---------------------------------------------------------------------------------------------
     @classmethod
     def of(cls, attn_mask=None, is_causal: bool = False, window: torch.Tensor | None = None) -> "AttentionMask | None":
         """One mask from an attention forward's arguments (timm's ``attn_mask`` / ``is_causal`` / Swin's ``mask``);
@@ -73,89 +74,187 @@ class AttentionMask(NamedTuple):
             raise ConfigError(f"key_padding must be a bool tensor of shape (batch, keys) = ({B}, {M}), True at real "
                               f"tokens; got {kp.dtype} {tuple(kp.shape)}.")
 
-    # ---- what a backend asks --------------------------------------------------------------------------------------
     @property
     def causal_only(self) -> bool:
         """Only causality is asked: SDPA's ``is_causal`` path, no mask in memory."""
         return self.is_causal and self.key_padding is None and self.attn_mask is None and self.window is None
 
-    # ---- the mask as tensors --------------------------------------------------------------------------------------
-    def _windows(self, B: int, t: torch.Tensor) -> torch.Tensor:
-        """A (num_windows, N, M) tensor as (B, 1, N, M): windows are the fastest-varying part of Swin's batch."""
-        num_win, N, M = t.shape
-        return t.view(1, num_win, 1, N, M).expand(B // num_win, -1, -1, -1, -1).reshape(B, 1, N, M)
 
-    def _ours(self, N: int, M: int, device, padding: bool = True) -> torch.Tensor | None:
-        """Causality and key padding as a keep map (1|B, 1, N|1, M), rows without any key opened (module
-        docstring), or None."""
-        keep = None
-        if self.is_causal:
-            keep = causal_keep(N, M, device)
-        if padding and self.key_padding is not None:
-            kp = self.key_padding[:, None, None, :]
+def _windows(B: int, t: torch.Tensor) -> torch.Tensor:
+    """A (num_windows, N, M) tensor as (B, 1, N, M): windows are the fastest-varying part of Swin's batch."""
+    num_win, N, M = t.shape
+    return t.view(1, num_win, 1, N, M).expand(B // num_win, -1, -1, -1, -1).reshape(B, 1, N, M)
+
+
+class Mask:
+    """One call's mask and position bias, resolved once: what :meth:`AttnlabAttention.forward` hands a kernel.
+
+    ``parts``: the caller's :class:`AttentionMask` (an empty one when nothing is masked); ``B, N, M``: the call's
+    batch, queries and keys; ``bias``: a position bias that is part of every branch's logit (Swin's table, ViTDet's
+    decomposed relative positions), broadcastable to (B, H, N, M), or None; ``offset``: keys before the first query
+    (a KV cache's length), so causal order is j <= i + offset.
+    """
+
+    def __init__(self, parts: AttentionMask, B: int, N: int, M: int, device, bias: torch.Tensor | None = None,
+                 offset: int = 0) -> None:
+        self.parts, self.B, self.N, self.M, self.device, self.bias, self.offset = parts, B, N, M, device, bias, offset
+        self._forms: dict = {}
+
+    @classmethod
+    def resolve(cls, attn_mask=None, is_causal: bool = False, window=None, *, B: int, N: int, M: int, device,
+                bias: torch.Tensor | None = None, offset: int = 0) -> "Mask | None":
+        """The call's Mask from a forward's arguments (None when nothing is masked and no bias is added);
+        ConfigError when key padding does not fit the call."""
+        parts = AttentionMask.of(attn_mask, is_causal, window)
+        if parts is not None:
+            parts.check(B, M)
+        if parts is not None and parts.causal_only and offset >= M - 1:
+            parts = None  # one new token after a KV cache's keys sees every key
+        if parts is None and bias is None:
+            return None
+        return cls(parts or AttentionMask(), B, N, M, device, bias, offset)
+
+    def with_bias(self, bias: torch.Tensor) -> "Mask":
+        """This mask with ``bias`` added to its position bias (a bias computed from the queries: ViTDet's)."""
+        return Mask(self.parts, self.B, self.N, self.M, self.device, bias if self.bias is None else self.bias + bias,
+                    self.offset)
+
+    # ---- what the parts are ----------------------------------------------------------------------------------------
+    @property
+    def is_causal(self) -> bool:
+        return self.parts.is_causal
+
+    @property
+    def key_padding(self) -> torch.Tensor | None:
+        return self.parts.key_padding
+
+    @property
+    def causal_only(self) -> bool:
+        """Causality from the first key is all this call asks, and no bias is added: SDPA's ``is_causal``."""
+        return self.parts.causal_only and self.bias is None and self.offset == 0
+
+    def _form(self, key, build):
+        if key not in self._forms:
+            self._forms[key] = build()
+        return self._forms[key]
+
+    # ---- the forms a kernel takes ----------------------------------------------------------------------------------
+    def keep(self, window: bool = True) -> torch.Tensor | None:
+        """True where a query may attend, broadcastable to (B, H, N, M), or None when every position is allowed;
+        ``window=False`` leaves Swin's window mask out (a softmax branch adds it as a bias instead). Rows that key
+        padding empties are opened (module docstring)."""
+        return self._form(("keep", window), lambda: self._keep(window))
+
+    def _keep(self, window: bool) -> torch.Tensor | None:
+        keep, p = None, self.parts
+        if p.is_causal:
+            keep = causal_keep(self.N, self.M, self.device, self.offset)
+        if p.key_padding is not None:
+            kp = p.key_padding[:, None, None, :]
             keep = kp if keep is None else keep & kp
             keep = keep | ~keep.any(dim=-1, keepdim=True)  # a padded query without keys: open, zeroed later
-        return keep
-
-    def keep(self, B: int, N: int, M: int, device, *, window: bool = True, padding: bool = True
-             ) -> torch.Tensor | None:
-        """True where a query may attend, broadcastable to (B, H, N, M); ``window=False`` leaves Swin's window mask
-        out (a softmax branch adds it as a bias instead), ``padding=False`` the key padding (a caller that applies
-        it per token). None when every position is allowed."""
-        keep = self._ours(N, M, device, padding)
-        user = self.attn_mask
+        user = p.attn_mask
         if user is not None:
             allowed = user if user.dtype == torch.bool else ~torch.isneginf(user)
             keep = allowed if keep is None else keep & allowed
-        if window and self.window is not None:
-            allowed = self._windows(B, self.window == 0)
+        if window and p.window is not None:
+            allowed = _windows(self.B, p.window == 0)
             keep = allowed if keep is None else keep & allowed
         return keep
 
-    def logit_bias(self, dtype) -> torch.Tensor | None:
-        """The finite part of a float ``attn_mask`` (its -inf entries as 0): a bias that is part of each logit."""
-        user = self.attn_mask
-        if user is None or user.dtype == torch.bool:
-            return None
-        return user.masked_fill(torch.isneginf(user), 0.0).to(dtype)
+    def additive(self, dtype) -> torch.Tensor | None:
+        """The mask (not the position bias) as one additive bias for a softmax: Swin's window mask as given (timm's
+        -100), a float ``attn_mask`` as given, excluded positions -inf; None when nothing is masked."""
+        return self._form(("additive", dtype), lambda: self._additive(dtype))
 
-    def additive(self, B: int, N: int, M: int, dtype, device) -> torch.Tensor | None:
-        """The mask as one additive float bias for a softmax, broadcastable to (B, H, N, M): Swin's window mask as
-        given (timm's -100), a float ``attn_mask`` as given, excluded positions -inf. None when nothing is masked."""
-        bias = None if self.window is None else self._windows(B, self.window.to(dtype))
-        user = self.attn_mask
+    def _additive(self, dtype) -> torch.Tensor | None:
+        p = self.parts
+        bias = None if p.window is None else _windows(self.B, p.window.to(dtype))
+        user = p.attn_mask
         if user is not None and user.dtype != torch.bool:
             bias = user.to(dtype) if bias is None else bias + user
-        keep = self._ours(N, M, device)
-        if user is not None and user.dtype == torch.bool:
-            keep = user if keep is None else keep & user
+        keep = self.keep(window=False) if user is None or user.dtype == torch.bool or p.is_causal or \
+            p.key_padding is not None else None
         if keep is None:
             return bias
         if bias is None:
-            return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+            return torch.zeros(keep.shape, dtype=dtype, device=self.device).masked_fill_(~keep, float("-inf"))
         return bias.masked_fill(~keep, float("-inf"))
 
+    def sdpa(self, dtype) -> tuple[torch.Tensor | None, bool]:
+        """(attn_mask, is_causal) for ``F.scaled_dot_product_attention``: the position bias plus :meth:`additive`, or
+        no tensor and ``is_causal`` when causality is all that is asked."""
+        if self.causal_only:
+            return None, True
+        return self.softmax_bias(dtype), False
+
+    def softmax_bias(self, dtype) -> torch.Tensor | None:
+        """The position bias plus :meth:`additive`: a softmax branch's whole bias as one tensor (a kernel without an
+        ``is_causal`` path takes causal order this way)."""
+        return self._form(("softmax", dtype), lambda: self._plus_bias(self.additive(dtype), dtype))
+
+    def _plus_bias(self, t: torch.Tensor | None, dtype) -> torch.Tensor | None:
+        if self.bias is None:
+            return t
+        bias = self.bias.to(dtype)
+        return bias if t is None else bias + t
+
+    def add_to(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (B, H, N, M) plus the position bias, then the mask, in the order timm's explicit paths add them
+        (a converted timm model's explicit output is bit-identical)."""
+        if self.bias is not None:
+            logits = logits + self.bias.to(logits.dtype)
+        additive = self.additive(logits.dtype)
+        return logits if additive is None else logits + additive
+
+    def logit_bias(self, dtype) -> torch.Tensor | None:
+        """What is part of every branch's logit besides q k^T: the position bias plus a float ``attn_mask``'s finite
+        entries (branches that exclude masked positions rather than add -inf: DnA's softmin, Cog)."""
+        def build():
+            user = self.parts.attn_mask
+            finite = None if user is None or user.dtype == torch.bool else \
+                user.masked_fill(torch.isneginf(user), 0.0).to(dtype)
+            return self._plus_bias(finite, dtype)
+        return self._form(("logit", dtype), build)
+
+    def negated(self, dtype) -> torch.Tensor | None:
+        """The softmin branch's bias in negated-logit form, softmin weights = softmax(-s + this): minus
+        :meth:`logit_bias`, -inf at every excluded position (weight exactly 0); None when there is neither."""
+        def build():
+            logit, keep = self.logit_bias(dtype), self.keep()
+            bias = None if logit is None else -logit
+            if keep is not None:
+                excl = torch.zeros(keep.shape, dtype=dtype, device=self.device).masked_fill_(~keep, float("-inf"))
+                bias = excl if bias is None else bias + excl
+            return bias
+        return self._form(("negated", dtype), build)
+
     def zero_padded_queries(self, o: torch.Tensor) -> torch.Tensor:
-        """Self-attention output (B, H, N, D) with every padded query's row exactly zero (module docstring)."""
-        if self.key_padding is None:
+        """Output (B, H, N, D) with every padded query's row exactly zero (self-attention; module docstring)."""
+        kp = self.parts.key_padding
+        if kp is None or kp.shape[-1] != o.shape[-2]:
             return o
-        return torch.where(self.key_padding[:, None, :, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+        return torch.where(kp[:, None, :, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
 
-    def zero_empty_rows(self, o: torch.Tensor) -> torch.Tensor:
-        """Cross-attention output (B, H, N, D) with every row of a sample whose keys are all padding at zero."""
-        if self.key_padding is None:
-            return o
-        alive = self.key_padding.any(dim=-1)[:, None, None, None]
-        return torch.where(alive, o, torch.zeros((), dtype=o.dtype, device=o.device))
-
-    def for_sample(self, index: int) -> "AttentionMask":
-        """The mask of one sample (or Swin window) of the batch, as a batch of one (the Jacobian instrument)."""
-        user = self.attn_mask
+    # ---- one sample, one head: the Jacobian instrument -----------------------------------------------------------
+    def for_sample(self, index: int) -> "Mask":
+        """The mask of one sample (or Swin window) of the batch, as a batch of one."""
+        p = self.parts
+        user = p.attn_mask
         if user is not None and user.ndim == 4 and user.shape[0] > 1:
             user = user[index:index + 1]
-        return self._replace(
-            key_padding=None if self.key_padding is None else self.key_padding[index:index + 1], attn_mask=user,
-            window=None if self.window is None else self.window[index % self.window.shape[0]][None])
+        parts = p._replace(key_padding=None if p.key_padding is None else p.key_padding[index:index + 1],
+                           attn_mask=user, window=None if p.window is None else p.window[index % p.window.shape[0]][None])
+        bias = self.bias if self.bias is None or self.bias.shape[0] == 1 else self.bias[index:index + 1]
+        return Mask(parts, 1, self.N, self.M, self.device, bias, self.offset)
+
+    def for_head(self, head: int) -> "Mask":
+        """The mask of one head (a per-head bias or attn_mask sliced), as heads of one."""
+        user = self.parts.attn_mask
+        if user is not None and user.ndim == 4 and user.shape[1] > 1:
+            user = user[:, head:head + 1]
+        bias = self.bias if self.bias is None or self.bias.shape[-3] == 1 else self.bias[..., head:head + 1, :, :]
+        return Mask(self.parts._replace(attn_mask=user), self.B, self.N, self.M, self.device, bias, self.offset)
 
 
-__all__ = ["AttentionMask", "EXCLUDED"]
+__all__ = ["AttentionMask", "EXCLUDED", "Mask"]

@@ -31,7 +31,7 @@ class NSTransform(Declares, nn.Module):
     Args:
         steps: polynomial iterations K (paper: 1; 2 in the ablation of Table 2).
         eps: clamp of both Frobenius-norm divisions (paper: 1e-6).
-        impl: ``auto`` (the fused CPU kernel for forward passes without gradient, else ``fast``), ``fast`` (the
+        backend: ``auto`` (the fused CPU kernel for forward passes without gradient, else ``fast``), ``fast`` (the
             Gram-space formulation in torch ops), ``kernel`` (always the fused kernel; an error where it cannot
             run) or ``reference`` (Algorithm 1 literally). See :func:`attnlab.ops.ns_transform`.
     """
@@ -43,16 +43,17 @@ class NSTransform(Declares, nn.Module):
                "Gram product run over every token), so token i's output depends on later tokens",
         attn_mask="ns cannot honour this attention mask: its transform mixes the outputs of all N tokens of a head, so "
                   "tokens the mask hides from each other meet there; pass padding as key_padding (an AttentionMask), "
-                  "whose tokens it leaves out")
+                  "whose tokens it leaves out", backends=("kernel", "fast", "reference"))
 
-    def __init__(self, steps: int = 1, eps: float = NS_EPS, impl: str = "auto",
+    def __init__(self, steps: int = 1, eps: float = NS_EPS, backend: str = "auto",
                  coeffs: tuple[float, float, float] = NS_COEFFS) -> None:
         super().__init__()
-        self.steps, self.eps, self.impl, self.coeffs = steps, eps, impl, tuple(coeffs)
-        check_ns_options(steps, eps, self.coeffs, impl)  # reject bad options at conversion
+        self.steps, self.eps, self.coeffs = steps, eps, tuple(coeffs)
+        check_ns_options(steps, eps, self.coeffs, backend)  # reject bad options at conversion
+        self.use_backend(backend)
 
     def forward(self, o: torch.Tensor) -> torch.Tensor:
-        return ns_transform(o, self.steps, self.eps, self.coeffs, self.impl)
+        return ns_transform(o, self.steps, self.eps, self.coeffs, self.backend)
 
     def extra_repr(self) -> str:
-        return f"steps={self.steps}, eps={self.eps:g}, impl={self.impl}"
+        return f"steps={self.steps}, eps={self.eps:g}, backend={self.backend}"

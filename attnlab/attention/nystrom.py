@@ -11,19 +11,18 @@ bias; their LRA configurations use 35). The formula is in :func:`attnlab.ops.low
 projections are the standard module's, so weight terms (``nystrom+speccond``) act on them as on softmax attention.
 
 Masks: key padding as the authors mask it (:func:`~attnlab.ops.lowrank.nystrom_attention`); causal masks, Swin's
-windows (a relative-position bias) and a caller's ``attn_mask`` are refused, with the reasons its record holds.
+windows and position biases and a caller's ``attn_mask`` are refused, with the reasons its record holds.
 """
 
 from __future__ import annotations
 
-import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SpecError
 from ..ops.lowrank import Z0_SCALES, nystrom_attention
-from .base import AttnlabAttention, norm_in_dtype
+from .base import AttnlabAttention, Intermediates
 from .capabilities import Capabilities, global_only
-from .mask import AttentionMask
 
 
 class NystromAttention(AttnlabAttention):
@@ -43,7 +42,7 @@ class NystromAttention(AttnlabAttention):
                "every output depends on every token",
         attn_mask="nystrom cannot honour this attention mask: it takes no attn_mask or window bias, only key padding "
                   "(an AttentionMask)",
-        window=global_only("nystrom"), head_output=True)
+        window=global_only("nystrom"), bias=global_only("nystrom"), intermediates=("head",))
 
     def __init__(self, dim: int, num_heads: int = 8, *, landmarks: int = 64, pinv: str = "iterative",
                  iters: int = 6, conv: int = 0, z0: str = "head", **kwargs) -> None:
@@ -56,30 +55,16 @@ class NystromAttention(AttnlabAttention):
         self.conv = (nn.Conv2d(self.num_heads, self.num_heads, (conv, 1), padding=(conv // 2, 0), bias=False,
                                groups=self.num_heads) if conv else None)
 
-    def _nystrom(self, q, k, v, key_padding):
-        return nystrom_attention(q, k, v, self.landmarks, scale=self.scale, z0=self.z0, key_padding=key_padding,
-                                 pinv_iters=None if self.pinv == "exact" else self.iters)
-
-    def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:
-        kp = None if mask is None else mask.key_padding  # the rest of a mask is refused by mask_of (the record)
-        o = self._nystrom(q, k, v, None if kp is None else kp[:, None, :])
-        if self.conv is None:
-            return o
-        return o + self.conv(v if kp is None else v * kp[:, None, :, None])
-
-    def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int,
-                    mask: AttentionMask | None = None) -> torch.Tensor:
-        """One head's o (N, D) from x (N, C) and its weights (D, C): the Jacobian instrument's formula; ``mask``: this
-        sequence's (a batch of one)."""
-        q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
-        q, k = norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k)
-        kp = None if mask is None or mask.key_padding is None else mask.key_padding[0]
-        o = self._nystrom(q, k, v, kp)
-        if self.conv is not None:
-            weight = self.conv.weight[head : head + 1].detach().to(x.dtype)
-            v = v if kp is None else v * kp[:, None]
-            o = o + nn.functional.conv2d(v[None], weight, padding=(self.conv_size // 2, 0))[0]
-        return o
+    def kernel(self, q, k, v, mask, want, backend):
+        kp = None if mask is None else mask.key_padding  # the rest of a mask is refused by the record
+        kp = None if kp is None else kp[:, None, :]
+        o = nystrom_attention(q, k, v, self.landmarks, scale=self.scale, z0=self.z0, key_padding=kp,
+                              pinv_iters=None if self.pinv == "exact" else self.iters)
+        if self.conv is not None:  # one filter per head: the heads are the convolution's groups
+            weight = self.conv.weight if want.head is None else self.conv.weight[want.head:want.head + 1]
+            o = o + F.conv2d(v if kp is None else v * kp[..., None], weight, padding=(self.conv_size // 2, 0),
+                             groups=v.shape[1])
+        return o, Intermediates()
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, landmarks={self.landmarks}, pinv={self.pinv}, iters={self.iters}, "

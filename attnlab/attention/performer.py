@@ -21,12 +21,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import ConfigError
 from ..ops import performer_cpu
 from ..ops.lowrank import orthogonal_gaussian, performer_attention
-from .base import AttnlabAttention, norm_in_dtype
+from .base import AttnlabAttention, Intermediates
 from .capabilities import Capabilities, global_only
-from .mask import AttentionMask
 
 
 class PerformerAttention(AttnlabAttention):
@@ -36,23 +34,20 @@ class PerformerAttention(AttnlabAttention):
         features: number of random features M (default 256).
         redraw: draw new features every this many training forwards (0: never; 1: every call).
         seed: seed of the draws (with the block's index and the draw number).
-        impl: ``auto`` (the fused CPU kernel, :mod:`attnlab.ops.performer_cpu`, for float32 forward passes without
-            gradient or causal mask outside ``torch.compile``; else torch ops), ``torch`` or ``kernel`` (an error where
-            it cannot run).
+
+    Backends: ``kernel`` (the fused CPU kernel, :mod:`attnlab.ops.performer_cpu`, for float32 forward passes without
+    gradient or mask, outside ``torch.compile``) and ``explicit`` (torch ops, every call).
     """
 
-    #: backends: ``explicit`` the torch ops (``impl=torch``), ``kernel`` the fused CPU kernel (``impl=kernel``)
     capabilities = Capabilities(
         attn_mask="performer cannot honour this attention mask: FAVOR+ has no N x N map to add an attn_mask or Swin's "
                   "window bias to; pass key padding and causality as an AttentionMask instead",
-        window=global_only("performer"), head_output=True, backends=("explicit", "kernel"))
+        window=global_only("performer"), bias=global_only("performer"), intermediates=("head",),
+        backends=("kernel", "explicit"))
 
     def __init__(self, dim: int, num_heads: int = 8, *, features: int = 256, redraw: int = 0, seed: int = 0,
-                 impl: str = "auto", **kwargs) -> None:
+                 **kwargs) -> None:
         super().__init__(dim, num_heads, **kwargs)
-        if impl not in ("auto", "torch", "kernel"):
-            raise ConfigError(f"performer impl must be auto, torch or kernel, got {impl!r}.")
-        self.impl = impl
         self.features, self.redraw, self.seed = features, redraw, seed
         self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
         self.register_buffer("projection", self.draw(0))
@@ -83,42 +78,35 @@ class PerformerAttention(AttnlabAttention):
         self._count += 1
         self.forwards.fill_(self._count)
 
-    def attend(self, q, k, v, mask: AttentionMask | None = None) -> torch.Tensor:
-        key_padding, causal = None, False
-        if mask is not None:  # the rest of a mask is refused by mask_of (the record)
-            causal = mask.is_causal
-            key_padding = None if mask.key_padding is None else mask.key_padding[:, None, :]
+    def supports(self, backend, call):
+        """The fused CPU kernel: bidirectional FAVOR+ without a mask, float32 forward passes on the CPU (head dim and
+        feature count as :func:`attnlab.ops.performer_cpu.supports`), outside ``torch.compile`` unless forced."""
+        if backend != "kernel":
+            return super().supports(backend, call)
+        for failed, why in ((call.masked, "the fused kernel computes bidirectional FAVOR+ without a mask"),
+                            (call.device.type != "cpu", f"the fused kernel runs on the CPU, not {call.device.type}"),
+                            (call.dtype != torch.float32, f"the fused kernel takes float32, not {call.dtype}"),
+                            (call.needs_grad, "the fused kernel is forward-only; this call needs a gradient"),
+                            (not performer_cpu.supports(call.head_dim, self.features),
+                             f"the fused kernel takes head dim 16, 32, 48 or 64 and a multiple of 16 features up to "
+                             f"1024, got head dim {call.head_dim} and {self.features} features"),
+                            (call.compiling and self.backend == "auto", "torch.compile traces the torch ops")):
+            if failed:
+                return why
+        return performer_cpu.unavailable()
+
+    def kernel(self, q, k, v, mask, want, backend):
         if self.training and self.redraw:
             self._advance()
         projection = self.projection.to(q.dtype)
-        if self.impl != "torch":
-            why = ("the fused kernel computes bidirectional FAVOR+ without a mask" if mask is not None
-                   else performer_cpu.kernel_error(q, k, v, projection))
-            if why is None and (self.impl == "kernel" or not torch.compiler.is_compiling()):
-                return performer_cpu.performer_kernel(q, k, v, projection)
-            if self.impl == "kernel":
-                raise ConfigError(f"performer(impl=kernel) cannot run here: {why}; use impl=auto.")
-        return performer_attention(q, k, v, projection, key_padding=key_padding, causal=causal)
-
-    def use_backend(self, name: str) -> None:
-        """As :meth:`~attnlab.attention.capabilities.Declares.use_backend`: ``explicit`` is ``impl=torch``,
-        ``kernel`` ``impl=kernel``."""
-        super().use_backend(name)
-        self.impl = "torch" if name == "explicit" else "kernel"
-
-    def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int,
-                    mask: AttentionMask | None = None) -> torch.Tensor:
-        """One head's o (N, D) from x (N, C) and its weights (D, C), with the current features; ``mask``: this
-        sequence's (a batch of one)."""
-        q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
-        q, k = norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k)
-        kp = None if mask is None or mask.key_padding is None else mask.key_padding[0]
-        return performer_attention(q, k, v, self.projection.to(x.dtype), key_padding=kp,
-                                   causal=mask is not None and mask.is_causal)
+        if backend == "kernel":
+            return performer_cpu.performer_kernel(q, k, v, projection), Intermediates()
+        kp = None if mask is None or mask.key_padding is None else mask.key_padding[:, None, :]
+        return performer_attention(q, k, v, projection, key_padding=kp, causal=mask is not None and mask.is_causal
+                                   ), Intermediates()
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, features={self.features}, redraw={self.redraw}, seed={self.seed}, "
-                f"impl={self.impl}")
+        return f"{super().extra_repr()}, features={self.features}, redraw={self.redraw}, seed={self.seed}"
 
 
 __all__ = ["PerformerAttention"]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import norm_in_dtype
+from .base import Intermediates
 from .channel import ChannelMapAttention, channel_capabilities
 
 
@@ -43,20 +43,15 @@ class XCAttention(ChannelMapAttention):
         super().adopt(module)
         self.temperature = module.temperature
 
-    def attend(self, q, k, v, mask=None) -> torch.Tensor:
+    def kernel(self, q, k, v, mask, want, backend):
         # timm works on (B, H, D, N); the transposes are views, so the ops below are timm's own
         q, k, v = q.transpose(-2, -1), k.transpose(-2, -1), v.transpose(-2, -1)
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        if self.fused_attn:
-            return F.scaled_dot_product_attention(q * self.temperature, k, v, scale=1.0).transpose(-2, -1)
-        attn = ((q @ k.transpose(-2, -1)) * self.temperature).softmax(dim=-1)
-        return (self.attn_drop(attn) @ v).transpose(-2, -1)
-
-    def head_output(self, x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, *, head: int) -> torch.Tensor:
-        q, k, v = (x @ w.T + (b if b is not None else 0) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
-        q, k = F.normalize(norm_in_dtype(self.q_norm, q), dim=0), F.normalize(norm_in_dtype(self.k_norm, k), dim=0)
-        attn = ((q.T @ k) * self.temperature[head].detach().to(x.dtype)).softmax(dim=-1)
-        return v @ attn.T
+        tau = self.temperature if want.head is None else self.temperature[want.head:want.head + 1]
+        if backend == "sdpa":
+            return F.scaled_dot_product_attention(q * tau, k, v, scale=1.0).transpose(-2, -1), Intermediates()
+        attn = ((q @ k.transpose(-2, -1)) * tau).softmax(dim=-1)
+        return (self.attn_drop(attn) @ v).transpose(-2, -1), Intermediates()
 
 
 __all__ = ["XCAttention"]

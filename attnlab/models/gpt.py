@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from timm.layers import Attention, Mlp
 from torch import nn
 
+from ..attention.base import LayerCache
 from ..attention.capabilities import capabilities_of
 from ..errors import ConfigError
 from .convert import attention_modules
@@ -56,7 +57,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         h = self.norm1(x)
-        x = x + (self.attn(h, is_causal=True) if cache is None else cache.attend(self.attn, h))
+        x = x + (self.attn(h, is_causal=True) if cache is None else self.attn(h, cache=cache))
         del h  # the normalised input is not kept alive through the MLP (as nanoGPT's Block does not)
         return x + self.mlp(self.norm2(x))
 
@@ -156,35 +157,6 @@ def check_block_size(model: nn.Module, block_size: int) -> None:
 
 
 # ---- key/value cache ------------------------------------------------------------------------------------------------
-def _extend(old, new):
-    """``old`` followed by ``new`` along the token axis (-2); DnA's (pos, neg) pairs pairwise, a shared tensor (the
-    same object twice) staying one tensor."""
-    if isinstance(new, tuple):
-        first = _extend(old[0], new[0])
-        return first, first if new[1] is new[0] else _extend(old[1], new[1])
-    return torch.cat([old, new], dim=-2)
-
-
-class LayerCache:
-    """One attention layer's keys and values of the tokens seen so far, as its ``project`` returns them."""
-
-    def __init__(self) -> None:
-        self.k = self.v = None
-
-    def attend(self, attn: nn.Module, h: torch.Tensor) -> torch.Tensor:
-        """The attention output for ``h`` (B, n, dim): the first call (the prompt) runs the module's own causal
-        forward and keeps its keys and values; each later call takes ONE new token, whose query attends every kept
-        key (all earlier, so no mask), and adds its own key and value."""
-        if self.k is None:
-            _, self.k, self.v = attn.project(h)
-            return attn(h, is_causal=True)
-        if h.shape[1] != 1:
-            raise ValueError("a filled KV cache takes one new token per call")
-        q, k, v = attn.project(h)
-        self.k, self.v = _extend(self.k, k), _extend(self.v, v)
-        return attn.merge(attn.head_transform(attn.attend(q, self.k, self.v)), h)
-
-
 class KVCache:
     """Per-layer :class:`LayerCache` and the number of tokens they hold."""
 

@@ -29,7 +29,6 @@ from torchvision.ops import Conv2dNormActivation
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
 from ..attention.base import AttnlabAttention
-from ..attention.mask import AttentionMask
 from ..attention.standard import StandardAttention
 from ..errors import ConfigError, UnsupportedModelError
 from ..ops.relpos import decomposed_rel_pos, interpolate_abs_pos
@@ -44,15 +43,13 @@ def rel_pos_attention(attn: nn.Module, x: torch.Tensor, rel_pos_h: torch.Tensor,
                       hw: tuple[int, int]) -> torch.Tensor:
     """``attn`` on tokens x (B, h*w, C) of an (h, w) grid with ViTDet's relative positions in every logit: the bias
     q . R_h + q . R_w of the module's queries (DnA: the softmax branch's Q+, whose bias the softmin branch also takes,
-    as it takes Swin's) enters each branch as a float mask does (docs/methods.md, Detection backbones)."""
-    why = attn.capabilities.attn_mask  # the kernel's: the bias enters as a float attn_mask
+    as it takes Swin's) is the forward's position bias (docs/methods.md, Detection backbones), so instruments and
+    hooks see the call as every other."""
+    why = attn.capabilities.bias
     if why:
-        raise UnsupportedModelError(f"{why}; ViTDet's relative positions add a bias to every logit, so build the "
-                                    f"detector with rel_pos=False (--model-options '{{rel_pos: false}}') to use it.")
-    q, k, v = attn.project(x)
-    bias = decomposed_rel_pos(q[0] if isinstance(q, tuple) else q, rel_pos_h, rel_pos_w, hw, hw)
-    mask = AttentionMask(attn_mask=bias)
-    return attn.finish(attn.attend(q, k, v, mask), mask, x)
+        raise UnsupportedModelError(f"{why}; build the detector with rel_pos=False (--model-options "
+                                    f"'{{rel_pos: false}}') to use it.")
+    return attn(x, position_bias=lambda q: decomposed_rel_pos(q, rel_pos_h, rel_pos_w, hw, hw))
 
 
 class WindowBlock(nn.Module):

@@ -21,8 +21,6 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from attnlab.errors import ConfigError, NonFiniteLossError
-from attnlab.ops.sdpa import short_sequence_products
-
 from . import distributed
 from .checkpoint import (
     RESUME_KEYS,
@@ -115,7 +113,7 @@ def train_one_epoch(model, batches: Iterator[Any], optimizer, scheduler, step_lo
             if cudagraphs:
                 torch.compiler.cudagraph_mark_step_begin()
             with (no_sync() if no_sync is not None and micro < accum - 1 else nullcontext()):
-                with autocast, short_sequence_products():
+                with autocast:
                     loss, batch_sums = step_loss(model, batch)
                 (loss / accum if accum > 1 else loss).backward()
             value = loss.detach()

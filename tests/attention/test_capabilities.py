@@ -10,6 +10,7 @@ import torch
 import attnlab
 from attnlab.analysis import entropy, jacobian
 from attnlab.attention import CogAttention, DiffAttention, DnAAttention, DnACrossAttention
+from attnlab.attention.base import Intermediates
 from attnlab.attention.capabilities import capabilities_of
 from attnlab.attention.standard import StandardAttention
 from attnlab.errors import SpecError, UnsupportedModelError
@@ -18,18 +19,18 @@ from attnlab.variants import VARIANTS, training_hooks
 
 
 class OwnAttend(StandardAttention):
-    def attend(self, q, k, v, mask=None):
-        return v  # not softmax attention any more
+    def kernel(self, q, k, v, mask, want, backend):
+        return v, Intermediates()  # not softmax attention any more
 
 
 class DeclaredSoftmax(StandardAttention):
-    capabilities = replace(StandardAttention.capabilities, explicit_maps=False)
+    capabilities = replace(StandardAttention.capabilities, intermediates=("head",))
 
-    def attend(self, q, k, v, mask=None):
-        return super().attend(q, k, v, mask)
+    def kernel(self, q, k, v, mask, want, backend):
+        return super().kernel(q, k, v, mask, want, backend)
 
 
-def test_plain_softmax_is_declared_by_standard_only_and_lost_by_overriding_attend():
+def test_plain_softmax_is_declared_by_standard_only_and_lost_by_overriding_the_kernel():
     assert StandardAttention.capabilities.plain_softmax and DeclaredSoftmax.capabilities.plain_softmax
     for cls in (DnAAttention, DiffAttention, CogAttention, OwnAttend):
         assert not cls.capabilities.plain_softmax, cls
@@ -69,20 +70,20 @@ def test_the_trainer_names_no_method_and_gets_qkclip_from_the_registry():
 
 
 class OwnCog(CogAttention):
-    def attend(self, q, k, v, mask=None):
-        return v
+    def kernel(self, q, k, v, mask, want, backend):
+        return v, Intermediates()
 
 
-def test_explicit_maps_are_owned_per_mechanism_and_lost_by_overriding_attend():
+def test_weight_maps_are_declared_per_mechanism_and_lost_by_overriding_the_kernel():
     from attnlab.analysis.maps import map_modules
     from attnlab.attention.nystrom import NystromAttention
 
     for cls in (StandardAttention, CogAttention, DnAAttention, DiffAttention):
-        assert cls.capabilities.explicit_maps and callable(cls.explicit_maps), cls
+        assert "weights" in cls.capabilities.intermediates, cls
     for cls in (OwnAttend, OwnCog, DeclaredSoftmax, NystromAttention):
-        assert not cls.capabilities.explicit_maps, cls
+        assert "weights" not in cls.capabilities.intermediates, cls
     model = _model_with(OwnCog)
-    with pytest.raises(UnsupportedModelError, match="explicit_maps"):
+    with pytest.raises(UnsupportedModelError, match="no attention weight maps"):
         map_modules(model)
 
 

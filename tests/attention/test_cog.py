@@ -11,7 +11,8 @@ import torch
 from timm.models.swin_transformer import SwinTransformerBlock
 
 import attnlab
-from attnlab.attention.mask import AttentionMask
+from attnlab.attention.base import Want
+from attnlab.attention.mask import AttentionMask, Mask
 from attnlab.attention.cog import CogAttention
 from attnlab.attention.standard import StandardAttention
 from attnlab.models import attention_modules
@@ -62,7 +63,7 @@ def _swin(all_layers=True, layer_index=1):
 def test_swin_matches_float64_loop_with_shift_mask(fused):
     _, block = _swin()
     attn, mask = block.attn, block.attn_mask
-    attn.fused_attn = fused  # signed layers ignore the flag: same result either way
+    attn.use_backend("auto" if fused else "explicit")  # signed layers ignore the flag: same result either way
     assert mask is not None and (mask != 0).any()
     x = torch.randn(mask.shape[0] * 2, 16, 48, dtype=torch.float64)
     bias = ref.rel_pos_bias(attn.relative_position_bias_table.detach(), 4, 4)
@@ -77,21 +78,22 @@ def test_masked_positions_get_exactly_zero_weight():
     attn, mask = block.attn, block.attn_mask
     x = torch.randn(mask.shape[0], 16, 48, dtype=torch.float64)
     with torch.no_grad():
-        q, k, _ = attn.project(x)
-        w = attn.weights(q, k, AttentionMask(window=mask))
+        w = attn.run(x, window=mask, want=Want(weights=True))[1].weights["attn"].weights
     off = (mask != 0).unsqueeze(1).expand_as(w)
     assert off.any() and (w[off] == 0).all()
     # absolute weights over the unmasked keys sum to one, and some weights are negative
     torch.testing.assert_close(w.abs().sum(-1), torch.ones(w.shape[:-1], dtype=w.dtype), rtol=1e-12, atol=1e-12)
     assert (w < 0).any() and (w > 0).any()
     # worked by hand: s = (1, -2, 0.5) with the last key masked -> weights (e/(e+e^2), -e^2/(e+e^2), 0)
-    one = CogAttention(2, 1, fused_attn=False, layer_index=1, num_layers=3).double()
+    one = CogAttention(2, 1, backend="explicit", layer_index=1, num_layers=3).double()
     one.scale = 1.0
     q = torch.tensor([[[[1.0, 0.0]]]], dtype=torch.float64)
     k = torch.tensor([[[[1.0, 0.0], [-2.0, 0.0], [0.5, 0.0]]]], dtype=torch.float64)
     e1, e2 = math.exp(1.0), math.exp(2.0)
     want = torch.tensor([e1 / (e1 + e2), -e2 / (e1 + e2), 0.0], dtype=torch.float64)
-    got = one.weights(q, k, AttentionMask(attn_mask=torch.tensor([[True, True, False]])))
+    mask = Mask.resolve(torch.tensor([[True, True, False]]), B=1, N=1, M=3, device=q.device)
+    got = one.kernel(q, k, torch.eye(3, dtype=torch.float64)[None, None], mask, Want(weights=True), "explicit")[1] \
+        .weights["attn"].weights
     torch.testing.assert_close(got.flatten(), want, rtol=1e-14, atol=1e-14)
 
 

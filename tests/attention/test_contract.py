@@ -15,7 +15,6 @@ refuses it in one line, which the cell checks. A new registered term enters ever
 from __future__ import annotations
 
 import copy
-import inspect
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 import attnlab
-from attnlab.attention.base import FORWARD_ARGUMENTS, AttnlabAttention
+from attnlab.attention.base import AttnlabAttention
 from attnlab.attention.capabilities import Capabilities, capabilities_of
 from attnlab.attention.mask import AttentionMask
 from attnlab.errors import ConfigError, UnsupportedModelError
@@ -262,16 +261,20 @@ def test_cell_matches_the_float64_explicit_path_or_is_refused_as_the_record_says
 
 
 @pytest.mark.parametrize("term", TERMS)
-def test_the_record_is_frozen_and_the_forward_takes_the_contract_arguments(term):
-    """Hooks read (x, mask) from a forward's arguments by position (``forward_mask``): every mechanism's forward takes
-    exactly :data:`FORWARD_ARGUMENTS`."""
-    v = VARIANTS[term]
+def test_the_record_is_frozen_and_the_backend_option_offers_what_it_declares(term):
+    """The record is data (frozen); a kernel's ``backend`` spec option offers ``auto`` and exactly the backends its
+    record declares (a kernel with one backend has no option); a head term's likewise."""
+    v = VARIANTS.get(term, TOY)
     cls = v.load() if v.kind == "kernel" else VARIANTS["standard"].load()
     assert issubclass(cls, AttnlabAttention)
-    assert tuple(inspect.signature(cls.forward).parameters)[1:] == FORWARD_ARGUMENTS
     record = v.load().capabilities
     assert isinstance(record, Capabilities)
     with pytest.raises(AttributeError):
         record.causal = None  # frozen
     if v.kind == "kernel":
         assert record.backends and set(record.backends) <= {"sdpa", "explicit", "kernel", "triton"}
+    option = v.options.get("backend")
+    if len(record.backends) > 1:
+        assert option is not None and set(option.choices) == {"auto", *record.backends}, term
+    else:
+        assert option is None, term

@@ -18,6 +18,7 @@ from attnlab.models import attention_modules
 from attnlab.models.convert import term_support
 from tests import reference_reparam as ref_reparam
 from tests.reference_xcit import conditioned, davit_channel_head, davit_channel_reference, davit_channel_v2_reference
+from tests.backends import set_fused
 
 # 8x8 then 4x4 tokens, windows of 4x4: no padded windows (a zero token makes the Jacobian singular)
 TINY = dict(depths=(1, 1), embed_dims=(16, 32), num_heads=(2, 4), window_size=4, num_classes=5)
@@ -31,9 +32,7 @@ def tiny(attn="standard", seed=0):
 @pytest.mark.parametrize("fused", [True, False])
 def test_convert_standard_is_bit_identical(fused):
     model = tiny(attn=None)
-    for m in model.modules():
-        if hasattr(m, "fused_attn"):
-            m.fused_attn = fused
+    set_fused(model, fused)
     x = torch.randn(2, 3, 32, 32)
     before = model(x)
     converted = attnlab.convert(copy.deepcopy(model), "standard")

@@ -12,6 +12,7 @@ from timm.models.swin_transformer import SwinTransformerBlock
 from timm.models.vision_transformer import VisionTransformer
 
 import attnlab
+from attnlab.attention.base import Want
 from attnlab.attention.mask import AttentionMask
 from attnlab.attention.diff import DiffAttention
 from attnlab.errors import UnsupportedModelError
@@ -19,15 +20,14 @@ from attnlab.models.backbones import PRESETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference_baselines as ref  # noqa: E402
+from tests.backends import set_fused
 
 # a fixed 3-block, 4-head geometry, independent of the demo preset's size
 TINY_VIT = dict(embed_dim=64, depth=3, num_heads=4)
 
 
 def _set_fused(model, fused):
-    for m in model.modules():
-        if hasattr(m, "fused_attn"):
-            m.fused_attn = fused
+    set_fused(model, fused)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["sdpa", "explicit"])
@@ -89,7 +89,7 @@ def _swin_block(fused):
         for p in (attn.lambda_q1, attn.lambda_k1, attn.lambda_q2, attn.lambda_k2):
             p.normal_(0, 0.5)
         attn.sub_norm.weight.uniform_(0.5, 1.5)
-    attn.fused_attn = fused
+    attn.use_backend("auto" if fused else "explicit")
     return block, attn
 
 
@@ -106,7 +106,7 @@ def test_swin_matches_float64_loop(fused):
         attn.lambda_k2.detach(), attn.sub_norm.weight.detach(), depth=1, bias=bias, mask=mask)
     with torch.no_grad():
         torch.testing.assert_close(attn(x, mask=mask), want, rtol=1e-10, atol=1e-10)
-        o_pos, o_neg = attn.branch_outputs(x, AttentionMask(window=mask))
+        o_pos, o_neg = attn.run(x, window=mask, want=Want(branches=True))[1].branches
     assert o_pos.shape == o_neg.shape == (x.shape[0], attn.num_heads, attn.window_area, attn.head_dim)
     for b in range(x.shape[0]):
         for h in range(attn.num_heads):
@@ -123,10 +123,10 @@ def test_branch_outputs_recompose_forward():
     attn = attnlab.build_model("vit_digits", **TINY_VIT, attn="diff").blocks[2].attn.double().eval()
     x = torch.randn(2, 17, 64, dtype=torch.float64)
     with torch.no_grad():
-        o_pos, o_neg = attn.branch_outputs(x)
+        o_pos, o_neg = attn.run(x, want=Want(branches=True))[1].branches
         lam = attn.lambda_full()
         o = attn.sub_norm(o_pos - lam * o_neg) * (1 - attn.lambda_init)
-        torch.testing.assert_close(attn.merge(o, x), attn(x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(attn.finish(o, None, x), attn(x), rtol=1e-12, atol=1e-12)
         # branches are convex combinations of v rows: softmax weights, not the lambda-weighted difference
         q, k, v = attn.project(x)
         d = attn.head_dim // 2
@@ -136,7 +136,7 @@ def test_branch_outputs_recompose_forward():
 
 def test_gradcheck_float64():
     torch.manual_seed(4)
-    attn = DiffAttention(8, 2, qkv_bias=True, window_size=(2, 2), fused_attn=False, layer_index=3).double()
+    attn = DiffAttention(8, 2, qkv_bias=True, window_size=(2, 2), backend="explicit", layer_index=3).double()
     mask = torch.tensor([[0.0, -100.0, 0.0, -100.0]] * 4, dtype=torch.float64).unsqueeze(0)
     x = torch.randn(2, 4, 8, dtype=torch.float64, requires_grad=True)
     lq1 = attn.lambda_q1.detach().clone().requires_grad_(True)

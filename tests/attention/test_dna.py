@@ -13,7 +13,9 @@ import torch
 import attnlab
 from attnlab.attention.mask import AttentionMask
 from attnlab.attention import DnAAttention, DnACrossAttention
-from attnlab.attention.dna import dna_branches
+from attnlab.attention.base import Want
+from attnlab.attention.dna import Pair, Queries
+from attnlab.attention.mask import Mask
 from attnlab.attention.standard import StandardAttention
 from attnlab.errors import SpecError
 
@@ -59,7 +61,7 @@ def _alpha(module):
 @pytest.mark.parametrize("scale", ["both", "neg_only"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_vit_module_matches_float64_loop(variant, scale, fused):
-    m = _randomise(DnAAttention(24, 3, qkv_bias=True, variant=variant, scale=scale, fused_attn=fused)).double().eval()
+    m = _randomise(DnAAttention(24, 3, qkv_bias=True, variant=variant, scale=scale, backend="auto" if fused else "explicit")).double().eval()
     x = torch.randn(2, 7, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         y = m(x).numpy()
@@ -84,7 +86,7 @@ def _swin_mask(num_win, N, seed=0):
 @pytest.mark.parametrize("fused", [True, False], ids=["sdpa", "explicit"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_swin_window_module_matches_float64_loop(variant, fused):
-    m = DnAAttention(16, 2, qkv_bias=True, window_size=(2, 2), variant=variant, fused_attn=fused)
+    m = DnAAttention(16, 2, qkv_bias=True, window_size=(2, 2), variant=variant, backend="auto" if fused else "explicit")
     m = _randomise(m, seed=2).double().eval()
     num_win, N = 3, 4
     mask = _swin_mask(num_win, N)
@@ -106,7 +108,7 @@ def test_swin_window_module_matches_float64_loop(variant, fused):
 @pytest.mark.parametrize("fused", [True, False], ids=["sdpa", "explicit"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_cross_attention_matches_float64_loop(variant, fused):
-    m = DnACrossAttention(24, 3, kv_dim=10, qkv_bias=True, variant=variant, fused_attn=fused)
+    m = DnACrossAttention(24, 3, kv_dim=10, qkv_bias=True, variant=variant, backend="auto" if fused else "explicit")
     m = _randomise(m, seed=4).double().eval()
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 5, 24, dtype=torch.float64, generator=g)
@@ -169,14 +171,16 @@ def test_sum_is_softmax_plus_softmin_times_v():
 def test_masked_positions_get_exactly_zero_softmin_weight(fused):
     """With V- = identity over tokens, the softmin branch's output IS its weight matrix."""
     N = 4
-    m = DnAAttention(8, 2, window_size=(2, 2), fused_attn=fused).double().eval()
+    m = DnAAttention(8, 2, window_size=(2, 2), backend="auto" if fused else "explicit").double().eval()
     mask = _swin_mask(2, N, seed=7)
     q = torch.randn(4, 2, N, 4, dtype=torch.float64) * 3
     k = torch.randn(4, 2, N, 4, dtype=torch.float64) * 3
     # make the masked keys the most attractive ones for softmin: very negative logits
     eye = torch.eye(N, dtype=torch.float64).expand(4, 2, N, N)
+    backend = "sdpa" if fused else "explicit"
     with torch.no_grad():
-        _, w_neg = m.branches((q, q), k, (eye, eye), AttentionMask(window=mask))
+        resolved = Mask.resolve(window=mask, B=4, N=N, M=N, device=q.device, bias=m.rel_pos_bias())
+        w_neg = m.kernel(Queries(q, q), k, Pair(eye, eye), resolved, Want(branches=True), backend)[1].branches[1]
     blocked = (mask < 0).repeat(2, 1, 1).unsqueeze(1).expand(-1, 2, -1, -1)
     assert torch.all(w_neg[blocked] == 0)
     assert torch.all(w_neg[~blocked] > 0)
@@ -184,9 +188,10 @@ def test_masked_positions_get_exactly_zero_softmin_weight(fused):
     # ViT-style bool attn_mask through the kernel function as well
     allowed = torch.rand(N, N) < 0.5
     allowed |= torch.eye(N, dtype=torch.bool)
-    _, w = dna_branches(q, q, k, eye, eye, scale_pos=0.5, scale_neg=0.5, bias_pos=allowed, bias_neg=torch.zeros(
-        N, N, dtype=torch.float64).masked_fill(~allowed, float("-inf")))
-    assert torch.all(w[..., ~allowed] == 0)
+    with torch.no_grad():
+        resolved = Mask.resolve(allowed, B=4, N=N, M=N, device=q.device)
+        w = m.kernel(Queries(q, q), k, Pair(eye, eye), resolved, Want(branches=True), backend)[1].branches[1]
+    assert torch.all(w[..., ~allowed] == 0) and torch.all(w[..., allowed] > 0)
 
 
 def test_spec_registered_and_errors():
@@ -280,17 +285,20 @@ def test_swin_trains_one_step_and_reconverts():
     model(torch.randn(1, 3, 32, 32))
 
 
-def test_dna_kernel_gradcheck_float64():
+@pytest.mark.parametrize("backend", ["sdpa", "explicit"])
+def test_dna_kernel_gradcheck_float64(backend):
     g = torch.Generator().manual_seed(0)
     shape = (1, 2, 4, 3)
     inputs = [torch.randn(shape, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(5)]
-    bias = torch.randn(1, 2, 4, 4, dtype=torch.float64, generator=g)
-    bias_neg = -bias.clone()
-    bias_neg[..., 0, 1] = float("-inf")
+    bias = torch.randn(1, 2, 4, 4, dtype=torch.float64, generator=g)  # a position bias in both branches
+    keep = torch.ones(4, 4, dtype=torch.bool)
+    keep[0, 1] = False  # and one excluded key
+    mask = Mask(AttentionMask(attn_mask=keep), 1, 4, 4, bias.device, bias=bias)
+    m = DnAAttention(6, 2, alpha_init=0.7).double()
+    m.scale_pos, m.scale_neg = 0.6, 0.4
 
     def f(qp, qn, k, vp, vn):
-        a, b = dna_branches(qp, qn, k, vp, vn, scale_pos=0.6, scale_neg=0.4, bias_pos=bias, bias_neg=bias_neg)
-        return a + 0.7 * b
+        return m.kernel(Queries(qp, qn), k, Pair(vp, vn), mask, Want(), backend)[0]
 
     assert torch.autograd.gradcheck(f, inputs)
 
@@ -302,7 +310,7 @@ def test_fused_and_explicit_paths_agree_in_float32_with_gradients():
     mask = _swin_mask(2, 4).float()
     outs = []
     for fused in (True, False):
-        m.fused_attn = fused
+        m.use_backend("auto" if fused else "explicit")
         y = m(x, mask=mask)
         gx, ga = torch.autograd.grad(y.square().sum(), (x, m.alpha))
         outs.append((y.detach(), gx, ga))

@@ -12,7 +12,8 @@ from torch import nn
 
 import attnlab
 from attnlab.attention.dna import DnAAttention
-from attnlab.attention.mask import AttentionMask
+from attnlab.attention.base import Want
+from attnlab.attention.mask import AttentionMask, Mask
 from attnlab.errors import ConfigError, UnsupportedModelError
 from attnlab.models import attention_modules
 from tests import reference_dna as ref_dna
@@ -49,9 +50,8 @@ def _model(spec: str, path: str, dtype=torch.float64) -> nn.Module:
     torch.manual_seed(0)
     model = attnlab.convert(Blocks(), spec).to(dtype).eval()
     for _, m in attention_modules(model):
-        m.fused_attn = path != "explicit"
-        if isinstance(m, DnAAttention) and path in ("sdpa", "kernel"):
-            m.backend = path
+        if path == "explicit" or isinstance(m, DnAAttention) and path in ("sdpa", "kernel"):
+            m.use_backend(path)
     return model
 
 
@@ -62,7 +62,7 @@ HONOUR_BOTH = [
     ("cog(all_layers=true)", "explicit"),
     ("dna", "sdpa"), ("dna", "explicit"), ("dna", "kernel"),
     ("dna(variant=shared)", "sdpa"), ("dna(variant=q)", "kernel"), ("dna(variant=v)", "explicit"),
-    ("performer(features=32,impl=torch)", "sdpa"),
+    ("performer(features=32,backend=explicit)", "sdpa"),
     ("qknorm", "sdpa"), ("sigma", "sdpa"), ("specnorm", "explicit"), ("speccond", "sdpa"),
 ]
 PADDING_ONLY = [("ns", "sdpa"), ("dna+ns", "kernel"), ("nystrom(landmarks=4)", "sdpa"),
@@ -139,7 +139,7 @@ def test_terms_that_cannot_be_causal_say_why(spec):
 def test_a_sequence_of_padding_only_and_left_padded_causal_rows_give_zeros_not_nan():
     for spec, path in [("standard", "sdpa"), ("standard", "explicit"), ("dna", "explicit"), ("dna", "sdpa"),
                        ("cog(all_layers=true)", "explicit"), ("diff", "sdpa"),
-                       ("performer(features=16,impl=torch)", "sdpa"), ("nystrom(landmarks=4)", "sdpa"), ("ns", "sdpa")]:
+                       ("performer(features=16,backend=explicit)", "sdpa"), ("nystrom(landmarks=4)", "sdpa"), ("ns", "sdpa")]:
         model = _model(spec, path)
         real = torch.ones(2, N, dtype=torch.bool)
         real[0] = False  # nothing to attend to at all
@@ -183,7 +183,8 @@ def test_standard_causal_and_padded_matches_a_float64_loop():
     x = torch.randn(2, N, DIM, dtype=torch.float64)
     with torch.no_grad():
         q, k, v = attn.project(x)
-        got = attn.attend(q, k, v, AttentionMask(is_causal=True, key_padding=real))
+        mask = Mask.resolve(AttentionMask(is_causal=True, key_padding=real), B=2, N=N, M=N, device=x.device)
+        got = attn.kernel(q, k, v, mask, Want(), "sdpa")[0]
     for b in range(2):
         keep = np.tril(np.ones((N, N), dtype=bool)) & real[b].numpy()[None, :]
         want = masked_softmax_attention(q[b], k[b], v[b], keep)
@@ -199,9 +200,7 @@ def test_dna_both_branches_see_only_allowed_keys_against_the_reference(variant, 
     _need(path)
     dtype = _dtype(path)
     torch.manual_seed(4)
-    m = DnAAttention(DIM, HEADS, variant=variant, qkv_bias=True, fused_attn=path != "explicit").to(dtype).eval()
-    if path != "explicit":
-        m.backend = path
+    m = DnAAttention(DIM, HEADS, variant=variant, qkv_bias=True, backend=path).to(dtype).eval()
     with torch.no_grad():
         m.alpha.uniform_(-1, 1)
     real = _padding()
@@ -244,26 +243,27 @@ def test_performer_causal_and_padded_match_the_literal_favor():
 
 
 def test_fused_kernels_refuse_masks_with_the_reason_and_auto_falls_back():
-    model = _model("performer(features=32,impl=kernel)", "sdpa", torch.float32)
+    model = _model("performer(features=32,backend=kernel)", "sdpa", torch.float32)
     x = torch.randn(1, N, DIM)
     with pytest.raises(ConfigError, match="bidirectional FAVOR\\+ without a mask"):
         _run(model, x, "kernel", is_causal=True)
     auto = _model("performer(features=32)", "sdpa", torch.float32)
-    torch_path = _model("performer(features=32,impl=torch)", "sdpa", torch.float32)
+    torch_path = _model("performer(features=32,backend=explicit)", "sdpa", torch.float32)
     torch.testing.assert_close(_run(auto, x, "kernel", is_causal=True), _run(torch_path, x, "kernel", is_causal=True))
 
 
 def test_dna_triton_refuses_masks_so_auto_takes_sdpa(monkeypatch):
-    from attnlab.attention.dna import Call, choose_backend
+    from attnlab.attention.base import Call
 
     monkeypatch.setenv("ATTNLAB_DNA_TRITON", "1")
-    call = Call(torch.device("cuda"), torch.float16, False, False, True, 16, 4, N, N, 80)
-    choice = choose_backend(call)
-    assert choice.backend == "sdpa"
-    assert dict(choice.refused)["triton"] == "the Triton DnA kernel takes no attention bias or mask"
-    assert "runs on the CPU" in dict(choice.refused)["kernel"]
+    m = DnAAttention(DIM, HEADS).eval()
+    call = Call(torch.device("cuda"), torch.float16, False, False, False, True, False, 16, 4, N, N, 80, Want(), False)
+    assert m.choose(call) == "sdpa"
+    assert m.supports("triton", call) == "the Triton DnA kernel takes no attention bias or mask"
+    assert "runs on the CPU" in m.supports("kernel", call)
+    m.use_backend("triton")
     with pytest.raises(ConfigError, match="takes no attention bias or mask"):
-        choose_backend(call, "triton")
+        m.choose(call)
 
 
 def test_channel_attention_refuses_masks_in_one_line():
@@ -303,7 +303,7 @@ def test_dna_cross_attention_honours_context_padding():
     real[1] = False  # a context of padding only
     other = torch.where(real[..., None], ctx, torch.randn_like(ctx) * 4)
     for fused in (True, False):
-        m.fused_attn = fused
+        m.use_backend("auto" if fused else "explicit")
         with torch.no_grad():
             a = m(x, ctx, attn_mask=AttentionMask(key_padding=real))
             b = m(x, other, attn_mask=AttentionMask(key_padding=real))

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import attnlab
+from attnlab.analysis.jacobian import head_function
+from attnlab.attention.base import Want
 from attnlab.errors import SpecError, UnsupportedModelError
 from attnlab.models import attention_modules
 from attnlab.ops.lowrank import iterative_pinv, nystrom_attention, segment_means
@@ -56,19 +58,18 @@ def test_module_with_all_landmarks_equals_standard_model():
 
 
 def test_head_output_is_the_forward_of_one_head():
-    """The Jacobian instrument differentiates head_output; it must be what the module computes."""
+    """The Jacobian instrument differentiates the module's kernel on one head; it must be what the forward computes."""
     torch.manual_seed(0)
     model = attnlab.build_model("vit_digits", attn="nystrom(landmarks=5,conv=3)+speccond").double().eval()
     _, module = attention_modules(model)[0]
     torch.nn.init.normal_(module.conv.weight)
     x = torch.randn(2, 16, module.dim, dtype=torch.float64)
-    q, k, v = module.project(x)
-    full = module.attend(q, k, v)
+    full = module.kernel(*module.project(x), None, Want(), "explicit")[0]
     w, b = module.qkv.weight, module.qkv.bias
     A, D = module.attn_dim, module.head_dim
     for h in range(module.num_heads):
         rows = [slice(p * A + h * D, p * A + (h + 1) * D) for p in range(3)]
-        out = module.head_output(x[1], *(w[r] for r in rows), *(b[r] for r in rows), head=h)
+        out = head_function(module, h)(x[1], *(w[r] for r in rows), *(b[r] for r in rows))
         torch.testing.assert_close(out, full[1, h])
     jac = attnlab.analysis.jacobian.jacobian_conditioning(model, torch.randn(1, 1, 8, 8, dtype=torch.float64),
                                                           heads=[0])
@@ -76,7 +77,7 @@ def test_head_output_is_the_forward_of_one_head():
 
 
 def test_refusals():
-    with pytest.raises(UnsupportedModelError, match="relative-position bias"):
+    with pytest.raises(UnsupportedModelError, match="Swin's window attention"):
         attnlab.build_model("swin_cifar", attn="nystrom", depths=(1, 1, 1))
     with pytest.raises(SpecError, match="odd kernel"):
         attnlab.build_model("vit_digits", attn="nystrom(conv=4)")

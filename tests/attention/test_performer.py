@@ -9,6 +9,8 @@ import torch
 import torch.utils._python_dispatch
 
 import attnlab
+from attnlab.analysis.jacobian import head_function
+from attnlab.attention.base import Want
 from attnlab.models import attention_modules
 from attnlab.ops.lowrank import orthogonal_gaussian, performer_attention, positive_features
 from tests.reference_lowrank import favor_attention, softmax_attention
@@ -98,12 +100,12 @@ def test_head_output_is_the_forward_of_one_head():
     model = attnlab.build_model("vit_digits", attn="performer(features=32)+speccond").double().eval()
     _, module = attention_modules(model)[1]
     x = torch.randn(2, 16, module.dim, dtype=torch.float64)
-    full = module.attend(*module.project(x))
+    full = module.kernel(*module.project(x), None, Want(), "explicit")[0]
     w, b = module.qkv.weight, module.qkv.bias
     A, D = module.attn_dim, module.head_dim
     for h in range(module.num_heads):
         rows = [slice(p * A + h * D, p * A + (h + 1) * D) for p in range(3)]
-        torch.testing.assert_close(module.head_output(x[0], *(w[r] for r in rows), *(b[r] for r in rows), head=h),
+        torch.testing.assert_close(head_function(module, h)(x[0], *(w[r] for r in rows), *(b[r] for r in rows)),
                                    full[0, h])
     jac = attnlab.analysis.jacobian.jacobian_conditioning(model, torch.randn(1, 1, 8, 8, dtype=torch.float64),
                                                           heads=[0])

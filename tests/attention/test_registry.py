@@ -14,6 +14,7 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 import attnlab
+from attnlab.analysis.maps import capture_maps
 from attnlab.analysis.redundancy import head_redundancy
 from attnlab.attention.mask import AttentionMask
 from attnlab.errors import SpecError, UnsupportedModelError
@@ -118,11 +119,22 @@ def test_masks_are_honoured_or_refused_in_one_line(spec, kind):
 def test_map_instruments_ask_the_module(spec):
     model = _build(spec)
     modules = [m for _, m in attention_modules(model)]
-    if not all(m.capabilities.explicit_maps for m in modules):
-        with pytest.raises(UnsupportedModelError, match="explicit attention maps"):
+    if not all("weights" in m.capabilities.intermediates for m in modules):
+        with pytest.raises(UnsupportedModelError, match="no attention weight maps"):
             head_redundancy(model, _images())
         return
-    layers = head_redundancy(model, _images())  # the hook checks each module's maps reproduce its output
+    model.eval()
+    with torch.no_grad():
+        plain = model(_images())
+        seen = []
+        with capture_maps(model, lambda index, name, module, branches: seen.append(branches)):
+            measured = model(_images())  # the forward runs on the very maps it records
+    assert len(seen) == len(modules)
+    torch.testing.assert_close(measured, plain, rtol=1e-4, atol=1e-5)
+    for branches in seen:
+        for branch in branches.values():  # every map a distribution over keys (cog: of |weights|)
+            torch.testing.assert_close(branch.weights.abs().sum(-1), torch.ones(branch.weights.shape[:-1]))
+    layers = head_redundancy(model, _images())
     assert len(layers) == len(modules)
     for layer in layers:
         for branch in layer["branches"].values():
@@ -174,7 +186,7 @@ def test_every_mask_form_excludes_a_key_from_every_branch(spec, path, causal):
         torch.manual_seed(0)
         model = attnlab.convert(_Blocks(), spec).to(dtype).eval()
         for _, m in attention_modules(model):
-            m.fused_attn = path == "fused"
+            m.use_backend("auto" if path == "fused" else "explicit")
         g = torch.Generator().manual_seed(2)
         x = torch.randn(2, 10, 32, generator=g, dtype=torch.float64)
         changed = torch.where(real[..., None], x, torch.randn(2, 10, 32, generator=g, dtype=torch.float64) * 4)

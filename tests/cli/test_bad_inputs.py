@@ -187,7 +187,7 @@ CASES = [
     case("train-nystrom-even-conv", ["train", "--recipe", "demo", "--attn", "nystrom(conv=4)"],
          "nystrom(conv=4) is not valid; conv is an odd kernel length", slow=True),
     case("train-performer-swin", "train --recipe demo --model swin_cifar --attn performer",
-         "Swin's window attention adds a relative-position bias", slow=True),
+         "Swin's window attention and ViTDet's relative positions add one", slow=True),
     case("train-listops-options", ["train", "--recipe", "lra_listops", "--data-options", "{max_args: 1}"],
          "dataset option max_args=1 for listops must be at least 2", slow=True),
     case("train-listops-bad-file", "train --recipe lra_listops --data-dir {tmp}",

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from cli_runner import in_process
 from test_bad_inputs import _listing
+from attnlab.attention.nystrom import NystromAttention
 
 
 def _files(root: Path) -> dict:
@@ -463,7 +464,7 @@ def test_a_term_the_detector_cannot_take_is_its_own_reason_not_the_datas(tmp_pat
     """The plan's check forward finds that nystrom takes no relative-position bias; the line is the term's reason,
     not "check the options against the data" (the data is not the cause)."""
     line = refused(["train", "--recipe", "detect_demo", "--attn", "nystrom", "--epochs", "1"], tmp_path,
-                   "nystrom cannot honour this attention mask: it takes no attn_mask or window bias")
+                   NystromAttention.capabilities.bias)
     assert "--model-options '{rel_pos: false}'" in line and "against the data" not in line
 
 

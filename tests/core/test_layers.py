@@ -157,13 +157,14 @@ TOY_METHOD = '''
 import torch
 from torch import nn
 
+from attnlab.attention.base import Intermediates
 from attnlab.attention.standard import StandardAttention
 
 
 class ReluAttention(StandardAttention):
-    def attend(self, q, k, v, mask=None, attn_mask=None):
+    def kernel(self, q, k, v, mask, want, backend):
         w = torch.relu(q @ k.transpose(-2, -1) * self.scale)
-        return w / w.sum(-1, keepdim=True).clamp_min(1e-6) @ v
+        return w / w.sum(-1, keepdim=True).clamp_min(1e-6) @ v, Intermediates()
 
 
 class Doubler(nn.Module):

@@ -10,6 +10,7 @@ from torch import nn
 import attnlab
 from attnlab.attention.base import AttnlabAttention
 from attnlab.errors import UnsupportedModelError
+from tests.backends import set_fused
 
 CASES = [
     ("vit_cifar", (2, 3, 32, 32)),
@@ -21,9 +22,7 @@ CASES = [
 def _pair(name, fused=True):
     torch.manual_seed(0)
     original = attnlab.build_model(name, num_classes=10, attn=None).eval()
-    for m in original.modules():
-        if hasattr(m, "fused_attn"):
-            m.fused_attn = fused
+    set_fused(original, fused)
     converted = attnlab.convert(copy.deepcopy(original), "standard").eval()
     return original, converted
 
@@ -34,7 +33,7 @@ def test_convert_standard_is_bit_identical(name, shape, fused):
     original, converted = _pair(name, fused)
     n_attn = sum(isinstance(m, AttnlabAttention) for m in converted.modules())
     assert n_attn == sum(type(m).__name__ in ("Attention", "WindowAttention") for m in original.modules()) > 0
-    assert all(m.fused_attn == fused for m in converted.modules() if isinstance(m, AttnlabAttention))
+    assert all((m.backend == "auto") == fused for m in converted.modules() if isinstance(m, AttnlabAttention))
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(original(x), converted(x))

@@ -12,6 +12,7 @@ import attnlab
 from attnlab.errors import AttnlabError, ConfigError, UnsupportedModelError
 from attnlab.models.gpt import generate, supports_kv_cache
 from tests.reference_gpt import reference_gpt
+from tests.backends import set_fused
 
 GEO = dict(vocab_size=23, block_size=16, embed_dim=24, depth=2, num_heads=3)
 
@@ -43,8 +44,7 @@ def test_matches_reference(attn, fused):
     """timm's Attention (is_causal SDPA), attnlab's standard through SDPA and its explicit path: GPT-2's function."""
     torch.manual_seed(0)
     model = attnlab.build_model("gpt_tiny", attn=attn, **GEO).double().eval()
-    for block in model.blocks:
-        block.attn.fused_attn = fused
+    set_fused(model, fused)
     x = tokens()
     ref = reference_gpt(nanogpt_names(model.state_dict(), GEO["depth"]), x, GEO["num_heads"])
     with torch.no_grad():
@@ -103,7 +103,7 @@ def test_every_term_is_causal_or_refuses(spec, fused):
         return
     model = attnlab.build_model("gpt_tiny", attn=spec, **GEO).double().eval()
     for block in model.blocks:
-        block.attn.fused_attn = fused
+        block.attn.use_backend("auto" if fused else "explicit")
     x = tokens(B=2)
     with torch.no_grad():
         base = model(x)

@@ -187,7 +187,7 @@ def test_every_term_takes_the_relative_positions_or_refuses(term):
         out = backbone(x)["2"]
         explicit = copy.deepcopy(backbone)
         for block in explicit.trunk.blocks:
-            block.attn.fused_attn = False
+            block.attn.use_backend("explicit")
         torch.testing.assert_close(explicit(x)["2"], out, rtol=1e-9, atol=1e-9)
         for block in backbone.trunk.blocks:
             block.rel_pos_h.mul_(0.5)

@@ -1,82 +1,68 @@
-"""attnlab.ops.sdpa: the explicit product it takes for short sequences in CPU training gives softmax attention's
-value and gradient (against a float64 per-head loop), and the choice follows the documented rule."""
+"""The dispatcher's SDPA-or-explicit rule for softmax (a CPU training step with few keys takes the explicit product,
+everything else SDPA, a forced backend as forced), and the explicit backend's value and gradient against a float64
+per-head loop and SDPA's; the one causal builder."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-from attnlab.ops import sdpa as sdpa_module
-from attnlab.ops.sdpa import EXPLICIT_MAX_KEYS, explicit_is_faster, sdpa, short_sequence_products
-
-
-def _reference(q, k, v, mask, scale):
-    """softmax(scale q k^T + mask) v, one (sample, head) at a time in float64."""
-    q, k, v = (t.detach().double().numpy() for t in (q, k, v))
-    out = np.empty(q.shape[:-1] + (v.shape[-1],))
-    for b, h in np.ndindex(*q.shape[:2]):
-        logits = scale * q[b, h] @ k[b, h].T
-        if mask is not None:
-            m = np.broadcast_to(mask.numpy(), q.shape[:2] + logits.shape)[b, h]
-            logits = np.where(m, logits, -np.inf) if m.dtype == bool else logits + m
-        w = np.exp(logits - logits.max(1, keepdims=True))
-        out[b, h] = (w / w.sum(1, keepdims=True)) @ v[b, h]
-    return out
+from attnlab.attention.base import Call, Want
+from attnlab.attention.standard import StandardAttention
+from attnlab.ops.sdpa import EXPLICIT_MAX_KEYS, causal_keep
 
 
-@pytest.fixture(autouse=True)
-def training_step():
-    with short_sequence_products():
-        yield
+def _call(keys, grad=True, training=True, dtype=torch.float32):
+    return Call(torch.device("cpu"), dtype, grad, training, False, False, False, 8, 2, 4, keys, 48, Want(), False)
 
 
-@pytest.mark.parametrize("mask_kind", [None, "float", "bool"])
-@pytest.mark.parametrize("scale", [None, -0.3])  # DnA's softmin branch passes a negative scale
-def test_explicit_path_value_and_gradient(mask_kind, scale):
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 17, 16, generator=g, requires_grad=True) for _ in range(3))
-    mask = {None: None, "float": torch.randn(1, 3, 17, 17, generator=g),
-            "bool": torch.rand(17, 17, generator=g) > 0.3}[mask_kind]
-    if mask is not None and mask.dtype == torch.bool:
-        mask[:, 0] = True  # no fully masked row
-    assert explicit_is_faster(q, k)
-    out = sdpa(q, k, v, attn_mask=mask, scale=scale)
-    np.testing.assert_allclose(out.detach().numpy(), _reference(q, k, v, mask, 16 ** -0.5 if scale is None else scale),
-                               rtol=1e-5, atol=1e-6)
-    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
-    want = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).square().sum(),
-                               (q, k, v))
-    for a, b in zip(grads, want):
+def test_the_rule():
+    m = StandardAttention(16, 2)
+    short = EXPLICIT_MAX_KEYS[torch.float32]
+    assert m.choose(_call(short)) == "explicit"
+    assert m.choose(_call(short + 1)) == "sdpa"
+    assert m.choose(_call(short, grad=False)) == "sdpa"  # inference
+    assert m.choose(_call(short, training=False)) == "sdpa"  # eval mode: convert stays bit-identical to timm
+    assert m.choose(_call(EXPLICIT_MAX_KEYS[torch.bfloat16], dtype=torch.bfloat16)) == "explicit"
+    assert m.choose(_call(EXPLICIT_MAX_KEYS[torch.bfloat16] + 1, dtype=torch.bfloat16)) == "sdpa"
+    m.use_backend("sdpa")
+    assert m.choose(_call(short)) == "sdpa"  # forced
+    with pytest.raises(Exception, match="has no 'flash' backend"):
+        m.use_backend("flash")
+
+
+def _reference(x, m, keep):
+    """The module's output in float64, one (sample, head) at a time: softmax(q k^T / sqrt(D) over kept keys) v."""
+    w, b = m.qkv.weight.detach().double(), m.qkv.bias.detach().double()
+    qkv = (x.detach().double() @ w.T + b).reshape(*x.shape[:2], 3, m.num_heads, m.head_dim).numpy()
+    out = np.zeros((x.shape[0], x.shape[1], m.num_heads, m.head_dim))
+    for s, h in np.ndindex(x.shape[0], m.num_heads):
+        q, k, v = qkv[s, :, 0, h], qkv[s, :, 1, h], qkv[s, :, 2, h]
+        logits = np.where(keep, q @ k.T / np.sqrt(m.head_dim), -np.inf)
+        e = np.exp(logits - logits.max(1, keepdims=True))
+        out[s, :, h] = (e / e.sum(1, keepdims=True)) @ v
+    out = out.reshape(x.shape[0], x.shape[1], -1) @ m.proj.weight.detach().double().numpy().T
+    return out + m.proj.bias.detach().double().numpy()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_explicit_and_sdpa_backends_value_and_gradient(causal):
+    torch.manual_seed(0)
+    m = StandardAttention(32, 2, qkv_bias=True).train()  # a training step: auto takes the explicit product
+    x = torch.randn(2, 17, 32, requires_grad=True)
+    keep = np.tril(np.ones((17, 17), dtype=bool)) if causal else np.ones((17, 17), dtype=bool)
+    results = []
+    for backend in ("auto", "sdpa"):
+        m.use_backend(backend)
+        y = m(x, is_causal=causal)
+        np.testing.assert_allclose(y.detach().double().numpy(), _reference(x, m, keep), rtol=1e-5, atol=1e-6)
+        results.append((y, *torch.autograd.grad(y.square().sum(), (x, m.qkv.weight))))
+    for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_the_rule(monkeypatch):
-    calls = []
-    monkeypatch.setattr(sdpa_module.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or a[0])
-    short, long_ = EXPLICIT_MAX_KEYS[torch.float32], EXPLICIT_MAX_KEYS[torch.float32] + 1
-    for keys, grad, fused in ((short, True, False), (long_, True, True), (short, False, True)):
-        q = torch.randn(1, 1, 4, 8, requires_grad=grad)
-        k = torch.randn(1, 1, keys, 8)
-        calls.clear()
-        sdpa(q, k, torch.randn(1, 1, keys, 8))
-        assert bool(calls) == fused, (keys, grad)
-    q, k = torch.randn(1, 1, 4, 8, requires_grad=True), torch.randn(1, 1, 4, 8)
-    with torch.no_grad():  # inference never takes the explicit path
-        assert not explicit_is_faster(q, k)
-    with short_sequence_products(False):  # nor a forward outside a training step (convert stays bit-identical)
-        assert not explicit_is_faster(q, k)
-    assert explicit_is_faster(q, k)
-    bf16 = torch.randn(1, 1, 4, 8, dtype=torch.bfloat16, requires_grad=True)
-    assert explicit_is_faster(bf16, torch.randn(1, 1, EXPLICIT_MAX_KEYS[torch.bfloat16], 8, dtype=torch.bfloat16))
-
-
-def test_bf16_normalises_in_float32():
-    # logits in bf16, the softmax in float32: the rows of weights still sum to one to float32 precision
-    g = torch.Generator().manual_seed(1)
-    q, k = (torch.randn(1, 2, 40, 16, generator=g).bfloat16().requires_grad_() for _ in range(2))
-    v = torch.ones(1, 2, 40, 16, dtype=torch.bfloat16)
-    out = sdpa(q, k, v)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), torch.ones(1, 2, 40, 16), rtol=0, atol=4e-3)
+def test_causal_keep_offsets():
+    assert torch.equal(causal_keep(3, 3), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool))
+    # two new queries after a KV cache of three keys: each sees the cache and itself
+    assert torch.equal(causal_keep(2, 5, offset=3), torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool))

@@ -13,6 +13,7 @@ from attnlab.models import attention_modules
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference_qk as ref  # noqa: E402
+from tests.backends import set_fused
 
 # a fixed 3-block, 4-head geometry, independent of the demo preset's size
 TINY_VIT = dict(embed_dim=64, depth=3, num_heads=4)
@@ -37,9 +38,7 @@ def test_vit_matches_timm_qk_norm(fused):
     assert list(ours.state_dict()) == list(timm_model.state_dict())
     ours.load_state_dict(timm_model.state_dict(), strict=True)
     for model in (timm_model, ours):
-        for m in model.modules():
-            if hasattr(m, "fused_attn"):
-                m.fused_attn = fused
+        set_fused(model, fused)
     x = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(x), timm_model(x), rtol=1e-6, atol=1e-6)

@@ -1,0 +1,112 @@
+"""Per-head maximum attention logits, max over batch, query i and key j of (q_h,i . k_h,j) * scale, without ever
+holding the (B, H, N, M) logits (ViT-B/16 at batch 256: 0.5 GB per layer): tiles of at most :data:`CHUNK_ELEMENTS`
+float32 elements, and a Cauchy-Schwarz screen that skips the exact pass for heads that cannot exceed a threshold.
+QK-clip (Kimi K2's MuonClip) reads them as an attention forward's intermediate; docs/methods.md, "qkclip".
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: the most float32 elements any intermediate of the logit pass holds (64 MiB): a tile of logits, or the float32
+#: copy of a tile of q or k
+CHUNK_ELEMENTS = 1 << 24
+#: relative margin on the Cauchy-Schwarz bound, so float32 rounding cannot certify a head that is in fact over tau
+BOUND_MARGIN = 1e-4
+
+
+def _tile_sizes(B: int, H: int, N: int, M: int, D: int, block: int) -> tuple[int, int, int, int]:
+    """(images, heads, queries, keys) per tile such that the tile's logits (b h r c elements) and its float32 q and
+    k slices (b h r D, b h c D) each hold at most max(block, D) elements; the largest tiles that do."""
+    c = min(M, max(1, block // D))
+    r = min(N, max(1, block // max(c, D)))
+    per_head = max(r * max(c, D), c * D)
+    h = min(H, max(1, block // per_head))
+    b = min(B, max(1, block // (h * per_head)))
+    return b, h, r, c
+
+
+def max_scaled_logits(q: torch.Tensor, k: torch.Tensor, scale: float, heads: torch.Tensor | None = None,
+                      block: int | None = None, allowed=None) -> torch.Tensor:
+    """Per-head max of (q_i . k_j) * scale over batch, i and j, in float32, computed tile by tile.
+
+    q: (B, H, N, D), k: (B, H, M, D). ``heads``: indices of the heads to compute (default all).
+    ``allowed(b0, b1, r0, r1, c0, c1)``: a bool map of the positions that count in that tile of samples, queries and
+    keys, broadcastable to (b, 1, r, c), or None for all. Returns (len(heads),) or (H,); -inf for a head without any
+    allowed position. No intermediate holds more than ``block`` (default :data:`CHUNK_ELEMENTS`) elements when
+    ``block >= D``; the maximum of the tiles' maxima is the maximum of the whole logit tensor.
+    """
+    block = CHUNK_ELEMENTS if block is None else block
+    B, H, N, D = q.shape
+    M = k.shape[-2]
+    if heads is not None:
+        q, k = q.index_select(1, heads), k.index_select(1, heads)
+    count = q.shape[1]
+    tb, th, tr, tc = _tile_sizes(B, count, N, M, D, block)
+    out = torch.full((count,), float("-inf"), device=q.device, dtype=torch.float32)
+    with torch.autocast(q.device.type, enabled=False):  # under autocast the matmul would run in bf16 / fp16
+        for h0 in range(0, count, th):
+            for b0 in range(0, B, tb):
+                for r0 in range(0, N, tr):
+                    qt = q[b0:b0 + tb, h0:h0 + th, r0:r0 + tr].float()
+                    for c0 in range(0, M, tc):
+                        logits = qt @ k[b0:b0 + tb, h0:h0 + th, c0:c0 + tc].float().transpose(-2, -1)
+                        if allowed is not None:
+                            ok = allowed(b0, min(b0 + tb, B), r0, min(r0 + tr, N), c0, min(c0 + tc, M))
+                            logits = logits.masked_fill(~ok, float("-inf"))
+                        torch.maximum(out[h0:h0 + th], logits.amax(dim=(0, 2, 3)), out=out[h0:h0 + th])
+    return out * scale
+
+
+def _max_norms(t: torch.Tensor, block: int) -> torch.Tensor:
+    """max over tokens of ||t_i|| per sample and head: (B, H) float32, from float32 tiles of at most max(block,
+    H D) elements."""
+    B, H, N, D = t.shape
+    tokens = min(N, max(1, block // (H * D)))
+    out = torch.full((B, H), float("-inf"), device=t.device, dtype=torch.float32)
+    for n0 in range(0, N, tokens):
+        norms = torch.linalg.vector_norm(t[:, :, n0:n0 + tokens].float(), dim=-1).amax(dim=-1)
+        torch.maximum(out, norms, out=out)
+    return out
+
+
+def screened_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, tau: float, *, allowed=None,
+                        query_padding: torch.Tensor | None = None, select: bool | None = None,
+                        block: int | None = None) -> torch.Tensor:
+    """Per-head max logit where it matters for a threshold ``tau``: exact S_max,h for every head that could exceed
+    it, and for the others the Cauchy-Schwarz bound (<= tau) that shows it cannot.
+
+        bound_h = (1 + margin) * scale * max_b (max_i ||q_b,h,i|| * max_j ||k_b,h,j||)  >=  S_max,h
+
+    Heads with bound_h > tau get :func:`max_scaled_logits` (``tau=-inf``: every head exact). ``select`` (default: on
+    the CPU) computes the exact maximum for those heads only, which needs their indices on the host; otherwise (GPU:
+    no host sync) every head's exact maximum is computed and ``where(bound > tau, exact, bound)`` is returned. Both
+    give the same values. q: (B, H, N, D), k: (B, H, M, D); ``allowed`` as :func:`max_scaled_logits`;
+    ``query_padding`` (B, N) bool, True at real tokens: padded queries (and keys, when M = N) are out of the bound.
+    Returns (H,) float32.
+    """
+    block = CHUNK_ELEMENTS if block is None else block
+    if select is None:  # torch.compile: the dense path, one graph (selecting needs a data-dependent shape)
+        select = q.device.type == "cpu" and not torch.compiler.is_compiling()
+    qb, kb = q, k
+    if query_padding is not None:
+        real = query_padding[:, None, :, None].to(q.dtype)
+        qb = q * real
+        kb = k * real if k.shape[-2] == q.shape[-2] else k
+        if allowed is not None:  # padded queries' rows are opened in the keep map: close them here
+            inner = allowed
+            allowed = lambda b0, b1, r0, r1, c0, c1: inner(b0, b1, r0, r1, c0, c1) & \
+                query_padding[b0:b1, None, r0:r1, None]  # noqa: E731
+    bound = (_max_norms(qb, block) * _max_norms(kb, block)).amax(dim=0) * (scale * (1 + BOUND_MARGIN))
+    over = bound > tau
+    if not select:
+        return torch.where(over, max_scaled_logits(q, k, scale, block=block, allowed=allowed), bound)
+    heads = over.nonzero().flatten()
+    if heads.numel() == 0:
+        return bound
+    out = bound.clone()
+    out[heads] = max_scaled_logits(q, k, scale, heads=heads, block=block, allowed=allowed)
+    return out
+
+
+__all__ = ["BOUND_MARGIN", "CHUNK_ELEMENTS", "max_scaled_logits", "screened_max_logits"]
