@@ -93,7 +93,10 @@ def head_function(module: nn.Module, head: int, mask=None) -> Callable[..., torc
     ``head`` intermediate), padded queries' rows zeroed and the head transform applied, as in its forward."""
     def f(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None):
         q, k, v = ((x @ w.T + (b if b is not None else 0))[None, None] for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
-        o = module.kernel(*module.normed(q, k, v), mask, Want(head=head), "explicit")[0]
+        q, k, v = module.normed(q, k, v)
+        if module.rotary is not None:
+            q, k = module.rotary(q), module.rotary(k)
+        o = module.kernel(q, k, v, mask, Want(head=head), "explicit")[0]
         if mask is not None:
             o = mask.zero_padded_queries(o)
         return module.head_transform(o)[0, 0]
@@ -143,6 +146,10 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
         results = []
         for name, module in chosen:
             x_all, mask = inputs[name]
+            if mask is not None and mask.from_queries:
+                raise UnsupportedModelError(
+                    f"{name} adds a position bias computed from its queries (ViTDet's relative positions), which the "
+                    f"attention Jacobian would hold fixed although it depends on W_Q; measure a model without it.")
             B, N, _ = x_all.shape
             if any(not 0 <= s < B for s in sequences):
                 raise ConfigError(f"sequences={sequences} is out of range for {name}, whose input holds {B} "
@@ -155,7 +162,9 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
             own = copy.deepcopy(module).to(dtype)  # its norms, kernel and head transform in the Jacobian's dtype
             per_head = []
             for h in head_list:
-                rows = [slice(part * A + h * D, part * A + (h + 1) * D) for part in range(3)]
+                g = h // (module.num_heads // module.num_kv_heads)  # its key and value head
+                rows = [slice(h * D, (h + 1) * D), slice(A + g * D, A + (g + 1) * D),
+                        slice(A + module.kv_dim + g * D, A + module.kv_dim + (g + 1) * D)]
                 w_q, w_k, w_v = (weight[r] for r in rows)
                 b_q, b_k, b_v = (qkv_bias[r] for r in rows) if qkv_bias is not None else (None, None, None)
                 per_seq = []

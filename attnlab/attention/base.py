@@ -139,6 +139,15 @@ class LayerCache:
         return self.k, self.v
 
 
+def _repeat(t, groups: int):
+    """Grouped keys or values (B, H_kv, M, D) as (B, H_kv * groups, M, D), each group's head repeated for its query
+    heads; DnA's pairs each, a shared tensor staying one."""
+    if isinstance(t, tuple):
+        first = _repeat(t[0], groups)
+        return t._replace(pos=first, neg=first if t[1] is t[0] else _repeat(t[1], groups))
+    return t.repeat_interleave(groups, dim=1)
+
+
 def _first(t):
     return t[0] if isinstance(t, tuple) else t
 
@@ -165,6 +174,8 @@ class AttnlabAttention(Declares, nn.Module):
         proj_drop: dropout after the output projection.
         norm_layer: normalisation for ``qk_norm`` / ``scale_norm`` (default ``nn.LayerNorm``).
         head_dim: features per head D (default ``dim // num_heads``).
+        num_kv_heads: key and value heads (grouped-query attention, Ainslie et al., arXiv:2305.13245): each serves
+            ``num_heads // num_kv_heads`` consecutive query heads (default ``num_heads``).
         window_size: Swin window ``(Wh, Ww)``; adds the learned relative-position bias table.
         scale_norm: normalise the merged heads before the projection (timm option).
         proj_bias: bias in the output projection.
@@ -192,6 +203,7 @@ class AttnlabAttention(Declares, nn.Module):
         proj_drop: float = 0.0,
         norm_layer: type[nn.Module] | None = None,
         head_dim: int | None = None,
+        num_kv_heads: int | None = None,
         window_size: tuple[int, int] | None = None,
         scale_norm: bool = False,
         proj_bias: bool = True,
@@ -205,13 +217,20 @@ class AttnlabAttention(Declares, nn.Module):
         self.num_heads = num_heads
         self.head_dim = head_dim or dim // num_heads
         self.attn_dim = self.num_heads * self.head_dim
+        self.num_kv_heads = num_kv_heads or num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}: each key "
+                              f"head serves a whole group of query heads.")
+        self.kv_dim = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.use_backend(backend)
         self.layer_index = layer_index
         self.num_layers = num_layers
         self._observers: OrderedDict[int, tuple[Want, Callable, bool]] = OrderedDict()
 
-        self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, self.attn_dim + 2 * self.kv_dim, bias=qkv_bias)
+        #: rotary position embeddings applied to q and k after QK-norm (Qwen3's order), or None
+        self.rotary: nn.Module | None = None
         self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.attn_drop = nn.Dropout(attn_drop)
@@ -252,6 +271,7 @@ class AttnlabAttention(Declares, nn.Module):
             dim=qkv.in_features,
             num_heads=num_heads,
             head_dim=head_dim,
+            num_kv_heads=getattr(module, "num_kv_heads", num_heads),
             qkv_bias=qkv.bias is not None,
             proj_bias=module.proj.bias is not None,
             # DaViT's attentions have no dropout modules
@@ -283,13 +303,13 @@ class AttnlabAttention(Declares, nn.Module):
     def adopt(self, module: nn.Module) -> None:
         """Take ``module``'s shared submodules: q, k, v and output projections, norms, Swin position bias."""
         width = module.qkv.out_features
-        if width != 3 * self.attn_dim and not self.adopts_wide_qkv:
+        if width != self.attn_dim + 2 * self.kv_dim and not self.adopts_wide_qkv:
             raise UnsupportedModelError(
                 f"cannot turn a {type(module).__name__} (a {width}-wide q/k/v projection) into {type(self).__name__}, "
-                f"which needs {3 * self.attn_dim}; build the model afresh with the new spec.")
+                f"which needs {self.attn_dim + 2 * self.kv_dim}; build the model afresh with the new spec.")
         self.qkv = module.qkv
         self.proj = module.proj
-        for name in ("attn_drop", "proj_drop", "q_norm", "k_norm", "norm", "gate"):
+        for name in ("attn_drop", "proj_drop", "q_norm", "k_norm", "norm", "gate", "rotary"):
             if hasattr(module, name):
                 setattr(self, name, getattr(module, name))
         if self.window_size is not None:
@@ -317,15 +337,20 @@ class AttnlabAttention(Declares, nn.Module):
         mask = Mask.resolve(attn_mask, is_causal or cache is not None, window, B=B, N=N, M=N + offset,
                             device=x.device, bias=self.rel_pos_bias() if self.window_size is not None else None,
                             offset=offset)
-        self.refuse(mask, position_bias is not None)
+        if mask is not None or position_bias is not None:
+            self.refuse(mask, position_bias is not None)
         observers = [o for o in self._observers.values() if self.training or not o[2]]
         for seen, _, _ in observers:
             want = want | seen
         backend = self.choose(make_call(self, x, N + offset, mask, want, self.qkv.out_features,
                                         masked=position_bias is not None))
         q, k, v = self.project(x, backend if cache is None else "explicit")
+        if self.rotary is not None:
+            q, k = self.rotate(q, offset), self.rotate(k, offset)
         if cache is not None:
             k, v = cache.extend(k, v)
+        if self.num_kv_heads != self.num_heads:  # grouped keys and values serve their query heads
+            k, v = _repeat(k, self.num_heads // self.num_kv_heads), _repeat(v, self.num_heads // self.num_kv_heads)
         if position_bias is not None:
             bias = position_bias(_first(q))
             mask = Mask(AttentionMask(), B, N, N, x.device, bias) if mask is None else mask.with_bias(bias)
@@ -350,10 +375,20 @@ class AttnlabAttention(Declares, nn.Module):
                 raise UnsupportedModelError(f"{why}.")
 
     def project(self, x: torch.Tensor, backend: str = "explicit") -> tuple:
-        """q, k, v of shape (B, H, N, D), normalised (:meth:`normed`); ``backend``: the one the kernel will run."""
+        """q (B, H, N, D), k and v (B, num_kv_heads, N, D), normalised (:meth:`normed`); ``backend``: the one the
+        kernel will run."""
         B, N, _ = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        return self.normed(q, k, v)
+        H, H_kv = self.num_heads, self.num_kv_heads
+        if H == H_kv:
+            return self.normed(*self.qkv(x).reshape(B, N, 3, H, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0))
+        return self.normed(*self.qkv(x).view(B, N, -1, self.head_dim).transpose(1, 2).split([H, H_kv, H_kv], dim=1))
+
+    def rotate(self, t, offset: int):
+        """Queries or keys (B, ., N, D) rotated by their positions (from ``offset``); DnA's query pairs each."""
+        if isinstance(t, tuple):
+            pos = self.rotary(t[0], offset)
+            return t._replace(pos=pos, neg=pos if t[1] is t[0] else self.rotary(t[1], offset))
+        return self.rotary(t, offset)
 
     def normed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """The per-head steps after the projection: QK-norm on q and k."""

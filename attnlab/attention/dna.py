@@ -30,6 +30,7 @@ cross-attention module alike, and returns the branch outputs and weight maps the
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -205,11 +206,11 @@ class _DnAParams:
                     b.zero_()
 
 
-def _rows(linear: nn.Linear, names: tuple[str, ...], width: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """Views (weight rows, bias entries) of each named block of a fused Linear."""
-    blocks = {name: slice(i * width, (i + 1) * width) for i, name in enumerate(names)}
-    return {name: (linear.weight.data[sl], None if linear.bias is None else linear.bias.data[sl])
-            for name, sl in blocks.items()}
+def _rows(linear: nn.Linear, names: tuple[str, ...], widths) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Views (weight rows, bias entries) of each named block of a fused Linear; ``widths``: one per block."""
+    ends = list(accumulate(widths))
+    return {name: (linear.weight.data[end - width:end], None if linear.bias is None else linear.bias.data[end - width:end])
+            for name, width, end in zip(names, widths, ends)}
 
 
 def _slots(names: tuple[str, ...], items) -> tuple:
@@ -252,10 +253,10 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         super().__init__(dim, num_heads, **kwargs)
         self._setup_dna(variant, alpha_init, scale, init, neg_init)
         bias = self.qkv.bias is not None
-        self.qkv = nn.Linear(dim, len(self.qkv_blocks) * self.attn_dim, bias=bias)
+        self.qkv = nn.Linear(dim, self.head_dim * sum(self.block_heads()), bias=bias)
         if init == "copy":
             with torch.no_grad():
-                self._init_negative(_canonical(_rows(self.qkv, self.qkv_blocks, self.attn_dim)))
+                self._init_negative(_canonical(_rows(self.qkv, self.qkv_blocks, self.widths())))
         self._register_load_state_dict_pre_hook(self._fuse_separate_projections)
 
     # ---- construction from an existing module ------------------------------------------------------------------
@@ -267,8 +268,9 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         src = module.qkv
         fused = fused.to(device=src.weight.device, dtype=src.weight.dtype)
         src_blocks = module.qkv_blocks if isinstance(module, DnAAttention) else ("q", "k", "v")
-        src_rows = _canonical(_rows(src, src_blocks, self.attn_dim))
-        dst_rows = _rows(fused, self.qkv_blocks, self.attn_dim)
+        src_widths = module.widths() if isinstance(module, DnAAttention) else (self.attn_dim, self.kv_dim, self.kv_dim)
+        src_rows = _canonical(_rows(src, src_blocks, src_widths))
+        dst_rows = _rows(fused, self.qkv_blocks, self.widths())
         with torch.no_grad():
             for name, (w, b) in dst_rows.items():
                 key = {"q": "q_pos", "v": "v_pos"}.get(name, name)
@@ -298,7 +300,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
             qkv = state_dict.get(prefix + f"qkv.{kind}")
             if qkv is None:
                 continue
-            parts = dict(zip(("q_pos", "k", "v_pos"), qkv.split(self.attn_dim)))
+            parts = dict(zip(("q_pos", "k", "v_pos"), qkv.split([self.attn_dim, self.kv_dim, self.kv_dim])))
             for name in sep:
                 t = state_dict.pop(prefix + f"{name}.{kind}", None)
                 if t is not None:
@@ -311,6 +313,14 @@ class DnAAttention(_DnAParams, AttnlabAttention):
                                 f"{self.variant}) needs.") from None
 
     # ---- the mechanism ---------------------------------------------------------------------------------------------
+    def block_heads(self) -> list[int]:
+        """Heads per block of the fused projection: queries num_heads, keys and values num_kv_heads."""
+        return [self.num_heads if name.startswith("q") else self.num_kv_heads for name in self.qkv_blocks]
+
+    def widths(self) -> list[int]:
+        """Rows per block of the fused projection."""
+        return [h * self.head_dim for h in self.block_heads()]
+
     def project(self, x: torch.Tensor, backend: str = "explicit") -> tuple[Queries, torch.Tensor, Pair]:
         """(:class:`Queries`, k, :class:`Pair` of values), each (B, H, N, D); a shared query or value fills both
         slots, and Q and K are normalised per head when qk_norm is on (each query branch by the same ``q_norm``).
@@ -320,16 +330,17 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         ``qkv`` do not see that GEMM. ``qkv.weight`` is read once (a parametrisation such as sigma's power iteration
         runs on each read)."""
         B, N, _ = x.shape
-        H, D, nb = self.num_heads, self.head_dim, len(self.qkv_blocks)
-        defer = backend == "kernel" and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
+        sizes = self.block_heads()
+        defer = (backend == "kernel" and self.rotary is None and self.num_kv_heads == self.num_heads
+                 and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity))
         if defer:
             w, b = self.qkv.weight, self.qkv.bias
             y = F.linear(x, w)
         else:
             y, b = self.qkv(x), None
-        blocks = y.view(B, N, nb, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+        blocks = y.view(B, N, -1, self.head_dim).transpose(1, 2).split(sizes, dim=1)
         q_pos, q_neg, k, v_pos, v_neg = _slots(self.qkv_blocks, blocks)
-        input_bias = None if b is None else _slots(self.qkv_blocks, b.view(nb, H, D).unbind(0))
+        input_bias = None if b is None else _slots(self.qkv_blocks, b.view(-1, self.head_dim).split(sizes))
         if not defer:
             shared_q = q_neg is q_pos
             q_pos, k = self.q_norm(q_pos), self.k_norm(k)
@@ -339,7 +350,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
     def projection(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) views of one block of the fused ``qkv``: ``q_pos``, ``q_neg``, ``k``, ``v_pos``,
         ``v_neg`` (or ``q`` / ``v`` when shared)."""
-        rows = _canonical(_rows(self.qkv, self.qkv_blocks, self.attn_dim))
+        rows = _canonical(_rows(self.qkv, self.qkv_blocks, self.widths()))
         if name not in rows:
             raise KeyError(f"dna(variant={self.variant}) has no {name!r} projection; it has "
                            f"{', '.join(self.qkv_blocks)}.")

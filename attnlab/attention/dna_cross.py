@@ -61,7 +61,8 @@ class DnACrossAttention(_DnAParams, Declares, nn.Module):
                 self._init_negative(self._all_rows())
 
     def _all_rows(self) -> dict:
-        rows = {**_rows(self.q, self.q_blocks, self.attn_dim), **_rows(self.kv, self.kv_blocks, self.attn_dim)}
+        rows = {**_rows(self.q, self.q_blocks, [self.attn_dim] * len(self.q_blocks)),
+                **_rows(self.kv, self.kv_blocks, [self.attn_dim] * len(self.kv_blocks))}
         return _canonical(rows)
 
     @torch.no_grad()

@@ -98,6 +98,7 @@ class Mask:
     def __init__(self, parts: AttentionMask, B: int, N: int, M: int, device, bias: torch.Tensor | None = None,
                  offset: int = 0) -> None:
         self.parts, self.B, self.N, self.M, self.device, self.bias, self.offset = parts, B, N, M, device, bias, offset
+        self.from_queries = False  # part of the bias is a function of the queries (ViTDet's relative positions)
         self._forms: dict = {}
 
     @classmethod
@@ -115,9 +116,11 @@ class Mask:
         return cls(parts or AttentionMask(), B, N, M, device, bias, offset)
 
     def with_bias(self, bias: torch.Tensor) -> "Mask":
-        """This mask with ``bias`` added to its position bias (a bias computed from the queries: ViTDet's)."""
-        return Mask(self.parts, self.B, self.N, self.M, self.device, bias if self.bias is None else self.bias + bias,
+        """This mask with ``bias``, computed from the queries (ViTDet's), added to its position bias."""
+        mask = Mask(self.parts, self.B, self.N, self.M, self.device, bias if self.bias is None else self.bias + bias,
                     self.offset)
+        mask.from_queries = True
+        return mask
 
     # ---- what the parts are ----------------------------------------------------------------------------------------
     @property

@@ -11,6 +11,9 @@ S_max,h > tau is rescaled with gamma_h = tau / S_max,h:
 
     W_q,h <- gamma_h^alpha W_q,h,        W_k,h <- gamma_h^(1 - alpha) W_k,h        (defaults tau = 100, alpha = 0.5)
 
+(with grouped-query attention a key head serves several query heads; it takes the smallest gamma^(1 - alpha) of
+its group, so each head of the group ends at or below tau, the one that set the factor exactly at tau)
+
 so that the logits the step recorded become exactly tau for that head's worst query-key pair. Heads at or below tau
 are untouched (multiplied by exactly 1.0: bit-identical), W_v is never touched, and the record is reset.
 
@@ -127,9 +130,12 @@ def clip_(model: nn.Module) -> None:
             gamma = torch.where(over, state.tau / s, ones)
             q_factor = torch.where(over, gamma.pow(state.alpha), ones)
             k_factor = torch.where(over, gamma.pow(1.0 - state.alpha), ones)
-            # one factor per output row of qkv: q block, k block, then 1.0 for the v block
+            # one factor per output row of qkv: q block, k block (a key head that serves a group of query heads takes
+            # the smallest of their factors, so every head of the group ends at or below tau), 1.0 for the v block
+            k_factor = k_factor.view(module.num_kv_heads, -1).amin(dim=1)
             rows = torch.cat([q_factor.repeat_interleave(D), k_factor.repeat_interleave(D),
-                              torch.ones(qkv.out_features - 2 * H * D, device=s.device, dtype=s.dtype)])
+                              torch.ones(qkv.out_features - (H + module.num_kv_heads) * D, device=s.device,
+                                         dtype=s.dtype)])
             qkv.weight.mul_(rows.to(qkv.weight.dtype).unsqueeze(1))
             if qkv.bias is not None:
                 qkv.bias.mul_(rows.to(qkv.bias.dtype))

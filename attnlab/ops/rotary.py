@@ -1,0 +1,42 @@
+"""Rotary position embeddings (Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding",
+arXiv:2104.09864), in the rotate-half layout of Llama and Qwen: feature i is paired with feature i + D/2.
+
+    q_m = q * cos(m theta_i) + rotate_half(q) * sin(m theta_i),   theta_i = base^(-2i / D),  rotate_half(x) = [-x2, x1]
+
+for the token at position m; q k^T then depends on positions only through their difference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Rotary(nn.Module):
+    """Rotates queries and keys (..., N, D) by their positions ``offset``, ``offset + 1``, ...; ``theta``: the base
+    (Llama 2: 10,000; Llama 3: 500,000; Qwen: 1,000,000). No parameters, so state dicts do not change."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embeddings pair features, so the head dimension must be even, not {head_dim}")
+        self.head_dim, self.theta = head_dim, float(theta)
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, t: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """``t`` (..., N, D) with token n rotated by angle (offset + n) theta_i. The angles, their cosines and sines
+        are computed in float32 whatever t's dtype, as Hugging Face's Llama and Qwen do, so a float64 model gives
+        their logits; the rotation itself runs in t's dtype."""
+        with torch.autocast(t.device.type, enabled=False):
+            positions = torch.arange(offset, offset + t.shape[-2], device=t.device, dtype=torch.float32)
+            angles = positions[:, None] * self.inv_freq.to(device=t.device, dtype=torch.float32)[None, :]
+            cos, sin = (torch.cat([f, f], dim=-1).to(t.dtype) for f in (angles.cos(), angles.sin()))
+        x1, x2 = t.chunk(2, dim=-1)
+        return t * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta:g}"
+
+
+__all__ = ["Rotary"]
