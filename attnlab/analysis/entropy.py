@@ -140,11 +140,12 @@ def qk_spectral_norms(model: nn.Module) -> list[dict]:
             raise UnsupportedModelError(
                 f"attention module {name!r} is {type(module).__name__}, whose logits use half-heads; the per-head "
                 f"spectral norm of W_q W_k^T is defined for kernels whose logits are q_h k_h^T.")
-        H = module.num_heads
+        H, H_kv = module.num_heads, getattr(module, "num_kv_heads", module.num_heads)  # timm's: no grouping
         w = module.qkv.weight.detach().double().cpu()
-        D = w.shape[0] // 3 // H
+        D = module.head_dim
         a = w[: H * D].view(H, D, -1)  # (H, D, C)
-        b = w[H * D: 2 * H * D].view(H, D, -1)
+        # each query head's key head (grouped-query attention: one per group of query heads)
+        b = w[H * D: (H + H_kv) * D].view(H_kv, D, -1).repeat_interleave(H // H_kv, 0)
         if a.shape[-1] >= D:
             ra = torch.linalg.qr(a.transpose(1, 2)).R  # (H, D, D)
             rb = torch.linalg.qr(b.transpose(1, 2)).R

@@ -212,6 +212,7 @@ class AttnlabAttention(Declares, nn.Module):
         num_layers: int = 1,
     ) -> None:
         super().__init__()
+        self.qk_norm_layer = norm_layer  # what QK-norm builds here (None: the qknorm term's LayerNorm)
         norm_layer = norm_layer or nn.LayerNorm
         self.dim = dim
         self.num_heads = num_heads
@@ -285,7 +286,7 @@ class AttnlabAttention(Declares, nn.Module):
         if isinstance(module, TimmWindowAttention):
             geo["window_size"] = tuple(module.window_size)
         elif isinstance(module, AttnlabAttention):
-            geo["window_size"] = module.window_size
+            geo.update(window_size=module.window_size, norm_layer=module.qk_norm_layer)
         return geo
 
     @classmethod
@@ -389,6 +390,10 @@ class AttnlabAttention(Declares, nn.Module):
             pos = self.rotary(t[0], offset)
             return t._replace(pos=pos, neg=pos if t[1] is t[0] else self.rotary(t[1], offset))
         return self.rotary(t, offset)
+
+    def qkv_widths(self) -> list[int]:
+        """Rows per block of the fused projection ``qkv``: q, k, v."""
+        return [self.attn_dim, self.kv_dim, self.kv_dim]
 
     def normed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """The per-head steps after the projection: QK-norm on q and k."""

@@ -256,7 +256,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         self.qkv = nn.Linear(dim, self.head_dim * sum(self.block_heads()), bias=bias)
         if init == "copy":
             with torch.no_grad():
-                self._init_negative(_canonical(_rows(self.qkv, self.qkv_blocks, self.widths())))
+                self._init_negative(_canonical(_rows(self.qkv, self.qkv_blocks, self.qkv_widths())))
         self._register_load_state_dict_pre_hook(self._fuse_separate_projections)
 
     # ---- construction from an existing module ------------------------------------------------------------------
@@ -268,9 +268,9 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         src = module.qkv
         fused = fused.to(device=src.weight.device, dtype=src.weight.dtype)
         src_blocks = module.qkv_blocks if isinstance(module, DnAAttention) else ("q", "k", "v")
-        src_widths = module.widths() if isinstance(module, DnAAttention) else (self.attn_dim, self.kv_dim, self.kv_dim)
+        src_widths = module.qkv_widths() if isinstance(module, DnAAttention) else (self.attn_dim, self.kv_dim, self.kv_dim)
         src_rows = _canonical(_rows(src, src_blocks, src_widths))
-        dst_rows = _rows(fused, self.qkv_blocks, self.widths())
+        dst_rows = _rows(fused, self.qkv_blocks, self.qkv_widths())
         with torch.no_grad():
             for name, (w, b) in dst_rows.items():
                 key = {"q": "q_pos", "v": "v_pos"}.get(name, name)
@@ -317,7 +317,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         """Heads per block of the fused projection: queries num_heads, keys and values num_kv_heads."""
         return [self.num_heads if name.startswith("q") else self.num_kv_heads for name in self.qkv_blocks]
 
-    def widths(self) -> list[int]:
+    def qkv_widths(self) -> list[int]:
         """Rows per block of the fused projection."""
         return [h * self.head_dim for h in self.block_heads()]
 
@@ -350,7 +350,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
     def projection(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) views of one block of the fused ``qkv``: ``q_pos``, ``q_neg``, ``k``, ``v_pos``,
         ``v_neg`` (or ``q`` / ``v`` when shared)."""
-        rows = _canonical(_rows(self.qkv, self.qkv_blocks, self.widths()))
+        rows = _canonical(_rows(self.qkv, self.qkv_blocks, self.qkv_widths()))
         if name not in rows:
             raise KeyError(f"dna(variant={self.variant}) has no {name!r} projection; it has "
                            f"{', '.join(self.qkv_blocks)}.")

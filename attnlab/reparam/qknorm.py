@@ -12,6 +12,8 @@ refused). Swin and ``diff`` (LayerNorm of D / 2 per half-head): docs/methods.md,
 
 from __future__ import annotations
 
+from functools import partial
+
 from torch import nn
 from timm.layers import LayerNorm
 
@@ -20,7 +22,8 @@ EPS = 1e-6
 
 
 def apply(model: nn.Module, modules: list[nn.Module]) -> None:
-    """Give every attention module in ``modules`` ``q_norm`` and ``k_norm`` = LayerNorm(head_dim, eps=1e-6).
+    """Give every attention module in ``modules`` ``q_norm`` and ``k_norm`` = LayerNorm(head_dim, eps=1e-6), or the
+    module's own ``qk_norm_layer`` where its model names one (the Llama and Qwen presets: RMSNorm, as Qwen3).
 
     A module that already normalises q and k (a timm model built with ``qk_norm=True``) keeps its norms and their
     trained weights. The norms are created on the device and in the dtype of the module's ``qkv`` weight.
@@ -29,9 +32,11 @@ def apply(model: nn.Module, modules: list[nn.Module]) -> None:
         weight = module.qkv.weight
         # Diff attention normalises each half of a head (width qk_head_dim), as timm's DiffAttention in a ViT does
         width = getattr(module, "qk_head_dim", module.head_dim)
+        # a model's own QK-norm layer where it names one (Llama/Qwen presets: RMSNorm over head_dim, as Qwen3)
+        norm = getattr(module, "qk_norm_layer", None) or partial(LayerNorm, eps=EPS)
         for name in ("q_norm", "k_norm"):
             if isinstance(getattr(module, name, nn.Identity()), nn.Identity):
-                setattr(module, name, LayerNorm(width, eps=EPS).to(device=weight.device, dtype=weight.dtype))
+                setattr(module, name, norm(width).to(device=weight.device, dtype=weight.dtype))
 
 
 def has_qk_norm(module: nn.Module) -> bool:

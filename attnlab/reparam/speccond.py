@@ -32,13 +32,23 @@ from ..errors import SpecError, UnsupportedModelError
 AUTO_MARGIN = 1e-3
 
 
-def identity_blocks(shape: tuple[int, int], blocks: int = 1, dtype=None, device=None) -> torch.Tensor:
-    """I_k for each of ``blocks`` row blocks of a (blocks * m, n) weight: ones on each block's main diagonal."""
+def identity_blocks(shape: tuple[int, int], blocks: int | list[int] = 1, dtype=None, device=None) -> torch.Tensor:
+    """I_k for each row block of a weight: ``blocks`` equal blocks, or blocks of the given row counts (a fused qkv
+    with grouped keys and values); ones on each block's main diagonal."""
     rows, cols = shape
-    if rows % blocks:
-        raise ValueError(f"{rows} rows do not split into {blocks} equal blocks")
+    widths = _widths(rows, blocks)
     # torch.eye(m, n) has its ones on the main min(m, n) diagonal
-    return torch.eye(rows // blocks, cols, dtype=dtype, device=device).repeat(blocks, 1)
+    return torch.cat([torch.eye(m, cols, dtype=dtype, device=device) for m in widths])
+
+
+def _widths(rows: int, blocks: int | list[int]) -> list[int]:
+    if isinstance(blocks, int):
+        if rows % blocks:
+            raise ValueError(f"{rows} rows do not split into {blocks} equal blocks")
+        return [rows // blocks] * blocks
+    if sum(blocks) != rows:
+        raise ValueError(f"{rows} rows do not split into blocks of {blocks}")
+    return list(blocks)
 
 
 class SpectralConditioning(nn.Module):
@@ -47,7 +57,7 @@ class SpectralConditioning(nn.Module):
     Args:
         weight: the layer's weight (out, in), used for shape, dtype and device.
         lam: the added multiple of I_k.
-        blocks: number of equal row blocks with their own I_k (3 for a fused qkv weight).
+        blocks: number of equal row blocks with their own I_k (3 for a fused qkv weight), or their row counts.
     """
 
     def __init__(self, weight: torch.Tensor, lam: float, blocks: int = 1) -> None:
@@ -65,12 +75,12 @@ class SpectralConditioning(nn.Module):
 
 
 def _layers(model: nn.Module, modules: list[nn.Module], targets: str) -> list[tuple[nn.Linear, int]]:
-    """(layer, number of I_k blocks) to condition: each attention's fused qkv (3 blocks), and for ``qkv+mlp`` the
+    """(layer, I_k blocks) to condition: each attention's fused qkv (its row blocks), and for ``qkv+mlp`` the
     Linear layers of the MLP that sits next to it in the same transformer block."""
     if targets not in ("qkv", "qkv+mlp"):
         raise SpecError(f"speccond(targets={targets}) is not valid; targets is one of: qkv, qkv+mlp.")
-    # one I_k per row block of the fused projection: q, k, v (DnA: q+, q-, k, v+, v-)
-    layers = [(attn.qkv, len(getattr(attn, "qkv_blocks", "qkv"))) for attn in modules]
+    # one I_k per row block of the fused projection: q, k, v (DnA: q+, q-, k, v+, v-; grouped keys: narrower k, v)
+    layers = [(attn.qkv, attn.qkv_widths()) for attn in modules]
     if targets == "qkv+mlp":
         parents = {id(child): parent for parent in model.modules() for child in parent.children()}
         for attn in modules:
@@ -84,8 +94,8 @@ def _layers(model: nn.Module, modules: list[nn.Module], targets: str) -> list[tu
     return layers
 
 
-def _blocks_of(weight: torch.Tensor, blocks: int) -> list[torch.Tensor]:
-    return list(weight.detach().reshape(blocks, weight.shape[0] // blocks, -1).unbind(0))
+def _blocks_of(weight: torch.Tensor, blocks) -> list[torch.Tensor]:
+    return list(weight.detach().split(_widths(weight.shape[0], blocks)))
 
 
 def auto_lam(layers: list[tuple[nn.Module, int]]) -> float:

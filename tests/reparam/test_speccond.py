@@ -69,6 +69,9 @@ def test_mlp_targets_need_an_mlp():
             super().__init__()
             self.qkv = nn.Linear(4, 12)
 
+        def qkv_widths(self):
+            return [4, 4, 4]
+
     holder = nn.Sequential(Fake())
     with pytest.raises(UnsupportedModelError, match="targets=qkv"):
         apply_speccond(holder, [holder[0]], lam=1.0, targets="qkv+mlp")
