@@ -20,6 +20,8 @@ from .blocks import PostNormBlock
 from .convert import convert
 from .gpt import GPT, GPT_PRESETS
 from .gpt_loaders import load_gpt_file
+from .hf_decoder import load_hf_decoder
+from .llama import LLAMA_PRESETS, Llama
 from .pretrained import create_pretrained, load_strict, read_state_dict
 from .sequence import SequenceClassifier
 from .timesformer import TimeSformer, init_timesformer
@@ -113,6 +115,8 @@ PRESETS: dict[str, Preset] = {
 }
 PRESETS.update({name: Preset(GPT, kwargs, None, doc, load_file=load_gpt_file)
                 for name, (kwargs, doc) in GPT_PRESETS.items()})
+PRESETS.update({name: Preset(Llama, kwargs, None, doc, load_file=load_hf_decoder)
+                for name, (kwargs, doc) in LLAMA_PRESETS.items()})
 
 
 def _fix_drop_path(model: nn.Module, rate: float) -> None:

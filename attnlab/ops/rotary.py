@@ -21,8 +21,9 @@ class Rotary(nn.Module):
         if head_dim % 2:
             raise ValueError(f"rotary embeddings pair features, so the head dimension must be even, not {head_dim}")
         self.head_dim, self.theta = head_dim, float(theta)
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # in float32 arithmetic, as Hugging Face's Llama and Qwen compute it
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, t: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """``t`` (..., N, D) with token n rotated by angle (offset + n) theta_i. The angles, their cosines and sines

@@ -405,7 +405,8 @@ def model_family(name: str) -> str | None:
     if name not in PRESETS:
         return None
     cls = PRESETS[name].cls
-    return {GPT: "lm", TimeSformer: "video", SequenceClassifier: "sequence"}.get(cls, "image")
+    return next((family for base, family in ((GPT, "lm"), (TimeSformer, "video"), (SequenceClassifier, "sequence"))
+                 if issubclass(cls, base)), "image")
 
 
 def models_of(family: str) -> list[str]:

@@ -1,0 +1,160 @@
+"""A decoder-only language model in the shape of Llama and Qwen, for the sigma-Reparam / QK-norm / QK-clip study.
+
+    tokens (B, N) --embed--> depth x Block --RMSNorm--> head (tied to the embedding, or its own) --> logits
+    Block (pre-norm):  x = x + attn(RMSNorm(x), causal);   x = x + SwiGLU(RMSNorm(x))
+    attn: grouped-query attention (num_kv_heads key/value heads), QK-norm per head (RMSNorm over head_dim, Qwen3)
+          then rotary positions, no biases (Qwen2: q, k, v biases)
+    SwiGLU(x) = down(silu(gate(x)) * up(x))
+
+The pieces: RMSNorm (Zhang and Sennrich, "Root Mean Square Layer Normalization", arXiv:1910.07467), SwiGLU
+(Shazeer, "GLU Variants Improve Transformer", arXiv:2002.05202), rotary position embeddings (Su et al., "RoFormer",
+arXiv:2104.09864; :class:`attnlab.ops.rotary.Rotary`, applied after QK-norm as Qwen3 does), grouped-query attention
+(Ainslie et al., "GQA", arXiv:2305.13245). The attention is attnlab's own contract-based module (``standard`` with
+``num_kv_heads`` and ``rotary``), so every spec term converts it or refuses in one line, and the KV cache keeps the
+grouped keys. Hugging Face ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` weights load and
+export through :mod:`attnlab.models.hf_decoder`. Initialisation is theirs: N(0, 0.02) for every matrix, norms at 1.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention.base import LayerCache
+from ..attention.standard import StandardAttention
+from ..errors import ConfigError
+from ..ops.rotary import Rotary
+from .gpt import GPT, KVCache
+
+#: the presets: kwargs of :class:`Llama` and a line of documentation
+LLAMA_PRESETS: dict[str, tuple[dict, str]] = {
+    "llama_tiny": (dict(vocab_size=256, block_size=256, embed_dim=128, depth=4, num_heads=4, num_kv_heads=2,
+                        mlp_hidden=352),
+                   "Llama-shaped, for 2 CPU cores: 4 layers, 4 query / 2 key-value heads (D=32), dim 128, SwiGLU 352, "
+                   "RoPE theta 10000, RMSNorm, tied head, bytes (vocab 256); about 0.8M parameters"),
+    "qwen3_tiny": (dict(vocab_size=256, block_size=256, embed_dim=128, depth=4, num_heads=4, num_kv_heads=2,
+                        mlp_hidden=352, qk_norm=True, rope_theta=1e6),
+                   "llama_tiny with Qwen3's per-head QK-norm (RMSNorm over head_dim, before RoPE) and RoPE theta 1e6"),
+    "llama_mini": (dict(vocab_size=256, block_size=256, embed_dim=384, depth=6, num_heads=6, num_kv_heads=2,
+                        mlp_hidden=1024),
+                   "Llama-shaped, nanoGPT Shakespeare-char size: 6 layers, 6 query / 2 key-value heads (D=64), dim 384, "
+                   "SwiGLU 1024, vocab 256; about 9.5M parameters"),
+    "llama_small": (dict(vocab_size=50257, block_size=1024, embed_dim=768, depth=12, num_heads=12, num_kv_heads=4,
+                         mlp_hidden=2048),
+                    "Llama-shaped at GPT-2 small's size for GPUs: 12 layers, 12 query / 4 key-value heads (D=64), "
+                    "dim 768, SwiGLU 2048, 1024 positions, GPT-2's 50257 tokens; about 114M parameters"),
+}
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), Hugging Face's names (``gate_proj``, ``up_proj``, ``down_proj``)."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm block: grouped-query attention with rotary positions and a SwiGLU MLP, RMSNorm before each."""
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, mlp_hidden: int, rope_theta: float,
+                 norm_eps: float, qkv_bias: bool, proj_bias: bool, qk_norm: bool, layer_index: int,
+                 num_layers: int) -> None:
+        super().__init__()
+        norm = partial(nn.RMSNorm, eps=norm_eps)
+        self.norm1 = norm(dim)
+        self.attn = StandardAttention(dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, qkv_bias=qkv_bias,
+                                      proj_bias=proj_bias, qk_norm=qk_norm, norm_layer=norm, layer_index=layer_index,
+                                      num_layers=num_layers)
+        self.attn.rotary = Rotary(head_dim, rope_theta)
+        self.norm2 = norm(dim)
+        self.mlp = SwiGLU(dim, mlp_hidden)
+
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), is_causal=True, cache=cache)
+        return x + self.mlp(self.norm2(x))
+
+
+class Llama(GPT):
+    """Llama- and Qwen-shaped decoder-only language model (module docstring); the interface of :class:`GPT` (its
+    training task, sampling and KV cache take either).
+
+    Args:
+        vocab_size, block_size, embed_dim, depth, num_heads: as :class:`GPT` (``block_size``: the longest sequence;
+            rotary positions have no table, but training and sampling keep to it).
+        num_kv_heads: key/value heads, a divisor of num_heads (grouped-query attention; num_heads: multi-head).
+        head_dim: features per head (default embed_dim // num_heads; Qwen3 sets it apart).
+        mlp_hidden: SwiGLU's hidden width (default 8/3 embed_dim rounded up to a multiple of 32).
+        rope_theta: the rotary base (Llama 2: 1e4, Llama 3: 5e5, Qwen: 1e6).
+        norm_eps: RMSNorm's epsilon (every norm, QK-norm included).
+        qkv_bias, proj_bias: biases of the q, k, v and of the output projection (Qwen2: q, k, v only).
+        qk_norm: Qwen3's QK-norm, RMSNorm over head_dim on each head's query and key before the rotation.
+        tie_embeddings: the head is the embedding matrix (True) or a Linear of its own.
+    """
+
+    causal = True
+
+    def __init__(self, vocab_size: int = 256, block_size: int = 256, embed_dim: int = 128, depth: int = 4,
+                 num_heads: int = 4, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 mlp_hidden: int | None = None, rope_theta: float = 10000.0, norm_eps: float = 1e-6,
+                 qkv_bias: bool = False, proj_bias: bool = False, qk_norm: bool = False,
+                 tie_embeddings: bool = True) -> None:
+        nn.Module.__init__(self)
+        num_kv_heads = num_kv_heads or num_heads
+        for key, value in (("vocab_size", vocab_size), ("block_size", block_size), ("embed_dim", embed_dim),
+                           ("depth", depth), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"Llama's {key} must be a positive integer, not {value!r}.")
+        if num_heads % num_kv_heads:
+            raise ConfigError(f"Llama's num_kv_heads {num_kv_heads} must divide num_heads {num_heads}.")
+        head_dim = head_dim or embed_dim // num_heads
+        if head_dim % 2:
+            raise ConfigError(f"Llama's head_dim must be even (rotary positions pair features), not {head_dim}.")
+        mlp_hidden = mlp_hidden or -(-8 * embed_dim // 3 // 32) * 32
+        self.vocab_size, self.block_size, self.embed_dim = vocab_size, block_size, embed_dim
+        self.geometry = dict(vocab_size=vocab_size, block_size=block_size, embed_dim=embed_dim, depth=depth,
+                             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, mlp_hidden=mlp_hidden,
+                             rope_theta=float(rope_theta), norm_eps=norm_eps, qkv_bias=qkv_bias, proj_bias=proj_bias,
+                             qk_norm=qk_norm, tie_embeddings=tie_embeddings)
+        self.wte = nn.Embedding(vocab_size, embed_dim)
+        self.blocks = nn.ModuleList(
+            LlamaBlock(embed_dim, num_heads, num_kv_heads, head_dim, mlp_hidden, rope_theta, norm_eps, qkv_bias,
+                       proj_bias, qk_norm, i, depth) for i in range(depth))
+        self.norm = nn.RMSNorm(embed_dim, eps=norm_eps)
+        self.lm_head = None if tie_embeddings else nn.Linear(embed_dim, vocab_size, bias=False)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                if isinstance(module, nn.Linear) and module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward_features(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """tokens (B, N) int -> hidden states after the final norm (B, N, embed_dim); with ``cache`` the tokens
+        continue its ``cache.length`` (their rotary positions start there)."""
+        start = 0 if cache is None else cache.length
+        N = tokens.shape[-1]
+        if start + N > self.block_size:
+            raise ConfigError(f"a sequence of {start + N} tokens is longer than the model's block_size "
+                              f"{self.block_size}; give at most {self.block_size} tokens or build the model with a "
+                              f"larger block_size.")
+        x = self.wte(tokens)
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if cache is None else cache.layers[i])
+        if cache is not None:
+            cache.length += N
+        return self.norm(x)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (..., vocab) of hidden states (..., embed_dim): the tied embedding, or the head's own weight."""
+        return F.linear(h, self.wte.weight if self.lm_head is None else self.lm_head.weight)
+
+
+__all__ = ["LLAMA_PRESETS", "Llama", "LlamaBlock", "SwiGLU"]
