@@ -8,6 +8,8 @@ for the token at position m; q k^T then depends on positions only through their 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
@@ -29,7 +31,8 @@ class Rotary(nn.Module):
         """``t`` (..., N, D) with token n rotated by angle (offset + n) theta_i. The angles, their cosines and sines
         are computed in float32 whatever t's dtype, as Hugging Face's Llama and Qwen do, so a float64 model gives
         their logits; the rotation itself runs in t's dtype."""
-        with torch.autocast(t.device.type, enabled=False):
+        device = t.device.type
+        with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext():
             positions = torch.arange(offset, offset + t.shape[-2], device=t.device, dtype=torch.float32)
             angles = positions[:, None] * self.inv_freq.to(device=t.device, dtype=torch.float32)[None, :]
             cos, sin = (torch.cat([f, f], dim=-1).to(t.dtype) for f in (angles.cos(), angles.sin()))

@@ -183,6 +183,15 @@ RECIPES: dict[str, TrainConfig] = {
         beta2=0.95, clip_grad=1.0, z_loss=1e-4, label_smoothing=0.0, augment="none", mixup=0.0, cutmix=0.0,
         mixup_prob=0.0, repeated_aug=1, num_workers=0, threads=1, probe_every=25, probe_images=16,
     ),
+    # the same study on the Llama-shaped decoder (`attnlab compare --preset lm_demo_llama`): llama_tiny (RoPE,
+    # RMSNorm, SwiGLU, 2 key-value heads for 4 query heads), 100 steps of 8 x 64 bytes, so that its 12 runs fit in
+    # 3 minutes on 2 cores; the training probe every 20 steps (the per-layer max logit over training)
+    "lm_demo_llama": TrainConfig(
+        recipe="lm_demo_llama", model="llama_tiny", dataset="stdlib", epochs=1, max_steps=100, eval_every=50,
+        eval_iters=4, warmup_steps=0, batch_size=8, block_size=64, lr=1e-3, warmup_lr=0.0, min_lr=1e-4,
+        weight_decay=0.1, beta2=0.95, clip_grad=1.0, z_loss=1e-4, label_smoothing=0.0, augment="none", mixup=0.0,
+        cutmix=0.0, mixup_prob=0.0, repeated_aug=1, num_workers=0, threads=1, probe_every=20, probe_images=16,
+    ),
     # ViTDet's recipe (Li et al., arXiv 2203.16527; detectron2's ViT-B Mask R-CNN: AdamW, lr 1e-4, weight decay 0.1,
     # layer-wise decay 0.7, drop-path 0.1, 250 warm-up iterations from 0.001 x lr, x0.1 at 8/9 and 26/27 of
     # training, large-scale jitter) in the DnA paper's Table 9 setting: ViT-B at 224x224, 50 epochs, batch 32
@@ -215,6 +224,11 @@ GRID_PRESETS: dict[str, dict[str, Any]] = {
                 "datasets": ["stdlib"], "models": ["gpt_tiny"], "jobs": 2, "runs_dir": "runs/lm_demo",
                 "variations": {"lr_1e-3": {"lr": 1e-3, "min_lr": 1e-4}, "lr_1e-2": {"lr": 1e-2, "min_lr": 1e-3},
                                "lr_3e-2": {"lr": 3e-2, "min_lr": 3e-3}}},
+    # the note's comparison on a modern decoder: standard, QK-norm, QK-clip and sigma-Reparam on llama_tiny
+    "lm_demo_llama": {"recipe": "lm_demo_llama", "variants": ["standard", "qknorm", "qkclip", "sigma"], "seeds": [0],
+                      "datasets": ["stdlib"], "models": ["llama_tiny"], "jobs": 2, "runs_dir": "runs/lm_demo_llama",
+                      "variations": {"lr_1e-3": {"lr": 1e-3, "min_lr": 1e-4}, "lr_1e-2": {"lr": 1e-2, "min_lr": 1e-3},
+                                     "lr_3e-2": {"lr": 3e-2, "min_lr": 3e-3}}},
     # NS-Attn Table 1: both backbones and datasets, seeds 0, 1, 3 (hours per run on a GPU)
     "ns_table1": {"recipe": "ns_cifar", "variants": ["standard", "ns"], "seeds": [0, 1, 3],
                   "datasets": ["cifar10", "cifar100"], "models": ["vit_cifar", "swin_cifar"],
