@@ -170,6 +170,17 @@ def dna_cmd(plan: Plan, label: str, attn: str, *, precompile: bool = False):
                        *opts(plan.dna_opts)], env)
 
 
+def lm_cmd(plan: Plan, label: str):
+    """The Llama-shaped decoder (llama_mini) against a plain PyTorch model of its shape, training, eager and
+    compiled (the dry run: eager, tiny)."""
+    small = plan.dry
+    return Cmd(label, [plan.py, str(BENCH / "lm_throughput.py"), "--model", "llama_mini", "--device", plan.device,
+                       "--modes", "train", "--compile", "none" if small else "both", "--no-memory",
+                       "--batch-size", "2" if small else "16", "--block-size", "16" if small else "256",
+                       "--rounds", "1" if small else "3", "--steps", "1" if small else "10",
+                       "--warmup", "1" if small else "3"], plan.child_env)
+
+
 def cli_cmd(plan: Plan, label: str, data: Path, epochs: int, name: str):
     train = ["-m", "attnlab", "train", "--recipe", "ns_cifar", "--model", "vit_cifar", "--dataset", "cifar100",
              "--data-dir", str(data), "--data-options", "{verify_md5: false}", "--epochs", str(epochs),
@@ -283,6 +294,10 @@ def steps_table() -> list[Step]:
              "started together behind a barrier", "alone: start ~6 + 100 steps at 3.0k img/s ~4 s; together: "
              "start ~6 + 100 steps at ~2k img/s each ~6 s; warm-ups ~4", packed_phases, packed_after,
              fail_fast=True),
+        Step("llama_lm", 35, 120, "lm_throughput.py llama_mini (grouped-query attention, RoPE, SwiGLU), batch 16 x "
+             "256 tokens, training, eager and compiled, against a plain PyTorch model of its shape",
+             "start ~6, 4 model builds ~3 s, 2 compiles ~10 s each, 3 rounds x 10 steps x 4 arms ~4 s",
+             lambda p: [lm_cmd(p, "llama_lm")]),
         Step("e2e_cli", 30, 90, "attnlab train --compile, recipe ns_cifar, vit_cifar on CIFAR-100's layout, bf16, "
              "device data, 2 epochs: epoch 2's img/s from metrics.jsonl", "start ~7, train and eval graphs from the "
              "cache ~10 s, 2 epochs of 390 steps at ~35k img/s ~3 s, 2 evaluations and checkpoints ~3 s",
@@ -384,6 +399,10 @@ def targets(record: dict, plan: Plan) -> dict:
         out[f"{spec} ViT-B/16 throughput / standard ({plan.dna_dtype})"] = target(
             r[0]["throughput vs standard"] if r else None, ">= 0.85", lambda v: v >= 0.85, "dna_vit_b",
             wrong=bool(r) and r[0].get("check") == "WRONG")
+    lm = [r["/ plain"] for r in ok_rows("llama_lm") if r.get("arm") == "standard" and r.get("mode") == "train"
+          and isinstance(r.get("/ plain"), float)]
+    out["llama_mini training tokens/s / plain PyTorch, worst of eager and compiled"] = target(
+        min(lm) if lm else None, ">= 0.95", lambda v: v >= 0.95, "llama_lm")
     epochs = [r for r in step_rows(record, "e2e_cli") if "epoch" in r]
     later = [r for r in epochs if r["epoch"] >= 2]
     t = target(later[-1]["img/s"] if later else None, ">= 30000", lambda v: v >= 30000, "e2e_cli")

@@ -6,7 +6,9 @@ after the timing, in one child process (glibc returns large blocks to the system
 high-water mark, reset before each arm's step, follows the allocations); on CUDA by the allocator's peak.
 
 Arms: ``plain`` (the reference below), ``timm`` (attnlab's GPT with timm's Attention left in place: the model
-without the conversion) and each ``--variants`` spec (``standard`` first). Training step: zero_grad, forward,
+without the conversion) and each ``--variants`` spec (``standard`` first). For the Llama presets the reference is a
+plain Llama in Hugging Face's layout (RMSNorm, SwiGLU, rotary cos / sin once per forward, SDPA with
+``enable_gqa=True``), and there is no timm arm. Training step: zero_grad, forward,
 cross-entropy of all next-token logits, backward, fused AdamW step. Inference: one forward of all logits under
 ``torch.inference_mode``.
 
@@ -14,6 +16,7 @@ cross-entropy of all next-token logits, backward, fused AdamW step. Inference: o
     python benchmarks/lm_throughput.py --variants standard,qknorm,sigma,dna --compile none
     python benchmarks/lm_throughput.py --model gpt_mini --batch-size 4 --json out.json
     python benchmarks/lm_throughput.py --threads 1 --clock cpu              # on a machine other jobs load
+    python benchmarks/lm_throughput.py --model llama_mini --batch-size 4 --block-size 128   # issue target: >= 0.95
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from torch import nn
 
 from attnlab.bench import resolve_device
 from attnlab.models import build_model, convert, load_nanogpt
+from attnlab.models.hf_decoder import to_attnlab
+from attnlab.models.llama import LLAMA_PRESETS, Llama
 from attnlab.spec import split_specs
 
 
@@ -81,9 +86,66 @@ class PlainGPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
+# ---- the Llama-shaped reference: Hugging Face's names and order, plainly -------------------------------------------
+class PlainLlamaAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(dim, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = (t * cos + torch.cat([-t[..., t.shape[-1] // 2:], t[..., :t.shape[-1] // 2]], -1) * sin for t in (q, k))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class PlainLlamaLayer(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps), nn.RMSNorm(dim, eps=eps)
+        self.self_attn = PlainLlamaAttention(dim, heads, kv_heads, head_dim)
+        self.mlp = nn.ModuleDict(dict(gate_proj=nn.Linear(dim, hidden, bias=False),
+                                      up_proj=nn.Linear(dim, hidden, bias=False),
+                                      down_proj=nn.Linear(hidden, dim, bias=False)))
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        h = self.post_attention_layernorm(x)
+        return x + self.mlp.down_proj(F.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
+
+
+class PlainLlama(nn.Module):
+    """Embedding, layers, RMSNorm and a tied head; the rotary cos / sin computed once per forward."""
+
+    def __init__(self, vocab_size, embed_dim, depth, num_heads, num_kv_heads, head_dim, mlp_hidden, rope_theta,
+                 norm_eps, **_):
+        super().__init__()
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(vocab_size, embed_dim), norm=nn.RMSNorm(embed_dim, eps=norm_eps),
+            layers=nn.ModuleList(PlainLlamaLayer(embed_dim, num_heads, num_kv_heads, head_dim, mlp_hidden, norm_eps)
+                                 for _ in range(depth))))
+        self.register_buffer("inv_freq", 1.0 / rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim),
+                             persistent=False)
+
+    def forward(self, idx):
+        angles = torch.arange(idx.shape[1], device=idx.device, dtype=torch.float32)[:, None] * self.inv_freq
+        cos, sin = (torch.cat([f, f], -1) for f in (angles.cos(), angles.sin()))
+        x = self.model.embed_tokens(idx)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return F.linear(self.model.norm(x), self.model.embed_tokens.weight)
+
+
 # ---- arms ---------------------------------------------------------------------------------------------------------
 def geometry(name: str, vocab_size: int, block_size: int) -> dict:
     model = build_model(name, attn=None, vocab_size=vocab_size, block_size=block_size)
+    if isinstance(model, Llama):
+        return dict(model.geometry)
     return dict(vocab_size=vocab_size, block_size=block_size, embed_dim=model.embed_dim, depth=len(model.blocks),
                 num_heads=model.blocks[0].attn.num_heads)
 
@@ -92,11 +154,17 @@ def build_arm(arm: str, args, device) -> nn.Module:
     """The arm's model with the reference's weights (seed 0), loaded before any conversion."""
     geo = geometry(args.model, args.vocab_size, args.block_size)
     torch.manual_seed(0)
-    plain = PlainGPT(**geo)
+    llama = "num_kv_heads" in geo
+    if llama and not geo["tie_embeddings"]:
+        raise SystemExit(f"{args.model}: the plain reference ties its head; give a preset with a tied head")
+    plain = PlainLlama(**geo) if llama else PlainGPT(**geo)
     if arm == "plain":
         return plain.to(device)
-    model = load_nanogpt(build_model(args.model, attn=None, vocab_size=args.vocab_size, block_size=args.block_size),
-                         plain.state_dict())
+    model = build_model(args.model, attn=None, vocab_size=args.vocab_size, block_size=args.block_size)
+    if llama:
+        model.load_state_dict(to_attnlab(plain.state_dict(), geo, "the plain reference"))
+    else:
+        model = load_nanogpt(model, plain.state_dict())
     return (model if arm == "timm" else convert(model, arm)).to(device)
 
 
@@ -217,7 +285,8 @@ def main() -> None:
     specs = split_specs(args.variants)
     if "standard" not in specs:
         specs = ["standard", *specs]
-    args.arms = ["plain", "timm", *specs]
+    # a Llama preset is built with attnlab's attention from the start: no timm arm
+    args.arms = ["plain", *(() if args.model in LLAMA_PRESETS else ("timm",)), *specs]
     args.modes = args.modes.split(",")
     args.compiled = {"none": [False], "both": [False, True], "only": [True]}[args.compile]
     if args.memory_child:

@@ -95,7 +95,7 @@ def head_function(module: nn.Module, head: int, mask=None) -> Callable[..., torc
         q, k, v = ((x @ w.T + (b if b is not None else 0))[None, None] for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
         q, k, v = module.normed(q, k, v)
         if module.rotary is not None:
-            q, k = module.rotary(q), module.rotary(k)
+            q, k = module.rotary(q, k)
         o = module.kernel(q, k, v, mask, Want(head=head), "explicit")[0]
         if mask is not None:
             o = mask.zero_padded_queries(o)

@@ -347,11 +347,12 @@ class AttnlabAttention(Declares, nn.Module):
                                         masked=position_bias is not None))
         q, k, v = self.project(x, backend if cache is None else "explicit")
         if self.rotary is not None:
-            q, k = self.rotate(q, offset), self.rotate(k, offset)
+            q, k = self.rotate(q, k, offset)
         if cache is not None:
             k, v = cache.extend(k, v)
-        if self.num_kv_heads != self.num_heads:  # grouped keys and values serve their query heads
-            k, v = _repeat(k, self.num_heads // self.num_kv_heads), _repeat(v, self.num_heads // self.num_kv_heads)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1 and backend not in self.capabilities.grouped:  # grouped keys and values serve their queries
+            k, v = _repeat(k, groups), _repeat(v, groups)
         if position_bias is not None:
             bias = position_bias(_first(q))
             mask = Mask(AttentionMask(), B, N, N, x.device, bias) if mask is None else mask.with_bias(bias)
@@ -384,12 +385,13 @@ class AttnlabAttention(Declares, nn.Module):
             return self.normed(*self.qkv(x).reshape(B, N, 3, H, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0))
         return self.normed(*self.qkv(x).view(B, N, -1, self.head_dim).transpose(1, 2).split([H, H_kv, H_kv], dim=1))
 
-    def rotate(self, t, offset: int):
-        """Queries or keys (B, ., N, D) rotated by their positions (from ``offset``); DnA's query pairs each."""
-        if isinstance(t, tuple):
-            pos = self.rotary(t[0], offset)
-            return t._replace(pos=pos, neg=pos if t[1] is t[0] else self.rotary(t[1], offset))
-        return self.rotary(t, offset)
+    def rotate(self, q, k: torch.Tensor, offset: int):
+        """Queries and keys (B, ., N, D) rotated by their positions (from ``offset``); DnA's query pairs each."""
+        if not isinstance(q, tuple):
+            return self.rotary(q, k, offset=offset)
+        shared = q.neg is q.pos
+        pos, k, *neg = self.rotary(q.pos, k, *(() if shared else (q.neg,)), offset=offset)
+        return q._replace(pos=pos, neg=pos if shared else neg[0]), k
 
     def qkv_widths(self) -> list[int]:
         """Rows per block of the fused projection ``qkv``: q, k, v."""
@@ -418,6 +420,7 @@ class AttnlabAttention(Declares, nn.Module):
         if q.is_meta:  # a model of shapes only has no logits
             return
         with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+            k = _repeat(k, q.shape[1] // k.shape[1])
             if want.logits:
                 found.logits = (q.detach().float() @ k.detach().float().transpose(-2, -1)) * self.scale
             if want.max_logits is not None:

@@ -43,6 +43,8 @@ class Capabilities:
             two blocks of ``qkv``: the forward can return its logits and per-head max logits (entropy, QK-clip, the
             attention Jacobian).
         intermediates: what the kernel returns when asked (:data:`INTERMEDIATES`).
+        grouped: the backends that take grouped keys and values (fewer heads than the queries) as they are; for the
+            others the forward repeats each key/value head for its group of query heads first.
         backends: the backends the dispatcher may pick, in its order of preference, each computing the same formula:
             ``kernel`` (a fused CPU kernel), ``triton`` (CUDA), ``sdpa`` (PyTorch's fused attention), ``explicit``
             (the readable definition, the contract tests' float64 reference).
@@ -56,6 +58,7 @@ class Capabilities:
     kv_cache: bool = False
     plain_softmax: bool = False
     intermediates: tuple[str, ...] = ()
+    grouped: tuple[str, ...] = ()
     backends: tuple[str, ...] = ("explicit",)
 
     def __post_init__(self) -> None:

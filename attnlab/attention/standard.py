@@ -23,12 +23,12 @@ class StandardAttention(AttnlabAttention):
     """Softmax attention; the reference every other mechanism is compared against. Arguments as AttnlabAttention."""
 
     capabilities = Capabilities(kv_cache=True, plain_softmax=True, intermediates=("weights", "head"),
-                                backends=("sdpa", "explicit"))
+                                grouped=("sdpa",), backends=("sdpa", "explicit"))
 
     def kernel(self, q, k, v, mask, want, backend):
         if backend == "sdpa":
             attn_mask, causal = (None, False) if mask is None else mask.sdpa(q.dtype)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, dropout_p=(
-                self.attn_drop.p if self.training else 0.0)), Intermediates()
+                self.attn_drop.p if self.training else 0.0), enable_gqa=k.shape[1] != q.shape[1]), Intermediates()
         w = self.softmax((q * self.scale) @ k.transpose(-2, -1), mask)
         return self.attn_drop(w) @ v, Intermediates(weights={"attn": Branch(w, w)} if want.weights else None)

@@ -27,20 +27,25 @@ class Rotary(nn.Module):
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, t: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """``t`` (..., N, D) with token n rotated by angle (offset + n) theta_i. The angles, their cosines and sines
-        are computed in float32 whatever t's dtype, as Hugging Face's Llama and Qwen do, so a float64 model gives
-        their logits; the rotation itself runs in t's dtype."""
+    def forward(self, *ts: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, ...]:
+        """Each of ``ts`` (..., N, D) with token n rotated by angle (offset + n) theta_i (the angles computed once
+        for all). The angles, their cosines and sines are computed in float32 whatever the dtype, as Hugging Face's
+        Llama and Qwen do, so a float64 model gives their logits; the rotation itself runs in each tensor's dtype."""
+        t = ts[0]
         device = t.device.type
         with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext():
             positions = torch.arange(offset, offset + t.shape[-2], device=t.device, dtype=torch.float32)
             angles = positions[:, None] * self.inv_freq.to(device=t.device, dtype=torch.float32)[None, :]
-            cos, sin = (torch.cat([f, f], dim=-1).to(t.dtype) for f in (angles.cos(), angles.sin()))
-        x1, x2 = t.chunk(2, dim=-1)
-        return t * cos + torch.cat([-x2, x1], dim=-1) * sin
+            cos, sin = (torch.cat([f, f], dim=-1) for f in (angles.cos(), angles.sin()))
+        return tuple(_turn(x, cos.to(x.dtype), sin.to(x.dtype)) for x in ts)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta:g}"
+
+
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 __all__ = ["Rotary"]

@@ -2,9 +2,9 @@
 the attention contract, for every registered kernel term.
 
 A module with H query heads and H_kv grouped key/value heads is the same function as one with H heads whose key and
-value rows repeat each group's for its H / H_kv query heads; rotary embeddings are checked against a float64 loop
-that rotates each feature pair (i, i + D/2) by (position * base^(-2i/D)) by hand; a KV cache of grouped keys gives
-the full causal forward token by token.
+value rows repeat each group's for its H / H_kv query heads; rotary embeddings are checked against complex
+multiplication (each feature pair (i, i + D/2) a complex number times exp(j position base^(-2i/D))); a KV cache of
+grouped keys gives the full causal forward token by token.
 """
 
 from __future__ import annotations
@@ -72,16 +72,14 @@ def test_grouped_keys_are_repeated_keys(term, causal, rotary):
 
 
 def _rotate_by_hand(t: torch.Tensor, theta: float) -> torch.Tensor:
-    """(..., N, D) with each pair (i, i + D/2) of token n turned by n * theta^(-2i/D), one number at a time."""
-    out = t.clone()
+    """(..., N, D) with each pair (i, i + D/2) of token n read as the complex number x_i + j x_(i+D/2) and multiplied
+    by exp(j n theta^(-2i/D)): RoFormer's rotation as complex multiplication, in complex128."""
     D = t.shape[-1]
-    for n in range(t.shape[-2]):
-        for i in range(D // 2):
-            angle = n * theta ** (-2 * i / D)
-            a, b = t[..., n, i], t[..., n, i + D // 2]
-            out[..., n, i] = a * math.cos(angle) - b * math.sin(angle)
-            out[..., n, i + D // 2] = b * math.cos(angle) + a * math.sin(angle)
-    return out
+    z = torch.complex(t[..., : D // 2], t[..., D // 2:])
+    n = torch.arange(t.shape[-2], dtype=torch.float64)[:, None]
+    angle = n * theta ** (-2 * torch.arange(D // 2, dtype=torch.float64) / D)
+    turned = z * torch.polar(torch.ones_like(angle), angle)
+    return torch.cat([turned.real, turned.imag], dim=-1)
 
 
 def test_rotary_standard_with_grouped_keys_against_a_float64_loop():

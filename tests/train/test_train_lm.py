@@ -143,3 +143,17 @@ def test_the_lm_recipe_learns(tmp_path):
         runs_dir=str(tmp_path), progress=False, seed=0))
     assert result["init"]["bits_per_byte"] > 7.5
     assert result["bits_per_byte"] < result["init"]["bits_per_byte"] - 2.5, (result["init"], result)
+
+
+def test_the_llama_shaped_decoder_learns(tmp_path):
+    """The same 80 steps on llama_tiny at width 64 (2 blocks, 4 query and 2 key-value heads, SwiGLU 176, RoPE):
+    measured on 2 CPU cores, bits per byte fell from 7.70-7.79 at initialisation to 3.74-3.85 (seeds 0, 1, 2; about
+    2 s each), drops of 3.85-4.05 bits. The test asks for a drop of 2.8 bits, 1 bit below the smallest."""
+    from attnlab.train import RECIPES, train
+
+    result = train(dataclasses.replace(
+        RECIPES["lm"], model="llama_tiny", max_steps=80, eval_every=80, eval_iters=4, warmup_steps=10, batch_size=16,
+        block_size=64, lr=3e-3, min_lr=3e-4, threads=1, runs_dir=str(tmp_path), progress=False, seed=0,
+        model_options={"embed_dim": 64, "depth": 2, "num_heads": 4, "num_kv_heads": 2, "mlp_hidden": 176}))
+    assert result["init"]["bits_per_byte"] > 7.5
+    assert result["bits_per_byte"] < result["init"]["bits_per_byte"] - 2.8, (result["init"], result)
