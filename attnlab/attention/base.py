@@ -355,7 +355,7 @@ class AttnlabAttention(Declares, nn.Module):
             k, v = _repeat(k, groups), _repeat(v, groups)
         if position_bias is not None:
             bias = position_bias(_first(q))
-            mask = Mask(AttentionMask(), B, N, N, x.device, bias) if mask is None else mask.with_bias(bias)
+            mask = (mask or Mask(AttentionMask(), B, N, N + offset, x.device)).with_bias(bias)
         o, found = self.kernel(q, k, v, mask, want, backend)
         found.mask = mask
         if cache is not None:

@@ -123,8 +123,12 @@ class DiffAttention(AttnlabAttention):
         else:
             w1, w2 = (self.softmax((qh * self.scale) @ kh.transpose(-2, -1), mask) for qh, kh in halves)
             o1, o2 = self.attn_drop(w1) @ v, self.attn_drop(w2) @ v
-            if want.weights:
-                found.weights = {"pos": Branch(w1, w1), "neg": Branch(w2, -self.lambda_full().to(w2.dtype) * w2)}
+            if want.weights:  # the output from the very maps reported, so gradients reach them (relevance)
+                e2 = -self.lambda_full().to(w2.dtype) * w2
+                found.weights = {"pos": Branch(w1, w1), "neg": Branch(w2, e2)}
+                if want.branches:
+                    found.branches, found.values = (o1, o2), (v, v)
+                return self.sub_norm(o1 + self.attn_drop(e2) @ v) * (1 - self.lambda_init), found
         if want.branches:
             found.branches, found.values = (o1, o2), (v, v)
         return self.sub_norm(o1 - self.lambda_full().to(o1.dtype) * o2) * (1 - self.lambda_init), found

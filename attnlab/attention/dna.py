@@ -176,9 +176,12 @@ class _DnAParams:
             neg_logits = qk_neg * -self.scale_neg  # softmin(s) = softmax(-s)
             bias_neg = None if mask is None else mask.negated(dtype)
             w_neg = (neg_logits if bias_neg is None else neg_logits + bias_neg).softmax(dim=-1)
-            if want.weights:
+            if want.weights:  # the output from the very maps reported, so gradients reach them (relevance)
                 e_neg = w_neg if self.alpha is None else self.alpha.to(dtype).view(-1, 1, 1) * w_neg
                 found.weights = {"pos": Branch(w_pos, w_pos), "neg": Branch(w_neg, e_neg)}
+                if want.branches:
+                    found.branches, found.values = (w_pos @ v_pos, w_neg @ v_neg), (v_pos, v_neg)
+                return self.attn_drop(w_pos) @ v_pos + self.attn_drop(e_neg) @ v_neg, found
             if v_pos is v_neg and not want.branches:
                 return self.attn_drop(combine(w_pos, w_neg, self.alpha)) @ v_pos, found
             o_pos, o_neg = self.attn_drop(w_pos) @ v_pos, self.attn_drop(w_neg) @ v_neg

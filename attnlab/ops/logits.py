@@ -39,18 +39,20 @@ def max_scaled_logits(q: torch.Tensor, k: torch.Tensor, scale: float, heads: tor
     block = CHUNK_ELEMENTS if block is None else block
     B, H, N, D = q.shape
     M = k.shape[-2]
-    if heads is not None:
-        q, k = q.index_select(1, heads), k.index_select(1, heads)
-    count = q.shape[1]
+    count = H if heads is None else heads.numel()
     tb, th, tr, tc = _tile_sizes(B, count, N, M, D, block)
     out = torch.full((count,), float("-inf"), device=q.device, dtype=torch.float32)
+
+    def tile(t, b0, h0, r0, size):  # a tile of samples, heads (the selected ones) and tokens, in float32
+        t = t[b0:b0 + tb, :, r0:r0 + size]
+        return (t[:, h0:h0 + th] if heads is None else t.index_select(1, heads[h0:h0 + th])).float()
     with torch.autocast(q.device.type, enabled=False):  # under autocast the matmul would run in bf16 / fp16
         for h0 in range(0, count, th):
             for b0 in range(0, B, tb):
                 for r0 in range(0, N, tr):
-                    qt = q[b0:b0 + tb, h0:h0 + th, r0:r0 + tr].float()
+                    qt = tile(q, b0, h0, r0, tr)
                     for c0 in range(0, M, tc):
-                        logits = qt @ k[b0:b0 + tb, h0:h0 + th, c0:c0 + tc].float().transpose(-2, -1)
+                        logits = qt @ tile(k, b0, h0, c0, tc).transpose(-2, -1)
                         if allowed is not None:
                             ok = allowed(b0, min(b0 + tb, B), r0, min(r0 + tr, N), c0, min(c0 + tc, M))
                             logits = logits.masked_fill(~ok, float("-inf"))
@@ -59,14 +61,16 @@ def max_scaled_logits(q: torch.Tensor, k: torch.Tensor, scale: float, heads: tor
 
 
 def _max_norms(t: torch.Tensor, block: int) -> torch.Tensor:
-    """max over tokens of ||t_i|| per sample and head: (B, H) float32, from float32 tiles of at most max(block,
-    H D) elements."""
+    """max over tokens of ||t_i|| per sample and head: (B, H) float32, from float32 tiles of samples and tokens of at
+    most max(block, H D) elements."""
     B, H, N, D = t.shape
     tokens = min(N, max(1, block // (H * D)))
+    samples = min(B, max(1, block // (tokens * H * D)))
     out = torch.full((B, H), float("-inf"), device=t.device, dtype=torch.float32)
-    for n0 in range(0, N, tokens):
-        norms = torch.linalg.vector_norm(t[:, :, n0:n0 + tokens].float(), dim=-1).amax(dim=-1)
-        torch.maximum(out, norms, out=out)
+    for b0 in range(0, B, samples):
+        for n0 in range(0, N, tokens):
+            norms = torch.linalg.vector_norm(t[b0:b0 + samples, :, n0:n0 + tokens].float(), dim=-1).amax(dim=-1)
+            torch.maximum(out[b0:b0 + samples], norms, out=out[b0:b0 + samples])
     return out
 
 

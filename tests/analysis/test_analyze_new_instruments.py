@@ -34,18 +34,28 @@ def test_analyze_trained_dna_run(tmp_path, capsys):
         assert (out / name).stat().st_size > 1000, name
 
 
-def test_instruments_refuse_a_vitdet_whose_blocks_add_relative_positions_and_run_without_them():
+def test_instruments_see_vitdet_blocks_with_relative_positions_and_the_jacobian_refuses_them():
+    """ViTDet's relative positions go through the attention module's forward (a position bias), so the instruments
+    measure those blocks, bias included (the measures move when the tables do); the Jacobian, which would hold a
+    bias computed from the queries fixed, refuses in one line."""
     import attnlab
     from attnlab.analysis.instruments import analyze_model
+    from attnlab.analysis.jacobian import jacobian_conditioning
+    from attnlab.errors import UnsupportedModelError
 
     images = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     geo = dict(num_classes=3, global_blocks=(1,), backbone_options=dict(embed_dim=24, depth=2, num_heads=2))
-    for rel_pos in (True, False):
-        torch.manual_seed(0)
-        model = attnlab.build_model("vitdet_tiny", attn="dna", rel_pos=rel_pos, **geo).eval()
-        out = analyze_model(model, images, ["branches", "redundancy"], skip_unsupported=True)
-        if rel_pos:
-            assert set(out["skipped"]) == {"branches", "redundancy"}
-            assert all("not called through its forward" in why and "\n" not in why for why in out["skipped"].values())
-        else:
-            assert "skipped" not in out and out["summary"]
+    torch.manual_seed(0)
+    model = attnlab.build_model("vitdet_tiny", attn="dna", rel_pos=True, **geo).eval()
+    flat = analyze_model(model, images, ["branches", "redundancy"], skip_unsupported=False)
+    assert "skipped" not in flat and flat["summary"]
+    with torch.no_grad():  # tables start at zero; give the relative positions weight
+        for name, p in model.named_parameters():
+            if "rel_pos" in name:
+                p.normal_(0, 1.0, generator=torch.Generator().manual_seed(1))
+    moved = analyze_model(model, images, ["branches", "redundancy"], skip_unsupported=False)
+    assert moved["summary"] != flat["summary"]
+    standard = attnlab.build_model("vitdet_tiny", attn="standard", rel_pos=True, **geo).eval()
+    with pytest.raises(UnsupportedModelError, match="position bias computed from its queries") as err:
+        jacobian_conditioning(standard.backbone.trunk, images)
+    assert "\n" not in str(err.value)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import attnlab
+from attnlab.attention.base import Want
 from attnlab.attention.mask import AttentionMask
 from attnlab.analysis.dna import (alpha_stats, branch_cosine, branch_instruments, compare_branches,
                                   intruder_dimensions, value_similarity)
@@ -100,8 +101,8 @@ def test_end_to_end_dna_versus_diff_vit(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
 
 
-def test_hooks_reproduce_the_module_inputs_on_swin():
-    """The recorded branch outputs, recombined with alpha, must equal what the module put out in the forward."""
+def test_the_observed_branches_recombine_to_the_module_output_on_swin():
+    """The branch outputs a shifted Swin block's forward reports, recombined with alpha, are what it put out."""
     torch.manual_seed(0)
     model = attnlab.build_model("swin_cifar", num_classes=10, attn="dna").eval()
     attn = model.layers[0].blocks[1].attn  # a shifted block: the window mask is passed as `mask`
@@ -110,14 +111,16 @@ def test_hooks_reproduce_the_module_inputs_on_swin():
     def capture(module, args, kwargs, output):
         seen["x"], seen["mask"], seen["out"] = args[0], kwargs.get("mask"), output
 
-    h = attn.register_forward_hook(capture, with_kwargs=True)
+    handles = [attn.register_forward_hook(capture, with_kwargs=True),
+               attn.observe(Want(branches=True), lambda module, found: seen.update(found=found))]
     with torch.no_grad():
         model(torch.randn(1, 3, 32, 32))
-        h.remove()
-        assert seen["mask"] is not None
-        o_pos, o_neg = attn.branch_outputs(seen["x"], AttentionMask(window=seen["mask"]))
+        for h in handles:
+            h.remove()
+        assert seen["mask"] is not None and seen["found"].mask.parts.window is not None
+        o_pos, o_neg = seen["found"].branches
         o = o_pos + attn.alpha.view(-1, 1, 1) * o_neg
-        torch.testing.assert_close(attn.merge(o, seen["x"]), seen["out"])
+        torch.testing.assert_close(attn.finish(o, seen["found"].mask, seen["x"]), seen["out"])
     result = branch_instruments(model, torch.randn(1, 3, 32, 32))
     assert result.intruders[0].shape == (16, 3)  # 16 windows of 4x4 in stage 1
 

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 import attnlab
+from attnlab.analysis.jacobian import head_function
+from attnlab.attention.mask import AttentionMask, Mask
+from attnlab.attention.standard import StandardAttention
 from attnlab.analysis.jacobian import attention_jacobian, condition_number, jacobian_conditioning
 from attnlab.errors import ConfigError, UnsupportedModelError
 
@@ -40,7 +43,10 @@ def test_tiny_block_against_finite_differences():
     w = [torch.randn(d, c, generator=g, dtype=torch.float64) * 0.7 for _ in range(3)]
     b = [torch.randn(d, generator=g, dtype=torch.float64) * 0.1 for _ in range(3)]
     bias = torch.randn(n_tok, n_tok, generator=g, dtype=torch.float64)
-    j = attention_jacobian(x, *w, b_q=b[0], b_k=b[1], b_v=b[2], scale=d ** -0.5, bias=bias)
+    # one head of a standard module (head_dim d: scale d^-0.5), the bias a position bias of the call's mask
+    module = StandardAttention(c, 2, head_dim=d).double()
+    mask = Mask(AttentionMask(), 1, n_tok, n_tok, x.device, bias=bias[None, None])
+    j = attention_jacobian(x, *w, head_function(module, 0, mask), b_q=b[0], b_k=b[1], b_v=b[2])
     assert j.shape == (n_tok * d, 3 * d * c)
     j_ref, kappa_ref = _reference(_np(x), *map(_np, w), *map(_np, b), d ** -0.5, _np(bias))
     np.testing.assert_allclose(j.numpy(), j_ref, rtol=1e-6, atol=1e-8)

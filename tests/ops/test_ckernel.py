@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.usefixtures("c_compiler"), pytest.mark.compiler]
 
 CODE = textwrap.dedent("""
     import torch
-    from attnlab.attention.dna import combine, dna_branches
+    import torch.nn.functional as F
     from attnlab.ops import ns_transform
     from attnlab.ops import dna_cpu, ns_cpu
     from attnlab.ops.dna_cpu import dna_attention
@@ -25,8 +25,9 @@ CODE = textwrap.dedent("""
     q = torch.randn(5, 32, 3, 40, 16).unbind(0)  # 96 heads: two threads
     assert dna_cpu.kernel_error(q[0], q[1]) is None
     got = dna_attention(q[0], q[1], q[2], q[3], q[4], torch.tensor([0.5, -0.5, 1.0]), scale_pos=0.25, scale_neg=0.25)
-    want = combine(*dna_branches(q[0], q[1], q[2], q[3], q[4], scale_pos=0.25, scale_neg=0.25),
-                   torch.tensor([0.5, -0.5, 1.0]))
+    # softmax(s q+ k^T) v+ + alpha softmax(-s q- k^T) v-, by SDPA
+    want = (F.scaled_dot_product_attention(q[0], q[2], q[3], scale=0.25) + torch.tensor([0.5, -0.5, 1.0]).view(-1, 1, 1)
+            * F.scaled_dot_product_attention(-q[1], q[2], q[4], scale=0.25))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     print("openmp", int(ns_cpu._funcs[torch.float32][2].built_with_openmp), int(dna_cpu._funcs[2].built_with_openmp))
 """)
@@ -54,7 +55,7 @@ def test_kernels_fall_back_to_python_threads_without_openmp(tmp_path):
 
 PORTABLE = textwrap.dedent("""
     import torch
-    from attnlab.attention.dna import combine, dna_branches
+    import torch.nn.functional as F
     from attnlab.ops import dna_cpu
     from attnlab.ops.dna_cpu import dna_attention
 
@@ -66,7 +67,8 @@ PORTABLE = textwrap.dedent("""
     alpha = torch.tensor([0.5, -0.5, 1.0])
     assert dna_cpu.kernel_error(q[0], q[1]) is None
     got = dna_attention(*q, alpha, scale_pos=0.25, scale_neg=0.25, bias_pos=bias, bias_neg=bias)
-    want = combine(*dna_branches(*q, scale_pos=0.25, scale_neg=0.25, bias_pos=bias, bias_neg=bias), alpha)
+    want = (F.scaled_dot_product_attention(q[0], q[2], q[3], attn_mask=bias, scale=0.25) + alpha.view(-1, 1, 1)
+            * F.scaled_dot_product_attention(-q[1], q[2], q[4], attn_mask=bias, scale=0.25))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     print("ok")
 """)

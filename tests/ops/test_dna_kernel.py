@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from attnlab.attention import DnAAttention, DnACrossAttention
-from attnlab.attention import dna as dna_module
 from attnlab.errors import ConfigError
 from attnlab.ops import dna_cpu
 from attnlab.ops.dna_cpu import dna_attention, kernel_error
@@ -93,7 +92,8 @@ def test_position_bias_and_mask_exclude_positions_from_both_branches():
     vn[:, :, 0] = 1e6
     mask_add = torch.zeros(B, N, N).masked_fill(blocked, -100.0)
     bias_pos = rel.unsqueeze(0) + mask_add.unsqueeze(1)
-    bias_neg = dna_module.negative_bias(rel.unsqueeze(0), (~blocked).unsqueeze(1), qp)
+    # the softmin branch's bias in negated-logit form: -rel where allowed, -inf where blocked
+    bias_neg = (-rel.unsqueeze(0)).masked_fill(blocked.unsqueeze(1), float("-inf"))
     alpha = torch.tensor([0.7, -0.4])
     got = dna_attention(qp, qn, k, vp, vn, alpha, scale_pos=D ** -0.5, scale_neg=D ** -0.5, bias_pos=bias_pos,
                         bias_neg=bias_neg)
@@ -152,39 +152,40 @@ def test_module_under_cpu_autocast_leaves_the_kernel_out(monkeypatch):
     torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.02 * want.abs().max().item())  # bf16 rounding
 
 
-def test_a_subclass_with_its_own_attend_keeps_it_on_cpu_inference(monkeypatch):
-    # every forward runs through attend, where the backend is chosen: a subclass's attend sees the kernel's calls
+def test_a_subclass_with_its_own_kernel_keeps_it_on_cpu_inference(monkeypatch):
+    # every forward runs through the one kernel, on the backend the dispatcher chose: a subclass's kernel sees it
     seen = []
 
     class Traced(DnAAttention):
-        def attend(self, q, k, v, mask=None, input_bias=None, backend=None):
-            seen.append(1)
-            return super().attend(q, k, v, mask, input_bias=input_bias, backend=backend)
+        capabilities = DnAAttention.capabilities
+
+        def kernel(self, q, k, v, mask, want, backend):
+            seen.append(backend)
+            return super().kernel(q, k, v, mask, want, backend)
 
     m = _randomise(Traced(32, 2, qkv_bias=True), seed=12)
     calls = _spy(monkeypatch)
     with torch.no_grad():
         m(torch.randn(2, 9, 32))
-    assert seen == [1] and len(calls) == 1
+    assert seen == ["kernel"] and len(calls) == 1
 
 
 def test_a_pinned_backend_runs_or_says_why_it_cannot(monkeypatch):
     m = _randomise(DnAAttention(32, 2, qkv_bias=True), seed=13)
     x = torch.randn(2, 9, 32)
     calls = _spy(monkeypatch)
-    m.backend = "sdpa"
+    m.use_backend("sdpa")
     with torch.no_grad():
         sdpa = m(x)
     assert not calls
-    m.backend = "kernel"
+    m.use_backend("kernel")
     with torch.no_grad():
         torch.testing.assert_close(m(x), sdpa, rtol=1e-4, atol=1e-5)
     assert len(calls) == 1
-    with pytest.raises(ConfigError, match="needs a gradient"):
+    with pytest.raises(ConfigError, match="kernel backend cannot run this call: .*needs a gradient; use backend=auto"):
         m(x.requires_grad_())
-    m.backend = "gpu"
-    with pytest.raises(ConfigError, match="does not exist"):
-        m(x)
+    with pytest.raises(ConfigError, match="has no 'gpu' backend; it has: auto, kernel, triton, sdpa, explicit"):
+        m.use_backend("gpu")
 
 
 def _spy(monkeypatch):

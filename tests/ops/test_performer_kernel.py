@@ -85,9 +85,9 @@ def test_reasons_it_cannot_run():
     assert "gradient" in performer_cpu.kernel_error(q, k, v, w)
 
 
-def _model(impl):
+def _model(backend):
     torch.manual_seed(0)
-    return attnlab.build_model("seq_listops", attn=f"performer(features=64,impl={impl})", max_length=64,
+    return attnlab.build_model("seq_listops", attn=f"performer(features=64,backend={backend})", max_length=64,
                                drop_rate=0.0, attn_drop_rate=0.0).eval()
 
 
@@ -96,7 +96,7 @@ def test_module_uses_the_kernel_without_gradient_and_torch_with_it(performer_ker
     calls = []
     real = performer_cpu.performer_kernel
     monkeypatch.setattr(performer_cpu, "performer_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    auto, plain = _model("auto"), _model("torch")
+    auto, plain = _model("auto"), _model("explicit")
     with torch.no_grad():
         got, want = auto(tokens), plain(tokens)
     assert len(calls) == len(auto.blocks)
@@ -106,11 +106,11 @@ def test_module_uses_the_kernel_without_gradient_and_torch_with_it(performer_ker
     assert not calls and auto.blocks[0].attn.qkv.weight.grad is not None
 
 
-def test_impl_kernel_refuses_a_call_it_cannot_serve(performer_kernel):
+def test_a_forced_kernel_refuses_a_call_it_cannot_serve(performer_kernel):
     model = _model("kernel")
-    with pytest.raises(ConfigError, match="performer\\(impl=kernel\\) cannot run here: .*gradient"):
+    with pytest.raises(ConfigError, match="kernel backend cannot run this call: .*gradient; use backend=auto"):
         model(torch.randint(1, 16, (1, 64)))
-    with pytest.raises(SpecError, match="impl is one of: auto, torch, kernel"):
+    with pytest.raises(SpecError, match="backend is one of: auto, kernel, explicit"):
         _model("fast")
 
 
@@ -158,4 +158,4 @@ def test_compile_fullgraph_traces_the_op(performer_kernel):
     torch.testing.assert_close(got, want)
     ops = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
     assert "attnlab.performer_fused.default" in ops, sorted(ops)
-    assert [m.impl for _, m in attention_modules(model)] == ["kernel"] * 2
+    assert [m.backend for _, m in attention_modules(model)] == ["kernel"] * 2

@@ -14,7 +14,9 @@ from torch.utils._pytree import tree_leaves
 
 import attnlab
 from attnlab.errors import SpecError
+from attnlab.attention import base as attention_base
 from attnlab.models import attention_modules
+from attnlab.ops import logits as logit_ops
 from attnlab.reparam import qkclip
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -185,9 +187,9 @@ def test_swin_records_q_dot_k_without_position_bias_over_allowed_positions():
 def test_chunked_max_equals_one_shot(monkeypatch):
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(7, 9, 3, 4, generator=g), torch.randn(7, 9, 3, 4, generator=g)
-    whole = qkclip.max_scaled_logits(q, k, 0.5)
-    monkeypatch.setattr(qkclip, "CHUNK_ELEMENTS", 3 * 9 * 9 * 2)  # two images per chunk
-    assert torch.equal(qkclip.max_scaled_logits(q, k, 0.5), whole)
+    whole = logit_ops.max_scaled_logits(q.transpose(1, 2), k.transpose(1, 2), 0.5)
+    monkeypatch.setattr(logit_ops, "CHUNK_ELEMENTS", 3 * 9 * 9 * 2)  # two images per chunk
+    assert torch.equal(logit_ops.max_scaled_logits(q.transpose(1, 2), k.transpose(1, 2), 0.5), whole)
     expected = (torch.einsum("bnhd,bmhd->hbnm", q.double(), k.double()) * 0.5).amax(dim=(1, 2, 3))
     torch.testing.assert_close(whole.double(), expected, rtol=1e-6, atol=1e-6)
 
@@ -266,7 +268,7 @@ def test_screening_is_exact_where_it_matters(select):
     bound = (q.double().norm(dim=-1).amax(1) * k.double().norm(dim=-1).amax(1)).amax(0) * scale
     tau = float((exact[3] * bound[3]).sqrt())
     assert exact[1] > tau and bound[3] > tau > exact[3] and (bound[[0, 2]] < tau).all()
-    got = qkclip.screened_max_logits(torch.stack([q, k], dim=2), scale, tau, select=select).double()
+    got = logit_ops.screened_max_logits(q.transpose(1, 2), k.transpose(1, 2), scale, tau, select=select).double()
     torch.testing.assert_close(got[[1, 3]], exact[[1, 3]], rtol=1e-5, atol=0)
     torch.testing.assert_close(got[[0, 2]], bound[[0, 2]], rtol=2e-4, atol=0)
 
@@ -312,7 +314,7 @@ BLOCK = 512  # float32 elements: below one image's logits of one head (40 x 40),
 def test_logit_pass_is_exact_and_never_holds_more_than_a_block(monkeypatch, dtype, how):
     """The blockwise maximum equals the maximum of the whole float64 logit tensor, and no intermediate (logit
     tile, float32 copy of q or k, head selection) exceeds BLOCK float32 elements."""
-    monkeypatch.setattr(qkclip, "CHUNK_ELEMENTS", BLOCK)
+    monkeypatch.setattr(logit_ops, "CHUNK_ELEMENTS", BLOCK)
     g = torch.Generator().manual_seed(0)
     B, N, H, D = 3, 40, 4, 16
     qk = torch.randn(B, N, 2, H, D, generator=g)
@@ -327,9 +329,10 @@ def test_logit_pass_is_exact_and_never_holds_more_than_a_block(monkeypatch, dtyp
     assert H * N * N > BLOCK and N * H * D > BLOCK
     with LargestAllocation() as seen:
         if how == "max_scaled_logits":
-            got = qkclip.max_scaled_logits(q, k, scale)
+            got = logit_ops.max_scaled_logits(q.transpose(1, 2), k.transpose(1, 2), scale)
         else:
-            got = qkclip.screened_max_logits(qk, scale, tau, select=how == "screened-select")
+            got = logit_ops.screened_max_logits(q.transpose(1, 2), k.transpose(1, 2), scale, tau,
+                                                select=how == "screened-select")
     assert seen.largest <= BLOCK * 4, (seen.largest, seen.op)
     assert got.dtype == torch.float32
     if how == "max_scaled_logits":
@@ -347,9 +350,9 @@ def test_record_in_small_blocks_is_the_exact_max(monkeypatch, name, dtype):
     layer and head (tau tiny: all exact), the maximum of that layer's float64 q k^T / sqrt(D) (Swin: over every
     window, without position bias, over the positions its shifted-window mask allows), and the recording never
     holds more than a block."""
-    monkeypatch.setattr(qkclip, "CHUNK_ELEMENTS", 256)
+    monkeypatch.setattr(logit_ops, "CHUNK_ELEMENTS", 256)
     largest = []
-    screened = qkclip.screened_max_logits
+    screened = logit_ops.screened_max_logits
 
     def measured(*args, **kwargs):
         with LargestAllocation() as seen:
@@ -357,7 +360,7 @@ def test_record_in_small_blocks_is_the_exact_max(monkeypatch, name, dtype):
         largest.append((seen.largest, seen.op))
         return out
 
-    monkeypatch.setattr(qkclip, "screened_max_logits", measured)
+    monkeypatch.setattr(attention_base, "screened_max_logits", measured)  # what the forward's intermediates call
     torch.manual_seed(0)
     if name == "vit_digits":
         model, x = attnlab.build_model(name, **TINY_VIT, attn="qkclip(tau=0.001)"), _images(4)
