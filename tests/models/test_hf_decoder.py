@@ -1,16 +1,18 @@
 """attnlab.models.hf_decoder beyond the load-and-export-back round trip of test_llama.py: models trained in attnlab
 (standard, QK-norm, folded sigma-Reparam; biases; tied or not) export to the Hugging Face layout that the real
 ``transformers`` loads with the same float64 logits; the loaded model's KV cache gives the recomputed logits and
-transformers' own greedy tokens; what no layout holds is refused in one line."""
+transformers' own greedy tokens; what no layout holds is refused in one line, also by ``attnlab export --hf``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 import attnlab
+from attnlab.cli import main
 from attnlab.errors import ConfigError
 from attnlab.models.gpt import KVCache, generate
 from attnlab.models.hf_decoder import export_hf, llama_from_hf
@@ -155,3 +157,33 @@ def test_biases_no_layout_holds_are_refused_not_dropped(options, tmp_path):
     with pytest.raises(ConfigError, match="build it with both or neither") as err:
         export_hf(model, tmp_path / "hf")
     assert "\n" not in str(err.value) and not (tmp_path / "hf").exists()
+def test_attnlab_export_hf_writes_a_trained_llama_run_that_transformers_loads(tmp_path, capsys):
+    from attnlab.train import RECIPES, load_run, train
+
+    cfg = dataclasses.replace(RECIPES["lm_demo_llama"], attn="qknorm+sigma", max_steps=3, eval_every=3,
+                              eval_iters=1, batch_size=2, block_size=16, probe_every=0, runs_dir=str(tmp_path), progress=False)
+    run = tmp_path / train(cfg)["name"]
+    assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 0
+    assert "Qwen3ForCausalLM" in capsys.readouterr().out
+    trained, _ = load_run(run)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():  # float32 both: transformers' norms and attnlab's round differently
+        torch.testing.assert_close(hf(x).logits, trained(x), rtol=1e-4, atol=1e-4)
+    # the directory exists now, and a second export is refused rather than mixed into it
+    assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 2
+    assert "exists" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # argparse's one line: one of the two outputs
+        main(["export", str(run), "--hf", str(tmp_path / "x"), "--out", str(tmp_path / "y.safetensors")])
+    assert stop.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+def test_attnlab_export_hf_refuses_a_run_that_is_not_softmax_llama(tmp_path, capsys):
+    from attnlab.train import RECIPES, train
+
+    cfg = dataclasses.replace(RECIPES["lm_demo_llama"], attn="diff", max_steps=1, eval_every=1, eval_iters=1,
+                              batch_size=2, block_size=16, probe_every=0, runs_dir=str(tmp_path), progress=False)
+    run = tmp_path / train(cfg)["name"]
+    assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "standard, or qknorm" in err and "\n" not in err and not (tmp_path / "hf").exists()
