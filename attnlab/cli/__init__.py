@@ -30,7 +30,8 @@ COMMANDS = {
     "analyze": "run the papers' instruments on a trained run or a fresh model",
     "bench": "forward latency of variants with identical parameters (NS-Attn paper's protocol)",
     "variants": "list the attention variant terms of the spec language",
-    "export": "write a model's weights with every reparametrisation folded, as safetensors",
+    "export": "write a model's weights with every reparametrisation folded, as safetensors (or, --hf, Llama/Qwen "
+              "runs in Hugging Face's layout)",
     "eval": "top-1, top-5, loss and the DnA paper's robustness metrics of a run or of given weights, as JSON",
     "sample": "generate text from a trained language-model run",
 }

@@ -5,11 +5,18 @@ a standard model at inference. The file's metadata names that spec (attnlab_spec
 The file is written atomically (a temporary file beside it, then a rename), with the permissions your umask gives.
 An --out inside RUN_DIR may name a new file or an earlier export, never one of the run's own files.
 
-Example: attnlab export runs/sigma_vs_qk/vit_cifar-cifar100-paper-sigma-s0 --out vit_sigma_folded.safetensors"""
+With --hf DIR, a Llama- or Qwen-shaped run (standard or qknorm attention; weight terms folded, qkclip's clipped
+weights as they are) is written as a Hugging Face checkpoint directory instead (config.json + model.safetensors:
+LlamaForCausalLM, Qwen2ForCausalLM with q/k/v biases alone, Qwen3ForCausalLM with QK-norm), which transformers'
+from_pretrained loads; DIR must not exist yet.
+
+Example: attnlab export runs/sigma_vs_qk/vit_cifar-cifar100-paper-sigma-s0 --out vit_sigma_folded.safetensors
+         attnlab export runs/lm_demo_llama/<run> --hf llama_hf/"""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -20,7 +27,11 @@ DEFAULT_NAME = "folded.safetensors"
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory (config.yaml + checkpoint)")
-    p.add_argument("--out", default=None, help=f"output file (default: RUN_DIR/{DEFAULT_NAME})")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--out", default=None, help=f"output file (default: RUN_DIR/{DEFAULT_NAME})")
+    where.add_argument("--hf", default=None, metavar="DIR",
+                       help="write a Llama/Qwen-shaped run as a Hugging Face checkpoint directory (config.json + "
+                            "model.safetensors) that transformers loads; DIR must not exist")
 
 
 def _is_export(path: Path) -> bool:
@@ -49,6 +60,8 @@ def check_out(out: Path, run_dir: Path, own_names: frozenset[str]) -> None:
 
 def run(args) -> int:
     run_dir(args.run_dir)
+    if args.hf is not None:
+        return _run_hf(args)
     out = output_file(args.out or Path(args.run_dir) / DEFAULT_NAME, "--out")
 
     from ..reparam.fold import folded_safetensors
@@ -63,4 +76,25 @@ def run(args) -> int:
     atomic_write_bytes(out, folded_safetensors(model))
     plain = Spec(tuple(t for t in parse_spec(cfg.attn).terms if t.kind != "weight"))
     print(f"wrote {out}; load it into attnlab.build_model({cfg.model!r}, attn={str(plain)!r}, ...)")
+    return 0
+
+
+def _run_hf(args) -> int:
+    """--hf: the run's model with its weight terms folded, in the Hugging Face layout of its attention."""
+    out = Path(args.hf)
+    if out.exists():
+        raise ConfigError(f"--hf {out} exists; give a new directory for the Hugging Face checkpoint.")
+    output_file(out, "--hf")
+
+    from ..models.hf_decoder import export_hf
+    from ..reparam.fold import fold
+    from ..train import load_run
+    from ..train.checkpoint import PREV_STATE, PREV_WEIGHTS, STATE, WEIGHTS
+    from ..train.files import CONFIG, METRICS, RESULT
+
+    check_out(out, Path(args.run_dir), frozenset({CONFIG, METRICS, RESULT, WEIGHTS, STATE, PREV_WEIGHTS, PREV_STATE}))
+    model, cfg = load_run(args.run_dir)
+    export_hf(fold(model), out)
+    kind = json.loads((out / "config.json").read_text())["architectures"][0]
+    print(f"wrote {out} ({kind}); load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0

@@ -4,6 +4,8 @@ from .backbones import PRESETS, build_model
 from .convert import attention_modules, convert
 from .gpt import GPT, generate
 from .gpt_loaders import gpt_from_file, load_gpt2_hf, load_gpt_file, load_nanogpt
+from .hf_decoder import export_hf, llama_from_hf, load_hf_decoder
+from .llama import Llama
 from .timesformer import TimeSformer, init_from_image, load_timesformer
 
 
@@ -16,5 +18,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["PRESETS", "DETECTOR_PRESETS", "build_detector", "build_model", "convert", "attention_modules", "GPT",
-           "generate", "gpt_from_file", "load_gpt2_hf", "load_gpt_file", "load_nanogpt", "TimeSformer",
-           "init_from_image", "load_timesformer"]
+           "generate", "gpt_from_file", "load_gpt2_hf", "load_gpt_file", "load_nanogpt", "Llama", "export_hf",
+           "llama_from_hf", "load_hf_decoder", "TimeSformer", "init_from_image", "load_timesformer"]

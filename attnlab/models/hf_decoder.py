@@ -28,6 +28,8 @@ from .llama import Llama
 from .pretrained import load_strict, read_state_dict
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+#: the geometry a config must state (everything else has Hugging Face's default)
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 #: per layer: Hugging Face's name -> attnlab's (the q, k, v projections are fused apart)
 _LAYER = {"input_layernorm.weight": "norm1.weight", "post_attention_layernorm.weight": "norm2.weight",
           "self_attn.o_proj.weight": "attn.proj.weight", "self_attn.o_proj.bias": "attn.proj.bias",
@@ -72,9 +74,15 @@ def hf_geometry(config: Mapping, source: str) -> dict:
              f"compute"),
             (config.get("hidden_act", "silu") != "silu", f"uses hidden_act {config.get('hidden_act')!r}, not SwiGLU's silu"),
             (bool(config.get("mlp_bias")), "has MLP biases, which attnlab's SwiGLU does not hold"),
-            (bool(config.get("use_sliding_window")), "uses sliding-window attention, which attnlab's model does not")):
+            (bool(config.get("use_sliding_window"))
+             or any(layer != "full_attention" for layer in config.get("layer_types") or ()),
+             "uses sliding-window attention, which attnlab's model does not")):
         if failed:
             raise ConfigError(f"{source} {why}; give a model without it.")
+    missing = [k for k in _REQUIRED if not isinstance(config.get(k), int) or isinstance(config.get(k), bool)]
+    if missing:
+        raise ConfigError(f"{source}'s config.json has no integer {', '.join(missing)}; give the config.json "
+                          f"save_pretrained wrote.")
     heads = config["num_attention_heads"]
     attention_bias = bool(config.get("attention_bias", False))
     return dict(vocab_size=config["vocab_size"], block_size=config.get("max_position_embeddings", 2048),
@@ -162,9 +170,11 @@ def export_hf(model: nn.Module, out_dir: str | Path) -> Path:
     g = model.geometry
     qk_norm = not isinstance(attns[0].q_norm, nn.Identity)
     kind = "qwen3" if qk_norm else "qwen2" if g["qkv_bias"] and not g["proj_bias"] else "llama"
-    if kind == "qwen3" and g["qkv_bias"] != g["proj_bias"]:
-        raise ConfigError("Qwen3's layout biases q, k, v and the output projection alike; this model has "
-                          f"qkv_bias={g['qkv_bias']} and proj_bias={g['proj_bias']}.")
+    # Llama's and Qwen3's attention_bias biases q, k, v and o alike; Qwen2 biases q, k, v only: no layout has o alone
+    if kind != "qwen2" and g["qkv_bias"] != g["proj_bias"]:
+        raise ConfigError(f"the {MODEL_TYPES[kind]} layout biases q, k, v and the output projection alike (or none); "
+                          f"this model has qkv_bias={g['qkv_bias']} and proj_bias={g['proj_bias']}, so build it with "
+                          f"both or neither.")
     config = {"architectures": [MODEL_TYPES[kind]], "model_type": kind, "vocab_size": g["vocab_size"],
               "hidden_size": g["embed_dim"], "intermediate_size": g["mlp_hidden"], "num_hidden_layers": g["depth"],
               "num_attention_heads": g["num_heads"], "num_key_value_heads": g["num_kv_heads"],

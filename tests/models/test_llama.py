@@ -40,20 +40,6 @@ def _hf(kind: str, tie: bool, **extra):
     return model
 
 
-@pytest.fixture
-def float64_rms_norm(monkeypatch):
-    """Hugging Face's RMSNorm in its input's dtype: it computes in float32 even in a float64 model, which alone would
-    leave 4e-8 between the two."""
-    from transformers.models.llama import modeling_llama
-    from transformers.models.qwen2 import modeling_qwen2
-    from transformers.models.qwen3 import modeling_qwen3
-
-    def forward(self, h):
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-    for cls in (modeling_llama.LlamaRMSNorm, modeling_qwen2.Qwen2RMSNorm, modeling_qwen3.Qwen3RMSNorm):
-        monkeypatch.setattr(cls, "forward", forward)
-
-
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_hugging_face_weights_load_and_export_with_the_same_logits(kind, tie, tmp_path, float64_rms_norm):
