@@ -261,3 +261,20 @@ def test_variants_support_and_train_name_the_causal_refusal(tmp_path):
     run = in_process(["train", "--recipe", "lm", "--attn", "ns", "--runs-dir", tmp_path / "runs"], cwd=tmp_path)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "cannot honour a causal mask" in run.stderr
     assert not (tmp_path / "runs").exists()  # refused before anything is created
+
+
+def test_the_toy_method_gets_the_kv_cache_and_the_jacobian_its_record_declares():
+    """One file and one registry entry: the toy's record declares a KV cache and single heads, so a GPT converted to
+    it generates with the cache (the tokens and logits of recomputing) and the attention Jacobian measures it."""
+    from attnlab.analysis.jacobian import jacobian_conditioning
+    from attnlab.models.gpt import generate, supports_kv_cache
+
+    torch.manual_seed(0)
+    gpt = attnlab.build_model("gpt_tiny", attn="toy(temperature=3)", embed_dim=32, depth=2, num_heads=2).double()
+    assert supports_kv_cache(gpt)
+    prompt = torch.randint(0, 256, (2, 4))
+    assert torch.equal(generate(gpt, prompt, 10, temperature=0, kv_cache=True),
+                       generate(gpt, prompt, 10, temperature=0, kv_cache=False))
+    vit = _build("toy(temperature=3)").double()
+    jac = jacobian_conditioning(vit, _images(1).double(), heads=[0])
+    assert jac.kappa.shape == (2, 1, 1) and torch.isfinite(jac.kappa).all() and (jac.kappa > 1).all()
