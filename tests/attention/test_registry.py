@@ -278,3 +278,13 @@ def test_the_toy_method_gets_the_kv_cache_and_the_jacobian_its_record_declares()
     vit = _build("toy(temperature=3)").double()
     jac = jacobian_conditioning(vit, _images(1).double(), heads=[0])
     assert jac.kappa.shape == (2, 1, 1) and torch.isfinite(jac.kappa).all() and (jac.kappa > 1).all()
+
+
+def test_specs_written_before_the_backend_option_still_read():
+    """Runs and checkpoints made before the one dispatcher name ns's and performer's option impl: it reads as
+    backend (torch as explicit), so their config.yaml and checkpoint metadata still load."""
+    assert str(attnlab.parse_spec("performer(features=16,impl=torch)")) == "performer(features=16,backend=explicit)"
+    assert str(attnlab.parse_spec("ns(impl=reference)+sigma")) == "ns(backend=reference)+sigma"
+    assert str(attnlab.parse_spec("dna(backend=sdpa)")) == "dna(backend=sdpa)"
+    with pytest.raises(SpecError, match="backend is one of: auto, kernel, triton, sdpa, explicit"):
+        attnlab.parse_spec("dna(backend=flash)")
