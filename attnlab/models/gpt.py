@@ -116,13 +116,17 @@ class GPT(nn.Module):
             raise ConfigError(f"a sequence of {start + N} tokens is longer than the model's block_size "
                               f"{self.block_size}; give at most {self.block_size} tokens or build the model with a "
                               f"larger block_size.")
-        pos = torch.arange(start, start + N, device=tokens.device)
-        x = self.drop(self.wte(tokens) + self.wpe(pos))
+        x = self.embed(tokens, start)
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache.layers[i])
         if cache is not None:
             cache.length += N
         return self.norm(x)
+
+    def embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """The blocks' input for tokens (B, N) at positions start, start + 1, ...: token and learned positions."""
+        return self.drop(self.wte(tokens) + self.wpe(torch.arange(start, start + tokens.shape[-1],
+                                                                  device=tokens.device)))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (..., vocab) of hidden states (..., embed_dim): the tied head, h wte^T."""

@@ -27,7 +27,7 @@ from ..attention.base import LayerCache
 from ..attention.standard import StandardAttention
 from ..errors import ConfigError
 from ..ops.rotary import Rotary
-from .gpt import GPT, KVCache
+from .gpt import GPT
 
 #: the presets: kwargs of :class:`Llama` and a line of documentation
 LLAMA_PRESETS: dict[str, tuple[dict, str]] = {
@@ -136,21 +136,9 @@ class Llama(GPT):
                 if isinstance(module, nn.Linear) and module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-    def forward_features(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """tokens (B, N) int -> hidden states after the final norm (B, N, embed_dim); with ``cache`` the tokens
-        continue its ``cache.length`` (their rotary positions start there)."""
-        start = 0 if cache is None else cache.length
-        N = tokens.shape[-1]
-        if start + N > self.block_size:
-            raise ConfigError(f"a sequence of {start + N} tokens is longer than the model's block_size "
-                              f"{self.block_size}; give at most {self.block_size} tokens or build the model with a "
-                              f"larger block_size.")
-        x = self.wte(tokens)
-        for i, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache.layers[i])
-        if cache is not None:
-            cache.length += N
-        return self.norm(x)
+    def embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """The token embeddings alone: positions enter as rotations of q and k (from ``start`` under a KV cache)."""
+        return self.wte(tokens)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (..., vocab) of hidden states (..., embed_dim): the tied embedding, or the head's own weight."""

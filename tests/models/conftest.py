@@ -19,3 +19,4 @@ def float64_rms_norm(monkeypatch):
         return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
     for cls in (modeling_llama.LlamaRMSNorm, modeling_qwen2.Qwen2RMSNorm, modeling_qwen3.Qwen3RMSNorm):
         monkeypatch.setattr(cls, "forward", forward)
+

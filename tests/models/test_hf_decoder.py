@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import attnlab
+from tests.hf_models import move_norms_and_biases
 from attnlab.cli import main
 from attnlab.errors import ConfigError
 from attnlab.models.gpt import KVCache, generate
@@ -101,14 +102,7 @@ def _hf_model(kind: str, tie: bool):
     cls = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
     torch.manual_seed(1)
     model = getattr(transformers, f"{cls}ForCausalLM")(getattr(transformers, f"{cls}Config")(**config))
-    model = model.double().eval()
-    with torch.no_grad():  # the norms and biases start at 1 and 0: move them
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_()
-    return model
+    return move_norms_and_biases(model.double().eval())
 
 
 @pytest.mark.parametrize("kind,tie", [("llama", True), ("qwen2", False), ("qwen3", True)])

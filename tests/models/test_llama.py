@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import attnlab
+from tests.hf_models import move_norms_and_biases
 from attnlab.errors import AttnlabError, ConfigError
 from attnlab.models import attention_modules
 from attnlab.models.gpt import generate
@@ -30,14 +31,7 @@ def _hf(kind: str, tie: bool, **extra):
     config_name, model_name, own = KINDS[kind]
     config = getattr(transformers, config_name)(**TINY, rope_theta=777.0, tie_word_embeddings=tie, **own, **extra)
     torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).double().eval()
-    with torch.no_grad():  # make the norms and biases matter (they start at 1 and 0)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_()
-    return model
+    return move_norms_and_biases(getattr(transformers, model_name)(config).double().eval())
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
