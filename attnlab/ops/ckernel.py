@@ -1,4 +1,5 @@
-"""Build, cache and call attnlab's small C kernels (``ns_kernel.c``, ``dna_kernel.c``) through ctypes.
+"""Build, cache and call attnlab's small C kernels (``ns_kernel.c``, ``dna_kernel.c``, ``performer_kernel.c``)
+through ctypes; :class:`CKernel` is what the wrappers (``ops/*_cpu.py``) share.
 
 A kernel is one plain C file (no Python or torch headers). On first use in a process it is compiled with the system
 C compiler (``$CC``, else ``cc``; gcc or clang) into ``$ATTNLAB_CACHE`` (default ``~/.cache/attnlab``) under a
@@ -32,12 +33,13 @@ import subprocess
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-__all__ = ["available", "cache_dir", "disabled", "load", "load_error", "run_split"]
+__all__ = ["Build", "CKernel", "available", "cache_dir", "disabled", "load", "load_error", "run_split"]
 
 # -O3: with GCC 12 the DnA kernel runs 1.6-2x faster than at -O2 and builds in about 2 s (docs/perf.md, "Fused CPU
 # kernels: -O2 against -O3")
@@ -287,3 +289,82 @@ def run_split(lib: ctypes.CDLL, fn: Callable[..., int], args: tuple, total: int,
         statuses = [f.result() for f in futures]
     if any(statuses):  # pragma: no cover - callers check supported shapes first
         raise RuntimeError(f"{getattr(fn, '__name__', fn)}: the kernel rejected its arguments")
+
+
+@dataclass(frozen=True)
+class Build:
+    """One compiled instance of a kernel source: its entry point ``entry(*args, start, end, threads) -> status``
+    (``argtypes``: those of ``args``), its ``supports(int64, int64) -> int``, its ``-D`` defines and the struct
+    sizes its handshake checks (exported function name -> bytes)."""
+
+    entry: str
+    argtypes: tuple
+    supports: str
+    defines: tuple[str, ...] = ()
+    sizes: dict[str, int] = field(default_factory=dict)
+
+
+class CKernel:
+    """One C kernel behind the custom op ``op``: ``source`` built per dtype (``builds``) on first use, checked to
+    report interface version ``abi``, its entry points declared, called through :func:`run_split`. ``label`` names
+    it in the reasons it gives."""
+
+    def __init__(self, source: str, *, abi: int, op: str, label: str, builds: dict[torch.dtype, Build]):
+        self.source, self.abi, self.op, self.label, self.builds = source, abi, op, label, builds
+
+    def library(self, dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+        """The library for ``dtype`` with its entry point and ``supports`` declared; None when it cannot be built
+        or fails the handshake (:meth:`unavailable` says why). Built once per process (:func:`load`)."""
+        build = self.builds[dtype]
+        lib = load(self.source, build.defines, abi=self.abi, abi_sizes=build.sizes)
+        if lib is not None and not lib.__dict__.get("declared"):
+            for name, argtypes in ((build.entry, (*build.argtypes, ctypes.c_int64, ctypes.c_int64, ctypes.c_int)),
+                                   (build.supports, (ctypes.c_int64, ctypes.c_int64))):
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            lib.declared = True
+        return lib
+
+    def unavailable(self, dtype: torch.dtype = torch.float32) -> str | None:
+        """Why the ``dtype`` build cannot run in this process (switched off, or it cannot be built), or None.
+
+        The answer is fixed for the process, so each wrapper's ``unavailable()`` is marked
+        ``torch.compiler.assume_constant_result``: ``torch.compile`` asks it once while tracing, outside the graph."""
+        off = disabled()
+        if off:
+            return off
+        if self.library(dtype) is None:
+            defines = self.builds[dtype].defines
+            return load_error(self.source, defines) or f"the fused CPU kernel {self.source} could not be loaded"
+        return None
+
+    def common_error(self, *tensors: torch.Tensor | None, masks: bool = False, cpu: bool = True,
+                     dtype_ok: bool = True, needs_grad: bool = False) -> str | None:
+        """The first clause every kernel shares that a call fails, or None: its ``tensors`` (None skipped; boolean
+        ones too with ``masks``), or its properties before they exist (``cpu``, ``dtype_ok``, ``needs_grad``), must
+        be on the CPU, of a dtype with a build, and need no gradient. Shapes and :meth:`unavailable` are the
+        caller's."""
+        tensors = [t for t in tensors if t is not None]
+        off = [t.device for t in tensors if t.device.type != "cpu"]
+        odd = [t.dtype for t in tensors if t.dtype not in self.builds and not (masks and t.dtype == torch.bool)]
+        if off or not cpu:
+            return f"the {self.label} runs on the CPU" + (f", not {off[0]}" if off else "")
+        if odd or not dtype_ok:
+            names = " or ".join(str(d).removeprefix("torch.") for d in self.builds)
+            return f"the {self.label} takes {names}" + (f", not {odd[0]}" if odd else "")
+        if needs_grad or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return f"the {self.label} is forward-only; this call needs a gradient"
+        return None
+
+    def custom_op(self, fn: Callable) -> torch.library.CustomOpDef:
+        """``fn`` (its ``run`` call and argument set-up) as the CPU custom op ``op``, so that torch sees one operator
+        where ctypes is invisible to it; the wrapper registers its fake implementation and FLOP formula."""
+        return torch.library.custom_op(self.op, fn, mutates_args=(), device_types="cpu")
+
+    def run(self, args: tuple, total: int, *, dtype: torch.dtype = torch.float32, min_per_thread: int = 1) -> None:
+        """The ``dtype`` build's entry point over ``total`` work items (:func:`run_split`); RuntimeError when it
+        cannot be built (the callers check :meth:`unavailable` first)."""
+        lib = self.library(dtype)
+        if lib is None:
+            raise RuntimeError(f"{self.op} cannot run: {self.unavailable(dtype)}")
+        run_split(lib, getattr(lib, self.builds[dtype].entry), args, total, min_per_thread)
