@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Build", "CKernel", "available", "cache_dir", "disabled", "load", "load_error", "run_split"]
+__all__ = ["Build", "CKernel", "cache_dir", "disabled", "load", "load_error", "run_split"]
 
 # -O3: with GCC 12 the DnA kernel runs 1.6-2x faster than at -O2 and builds in about 2 s (docs/perf.md, "Fused CPU
 # kernels: -O2 against -O3")
@@ -256,19 +256,6 @@ def load(name: str, defines: tuple[str, ...] = (), *, abi: int, abi_sizes: dict[
 
 def load_error(name: str, defines: tuple[str, ...] = ()) -> str | None:
     return _errors.get((name, defines))
-
-
-def available(name: str, defines: tuple[str, ...], loader: Callable[[], object]) -> str | None:
-    """Why kernel ``name`` cannot run in this process (switched off, or ``loader()`` returned None), or None.
-
-    The answer is fixed for the process, so code that ``torch.compile`` traces asks it once at trace time (the
-    ctypes build and load stay outside the graph)."""
-    off = disabled()
-    if off:
-        return off
-    if loader() is None:
-        return load_error(name, defines) or f"the fused CPU kernel {name} could not be loaded"
-    return None
 
 
 def run_split(lib: ctypes.CDLL, fn: Callable[..., int], args: tuple, total: int, min_per_thread: int = 1) -> None:
