@@ -280,9 +280,8 @@ def run_split(lib: ctypes.CDLL, fn: Callable[..., int], args: tuple, total: int,
 
 @dataclass(frozen=True)
 class Build:
-    """One compiled instance of a kernel source: its entry point ``entry(*args, start, end, threads) -> status``
-    (``argtypes``: those of ``args``), its ``supports(int64, int64) -> int``, its ``-D`` defines and the struct
-    sizes its handshake checks (exported function name -> bytes)."""
+    """One build of a kernel source: its entry point ``entry(*args, start, end, threads) -> status`` (``argtypes``
+    of ``args``), its ``supports(int64, int64) -> int``, ``-D`` defines, the struct sizes :func:`load` checks."""
 
     entry: str
     argtypes: tuple
@@ -292,19 +291,17 @@ class Build:
 
 
 class CKernel:
-    """One C kernel behind the custom op ``op``: ``source`` built per dtype (``builds``) on first use, checked to
-    report interface version ``abi``, its entry points declared, called through :func:`run_split`. ``label`` names
-    it in the reasons it gives."""
+    """The C kernel ``source`` behind the custom op ``op``, one build per dtype, checked for interface version ``abi``
+    and called through :func:`run_split`; ``label`` names it in the reasons it gives."""
 
     def __init__(self, source: str, *, abi: int, op: str, label: str, builds: dict[torch.dtype, Build]):
         self.source, self.abi, self.op, self.label, self.builds = source, abi, op, label, builds
 
     def library(self, dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
-        """The library for ``dtype`` with its entry point and ``supports`` declared; None when it cannot be built
-        or fails the handshake (:meth:`unavailable` says why). Built once per process (:func:`load`)."""
+        """The ``dtype`` build (once per process) with its entry point and ``supports`` declared, else None."""
         build = self.builds[dtype]
         lib = load(self.source, build.defines, abi=self.abi, abi_sizes=build.sizes)
-        if lib is not None and not lib.__dict__.get("declared"):
+        if lib is not None and "declared" not in lib.__dict__:
             for name, argtypes in ((build.entry, (*build.argtypes, ctypes.c_int64, ctypes.c_int64, ctypes.c_int)),
                                    (build.supports, (ctypes.c_int64, ctypes.c_int64))):
                 fn = getattr(lib, name)
@@ -313,24 +310,18 @@ class CKernel:
         return lib
 
     def unavailable(self, dtype: torch.dtype = torch.float32) -> str | None:
-        """Why the ``dtype`` build cannot run in this process (switched off, or it cannot be built), or None.
-
-        The answer is fixed for the process, so each wrapper's ``unavailable()`` is marked
-        ``torch.compiler.assume_constant_result``: ``torch.compile`` asks it once while tracing, outside the graph."""
+        """Why the ``dtype`` build cannot run in this process (switched off, not built), or None. Fixed for the
+        process: the wrappers' ``unavailable()`` let ``torch.compile`` ask it once (``assume_constant_result``)."""
         off = disabled()
-        if off:
+        if off or self.library(dtype) is not None:
             return off
-        if self.library(dtype) is None:
-            defines = self.builds[dtype].defines
-            return load_error(self.source, defines) or f"the fused CPU kernel {self.source} could not be loaded"
-        return None
+        defines = self.builds[dtype].defines
+        return load_error(self.source, defines) or f"the fused CPU kernel {self.source} could not be loaded"
 
     def common_error(self, *tensors: torch.Tensor | None, masks: bool = False, cpu: bool = True,
                      dtype_ok: bool = True, needs_grad: bool = False) -> str | None:
-        """The first clause every kernel shares that a call fails, or None: its ``tensors`` (None skipped; boolean
-        ones too with ``masks``), or its properties before they exist (``cpu``, ``dtype_ok``, ``needs_grad``), must
-        be on the CPU, of a dtype with a build, and need no gradient. Shapes and :meth:`unavailable` are the
-        caller's."""
+        """The first shared clause a call fails, or None: its ``tensors`` (None skipped, boolean ones too with
+        ``masks``) or, before they exist, its properties must be on the CPU, of a built dtype, needing no gradient."""
         tensors = [t for t in tensors if t is not None]
         off = [t.device for t in tensors if t.device.type != "cpu"]
         odd = [t.dtype for t in tensors if t.dtype not in self.builds and not (masks and t.dtype == torch.bool)]
@@ -344,13 +335,11 @@ class CKernel:
         return None
 
     def custom_op(self, fn: Callable) -> torch.library.CustomOpDef:
-        """``fn`` (its ``run`` call and argument set-up) as the CPU custom op ``op``, so that torch sees one operator
-        where ctypes is invisible to it; the wrapper registers its fake implementation and FLOP formula."""
+        """``fn`` as the CPU custom op ``op``, which torch sees where it cannot see a ctypes call."""
         return torch.library.custom_op(self.op, fn, mutates_args=(), device_types="cpu")
 
     def run(self, args: tuple, total: int, *, dtype: torch.dtype = torch.float32, min_per_thread: int = 1) -> None:
-        """The ``dtype`` build's entry point over ``total`` work items (:func:`run_split`); RuntimeError when it
-        cannot be built (the callers check :meth:`unavailable` first)."""
+        """The ``dtype`` build's entry point over ``total`` work items (:func:`run_split`); RuntimeError if unbuilt."""
         lib = self.library(dtype)
         if lib is None:
             raise RuntimeError(f"{self.op} cannot run: {self.unavailable(dtype)}")

@@ -57,8 +57,7 @@ def kernel_error(q: torch.Tensor, k: torch.Tensor, *others: torch.Tensor | None)
 def call_error(*, cpu: bool, float32: bool, needs_grad: bool, head_dim: int, keys: int) -> str | None:
     """Why the fused kernel cannot run a call with these properties (decidable before the projection runs), or
     None when it can."""
-    common = KERNEL.common_error(cpu=cpu, dtype_ok=float32, needs_grad=needs_grad)
-    if common:
+    if common := KERNEL.common_error(cpu=cpu, dtype_ok=float32, needs_grad=needs_grad):
         return common
     if not supports(head_dim, keys):
         return f"the fused DnA kernel takes head dim 16, 32, 48 or 64 and <= 1024 keys, got {head_dim}, {keys}"

@@ -41,8 +41,7 @@ KERNEL = ckernel.CKernel("ns_kernel.c", abi=_ABI, op="attnlab::ns_fused", label=
 
 def kernel_error(x: torch.Tensor) -> str | None:
     """Why the fused kernel cannot transform ``x`` right now, or None when it can."""
-    common = KERNEL.common_error(x)
-    if common:
+    if common := KERNEL.common_error(x):
         return common
     if x.ndim < 2:
         return f"the fused kernel takes (..., N, D) head matrices, got shape {tuple(x.shape)}"

@@ -55,8 +55,7 @@ def supports(D: int, M: int) -> bool:
 
 def kernel_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor) -> str | None:
     """Why the fused kernel cannot compute this FAVOR+ call right now, or None when it can."""
-    common = KERNEL.common_error(q, k, v, projection)
-    if common:
+    if common := KERNEL.common_error(q, k, v, projection):
         return common
     if not (q.ndim == k.ndim == v.ndim and 2 <= q.ndim <= 4 and q.shape == k.shape == v.shape):
         return f"the fused kernel takes q, k, v of one shape (..., N, D), got {tuple(q.shape)}, {tuple(k.shape)}, " \
