@@ -1,4 +1,5 @@
-"""Build, cache and call attnlab's small C kernels (``ns_kernel.c``, ``dna_kernel.c``) through ctypes.
+"""Build, cache and call attnlab's small C kernels (``ns_kernel.c``, ``dna_kernel.c``, ``performer_kernel.c``)
+through ctypes; :class:`CKernel` is what the wrappers (``ops/*_cpu.py``) share.
 
 A kernel is one plain C file (no Python or torch headers). On first use in a process it is compiled with the system
 C compiler (``$CC``, else ``cc``; gcc or clang) into ``$ATTNLAB_CACHE`` (default ``~/.cache/attnlab``) under a
@@ -32,12 +33,13 @@ import subprocess
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-__all__ = ["available", "cache_dir", "disabled", "load", "load_error", "run_split"]
+__all__ = ["Build", "CKernel", "cache_dir", "disabled", "load", "load_error", "run_split"]
 
 # -O3: with GCC 12 the DnA kernel runs 1.6-2x faster than at -O2 and builds in about 2 s (docs/perf.md, "Fused CPU
 # kernels: -O2 against -O3")
@@ -256,19 +258,6 @@ def load_error(name: str, defines: tuple[str, ...] = ()) -> str | None:
     return _errors.get((name, defines))
 
 
-def available(name: str, defines: tuple[str, ...], loader: Callable[[], object]) -> str | None:
-    """Why kernel ``name`` cannot run in this process (switched off, or ``loader()`` returned None), or None.
-
-    The answer is fixed for the process, so code that ``torch.compile`` traces asks it once at trace time (the
-    ctypes build and load stay outside the graph)."""
-    off = disabled()
-    if off:
-        return off
-    if loader() is None:
-        return load_error(name, defines) or f"the fused CPU kernel {name} could not be loaded"
-    return None
-
-
 def run_split(lib: ctypes.CDLL, fn: Callable[..., int], args: tuple, total: int, min_per_thread: int = 1) -> None:
     """Run ``fn(*args, start, end, threads)`` over the work items ``[0, total)`` on up to torch's thread count,
     with at least ``min_per_thread`` items per thread (below that a hand-off costs more than it saves): inside C
@@ -287,3 +276,71 @@ def run_split(lib: ctypes.CDLL, fn: Callable[..., int], args: tuple, total: int,
         statuses = [f.result() for f in futures]
     if any(statuses):  # pragma: no cover - callers check supported shapes first
         raise RuntimeError(f"{getattr(fn, '__name__', fn)}: the kernel rejected its arguments")
+
+
+@dataclass(frozen=True)
+class Build:
+    """One build of a kernel source: its entry point ``entry(*args, start, end, threads) -> status`` (``argtypes``
+    of ``args``), its ``supports(int64, int64) -> int``, ``-D`` defines, the struct sizes :func:`load` checks."""
+
+    entry: str
+    argtypes: tuple
+    supports: str
+    defines: tuple[str, ...] = ()
+    sizes: dict[str, int] = field(default_factory=dict)
+
+
+class CKernel:
+    """The C kernel ``source`` behind the custom op ``op``, one build per dtype, checked for interface version ``abi``
+    and called through :func:`run_split`; ``label`` names it in the reasons it gives."""
+
+    def __init__(self, source: str, *, abi: int, op: str, label: str, builds: dict[torch.dtype, Build]):
+        self.source, self.abi, self.op, self.label, self.builds = source, abi, op, label, builds
+
+    def library(self, dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+        """The ``dtype`` build (once per process) with its entry point and ``supports`` declared, else None."""
+        build = self.builds[dtype]
+        lib = load(self.source, build.defines, abi=self.abi, abi_sizes=build.sizes)
+        if lib is not None and "declared" not in lib.__dict__:
+            for name, argtypes in ((build.entry, (*build.argtypes, ctypes.c_int64, ctypes.c_int64, ctypes.c_int)),
+                                   (build.supports, (ctypes.c_int64, ctypes.c_int64))):
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            lib.declared = True
+        return lib
+
+    def unavailable(self, dtype: torch.dtype = torch.float32) -> str | None:
+        """Why the ``dtype`` build cannot run in this process (switched off, not built), or None. Fixed for the
+        process: the wrappers' ``unavailable()`` let ``torch.compile`` ask it once (``assume_constant_result``)."""
+        off = disabled()
+        if off or self.library(dtype) is not None:
+            return off
+        defines = self.builds[dtype].defines
+        return load_error(self.source, defines) or f"the fused CPU kernel {self.source} could not be loaded"
+
+    def common_error(self, *tensors: torch.Tensor | None, masks: bool = False, cpu: bool = True,
+                     dtype_ok: bool = True, needs_grad: bool = False) -> str | None:
+        """The first shared clause a call fails, or None: its ``tensors`` (None skipped, boolean ones too with
+        ``masks``) or, before they exist, its properties must be on the CPU, of a built dtype, needing no gradient."""
+        tensors = [t for t in tensors if t is not None]
+        off = [t.device for t in tensors if t.device.type != "cpu"]
+        odd = [t.dtype for t in tensors if t.dtype not in self.builds and not (masks and t.dtype == torch.bool)]
+        if off or not cpu:
+            return f"the {self.label} runs on the CPU" + (f", not {off[0]}" if off else "")
+        if odd or not dtype_ok:
+            names = " or ".join(str(d).removeprefix("torch.") for d in self.builds)
+            return f"the {self.label} takes {names}" + (f", not {odd[0]}" if odd else "")
+        if needs_grad or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return f"the {self.label} is forward-only; this call needs a gradient"
+        return None
+
+    def custom_op(self, fn: Callable) -> torch.library.CustomOpDef:
+        """``fn`` as the CPU custom op ``op``, which torch sees where it cannot see a ctypes call."""
+        return torch.library.custom_op(self.op, fn, mutates_args=(), device_types="cpu")
+
+    def run(self, args: tuple, total: int, *, dtype: torch.dtype = torch.float32, min_per_thread: int = 1) -> None:
+        """The ``dtype`` build's entry point over ``total`` work items (:func:`run_split`); RuntimeError if unbuilt."""
+        lib = self.library(dtype)
+        if lib is None:
+            raise RuntimeError(f"{self.op} cannot run: {self.unavailable(dtype)}")
+        run_split(lib, getattr(lib, self.builds[dtype].entry), args, total, min_per_thread)

@@ -23,7 +23,6 @@ from attnlab.ops import ckernel
 
 __all__ = ["call_error", "dna_attention", "kernel_error", "supports"]
 
-_SOURCE = "dna_kernel.c"
 _ABI = 2  # ATTNLAB_DNA_ABI in dna_kernel.c
 _HEAD_DIMS = (16, 32, 48, 64)  # attnlab_dna_supports in dna_kernel.c (a test checks that the two agree)
 _MAX_KEYS = 1024
@@ -41,22 +40,9 @@ class _Args(ctypes.Structure):
     ]
 
 
-_funcs: tuple | None = None
-
-
-def _load():
-    global _funcs
-    if _funcs is None:
-        lib = ckernel.load(_SOURCE, abi=_ABI, abi_sizes={"attnlab_dna_args_size": ctypes.sizeof(_Args)})
-        if lib is None:
-            return None
-        fn, supports = lib.attnlab_dna_f32, lib.attnlab_dna_supports
-        fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        supports.argtypes = [ctypes.c_int64, ctypes.c_int64]
-        supports.restype = ctypes.c_int
-        _funcs = (fn, supports, lib)
-    return _funcs
+KERNEL = ckernel.CKernel("dna_kernel.c", abi=_ABI, op="attnlab::dna_fused", label="fused DnA kernel", builds={
+    torch.float32: ckernel.Build("attnlab_dna_f32", (ctypes.POINTER(_Args),), "attnlab_dna_supports",
+                                 sizes={"attnlab_dna_args_size": ctypes.sizeof(_Args)})})
 
 
 def kernel_error(q: torch.Tensor, k: torch.Tensor, *others: torch.Tensor | None) -> str | None:
@@ -64,22 +50,15 @@ def kernel_error(q: torch.Tensor, k: torch.Tensor, *others: torch.Tensor | None)
     the call: values, alpha, biases), or None when it can."""
     if q.ndim != 4 or k.ndim != 4:
         return "the fused DnA kernel takes (B, H, N, D) tensors"
-    tensors = [t for t in (q, k, *others) if t is not None]
-    return call_error(cpu=all(t.device.type == "cpu" for t in tensors),
-                      float32=all(t.dtype in (torch.float32, torch.bool) for t in tensors),
-                      needs_grad=torch.is_grad_enabled() and any(t.requires_grad for t in tensors),
-                      head_dim=q.shape[-1], keys=k.shape[-2])
+    common = KERNEL.common_error(q, k, *others, masks=True)
+    return common or call_error(cpu=True, float32=True, needs_grad=False, head_dim=q.shape[-1], keys=k.shape[-2])
 
 
 def call_error(*, cpu: bool, float32: bool, needs_grad: bool, head_dim: int, keys: int) -> str | None:
     """Why the fused kernel cannot run a call with these properties (decidable before the projection runs), or
     None when it can."""
-    if not cpu:
-        return "the fused DnA kernel runs on the CPU"
-    if not float32:
-        return "the fused DnA kernel takes float32"
-    if needs_grad:
-        return "the fused DnA kernel is forward-only; this call needs a gradient"
+    if common := KERNEL.common_error(cpu=cpu, dtype_ok=float32, needs_grad=needs_grad):
+        return common
     if not supports(head_dim, keys):
         return f"the fused DnA kernel takes head dim 16, 32, 48 or 64 and <= 1024 keys, got {head_dim}, {keys}"
     return unavailable()
@@ -94,7 +73,7 @@ def supports(head_dim: int, keys: int) -> bool:
 def unavailable() -> str | None:
     """Why the kernel cannot run in this process (switched off, no compiler, failed build), or None. Fixed for
     the process: ``torch.compile`` evaluates it once while tracing, outside the graph."""
-    return ckernel.available(_SOURCE, (), _load)
+    return KERNEL.unavailable()
 
 
 def _additive(bias: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -152,16 +131,12 @@ def dna_attention(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_p
                list(input_bias) if input_bias else [])
 
 
-@torch.library.custom_op("attnlab::dna_fused", mutates_args=(), device_types="cpu")
+@KERNEL.custom_op
 def _dna_fused(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_pos: torch.Tensor, v_neg: torch.Tensor,
                alpha: Optional[torch.Tensor], scale_pos: float, scale_neg: float, bias_pos: Optional[torch.Tensor],
                bias_neg: Optional[torch.Tensor], input_bias: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     input_bias = input_bias or None
     _check_layout(q_pos, q_neg, k, v_pos, v_neg, alpha, bias_pos, bias_neg, input_bias)
-    funcs = _load()
-    if funcs is None:
-        raise RuntimeError(f"attnlab::dna_fused cannot run: {unavailable()}")
-    fn, _, lib = funcs
     B, H, N, D = q_pos.shape
     M = k.shape[-2]
     ts = [t if t.stride(-1) == 1 else t.contiguous() for t in (q_pos, q_neg, k, v_pos, v_neg)]
@@ -186,7 +161,7 @@ def _dna_fused(q_pos: torch.Tensor, q_neg: torch.Tensor, k: torch.Tensor, v_pos:
     args.alpha = alpha.data_ptr()
     args.H, args.N, args.M, args.D = H, N, M, D
     args.scale_pos, args.scale_neg = scale_pos, -scale_neg
-    ckernel.run_split(lib, fn, (ctypes.byref(args),), B * H, min_per_thread=max(1, 2**16 // (N * M)))
+    KERNEL.run((ctypes.byref(args),), B * H, min_per_thread=max(1, 2**16 // (N * M)))
     return out
 
 

@@ -23,40 +23,26 @@ from attnlab.ops import ckernel
 
 __all__ = ["kernel_error", "ns_kernel", "supports", "unavailable"]
 
-_SOURCE = "ns_kernel.c"
 _ABI = 2  # ATTNLAB_NS_ABI in ns_kernel.c
 # (min(N, D), D) pairs with a compiled instance: NS_SHAPES in ns_kernel.c (a test checks that the two agree)
 _SHAPES = {(16, 16), (32, 32), (48, 48), (64, 64), (16, 32), (16, 48), (16, 64), (32, 48), (32, 64), (48, 64)}
-_DTYPES = {torch.float32: ("f32", ctypes.c_float, ()), torch.float64: ("f64", ctypes.c_double, ("-DNS_DOUBLE",))}
-_funcs: dict[torch.dtype, tuple[object, object, object]] = {}  # dtype -> (transform, supports, library)
 
 
-def _load(dtype: torch.dtype):
-    """(transform, supports, library) for ``dtype``, built on first use; None when the build failed."""
-    if dtype not in _funcs:
-        suffix, ctype, defines = _DTYPES[dtype]
-        lib = ckernel.load(_SOURCE, defines, abi=_ABI, abi_sizes={"attnlab_ns_real_size": ctypes.sizeof(ctype)})
-        if lib is None:
-            return None
-        fn, supports = getattr(lib, f"attnlab_ns_{suffix}"), getattr(lib, f"attnlab_ns_supports_{suffix}")
-        i64 = ctypes.c_int64
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[i64] * 9, ctypes.c_int, ctype, ctype, ctype, ctype, i64, i64,
-                       ctypes.c_int]
-        fn.restype = ctypes.c_int
-        supports.argtypes = [i64, i64]
-        supports.restype = ctypes.c_int
-        _funcs[dtype] = (fn, supports, lib)
-    return _funcs[dtype]
+def _build(suffix: str, real: type, defines: tuple[str, ...] = ()) -> ckernel.Build:
+    """The build for ``real`` (c_float, c_double): its entry takes x, y, H, N, D, six strides, steps, eps, a, b, c."""
+    args = (ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 9, ctypes.c_int, *[real] * 4)
+    return ckernel.Build(f"attnlab_ns_{suffix}", args, f"attnlab_ns_supports_{suffix}", defines,
+                         {"attnlab_ns_real_size": ctypes.sizeof(real)})
+
+
+KERNEL = ckernel.CKernel("ns_kernel.c", abi=_ABI, op="attnlab::ns_fused", label="fused kernel", builds={
+    torch.float32: _build("f32", ctypes.c_float), torch.float64: _build("f64", ctypes.c_double, ("-DNS_DOUBLE",))})
 
 
 def kernel_error(x: torch.Tensor) -> str | None:
     """Why the fused kernel cannot transform ``x`` right now, or None when it can."""
-    if x.device.type != "cpu":
-        return f"the fused kernel runs on the CPU, the tensor is on {x.device}"
-    if x.dtype not in _DTYPES:
-        return f"the fused kernel takes float32 or float64, not {x.dtype}"
-    if torch.is_grad_enabled() and x.requires_grad:
-        return "the fused kernel is forward-only; this call needs a gradient"
+    if common := KERNEL.common_error(x):
+        return common
     if x.ndim < 2:
         return f"the fused kernel takes (..., N, D) head matrices, got shape {tuple(x.shape)}"
     if not supports(*x.shape[-2:]):
@@ -74,8 +60,7 @@ def supports(N: int, D: int) -> bool:
 def unavailable(double: bool = False) -> str | None:
     """Why the float32 (``double``: float64) kernel cannot run in this process, or None. Fixed for the process:
     ``torch.compile`` evaluates it once while tracing, outside the graph."""
-    dtype = torch.float64 if double else torch.float32
-    return ckernel.available(_SOURCE, _DTYPES[dtype][2], lambda: _load(dtype))
+    return KERNEL.unavailable(torch.float64 if double else torch.float32)
 
 
 def ns_kernel(x: torch.Tensor, steps: int, eps: float, coeffs: tuple[float, float, float]) -> torch.Tensor:
@@ -93,16 +78,12 @@ def _layout(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x4, torch.empty_like(x4)  # preserve_format: same strides as a dense input
 
 
-@torch.library.custom_op("attnlab::ns_fused", mutates_args=(), device_types="cpu")
+@KERNEL.custom_op
 def _ns_fused(x: torch.Tensor, steps: int, eps: float, a: float, b: float, c: float) -> torch.Tensor:
-    funcs = _load(x.dtype)
-    if funcs is None:
-        raise RuntimeError(f"attnlab::ns_fused cannot run: {unavailable(x.dtype == torch.float64)}")
-    fn, _, lib = funcs
     x4, y4 = _layout(x)
     B, H, N, D = x4.shape
     args = (x4.data_ptr(), y4.data_ptr(), H, N, D, *x4.stride()[:3], *y4.stride()[:3], steps, eps, a, b, c)
-    ckernel.run_split(lib, fn, args, B * H, min_per_thread=64)  # a head matrix is ~1 us of work
+    KERNEL.run(args, B * H, dtype=x.dtype, min_per_thread=64)  # a head matrix is ~1 us of work
     return y4.view(x.shape)  # splitting or dropping unit dims is always a view
 
 

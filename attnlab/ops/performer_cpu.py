@@ -25,7 +25,6 @@ from attnlab.ops import ckernel
 
 __all__ = ["kernel_error", "performer_kernel", "supports", "unavailable"]
 
-_SOURCE = "performer_kernel.c"
 _ABI = 2  # ATTNLAB_PERFORMER_ABI in performer_kernel.c
 _NT = 4   # Q, K, V, OUT
 
@@ -38,22 +37,15 @@ class _Args(ctypes.Structure):
                 ("half_norm_scale", ctypes.c_float), ("eps", ctypes.c_float)]
 
 
-@functools.cache
-def _load():
-    """(entry point, library), built on first use; None when the build failed."""
-    lib = ckernel.load(_SOURCE, abi=_ABI, abi_sizes={"attnlab_performer_args_size": ctypes.sizeof(_Args)})
-    if lib is None:
-        return None
-    fn = lib.attnlab_performer_f32
-    fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn, lib
+KERNEL = ckernel.CKernel("performer_kernel.c", abi=_ABI, op="attnlab::performer_fused", label="fused kernel", builds={
+    torch.float32: ckernel.Build("attnlab_performer_f32", (ctypes.POINTER(_Args),), "attnlab_performer_supports",
+                                 sizes={"attnlab_performer_args_size": ctypes.sizeof(_Args)})})
 
 
 @torch.compiler.assume_constant_result
 def unavailable() -> str | None:
-    """Why the kernel cannot run in this process, or None (fixed for the process; see :func:`ckernel.available`)."""
-    return ckernel.available(_SOURCE, (), _load)
+    """Why the kernel cannot run in this process, or None (fixed for the process; see :class:`ckernel.CKernel`)."""
+    return KERNEL.unavailable()
 
 
 def supports(D: int, M: int) -> bool:
@@ -63,13 +55,8 @@ def supports(D: int, M: int) -> bool:
 
 def kernel_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor) -> str | None:
     """Why the fused kernel cannot compute this FAVOR+ call right now, or None when it can."""
-    tensors = (q, k, v, projection)
-    if any(t.device.type != "cpu" for t in tensors):
-        return f"the fused kernel runs on the CPU, the tensors are on {q.device}"
-    if any(t.dtype != torch.float32 for t in tensors):
-        return f"the fused kernel takes float32, not {q.dtype}"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return "the fused kernel is forward-only; this call needs a gradient"
+    if common := KERNEL.common_error(q, k, v, projection):
+        return common
     if not (q.ndim == k.ndim == v.ndim and 2 <= q.ndim <= 4 and q.shape == k.shape == v.shape):
         return f"the fused kernel takes q, k, v of one shape (..., N, D), got {tuple(q.shape)}, {tuple(k.shape)}, " \
                f"{tuple(v.shape)}"
@@ -100,13 +87,9 @@ def _output(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty(B, N, H, D).transpose(1, 2)
 
 
-@torch.library.custom_op("attnlab::performer_fused", mutates_args=(), device_types="cpu")
+@KERNEL.custom_op
 def _performer_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor,
                      eps: float) -> torch.Tensor:
-    loaded = _load()
-    if loaded is None:
-        raise RuntimeError(f"attnlab::performer_fused cannot run: {unavailable()}")
-    fn, lib = loaded
     M, D = projection.shape
     wt = (projection * D ** -0.25).T.contiguous()
     tensors = [_as4(q), _as4(k), _as4(v), _output(q)]
@@ -115,7 +98,7 @@ def _performer_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projecti
     for i, t in enumerate(tensors):
         args.ptr[i] = t.data_ptr()
         args.stride[i][:] = t.stride()[:3]
-    ckernel.run_split(lib, fn, (ctypes.byref(args),), B * H)
+    KERNEL.run((ctypes.byref(args),), B * H)
     out = tensors[-1]
     return out if q.ndim == 4 else out.reshape(q.shape)
 

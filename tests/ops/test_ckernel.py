@@ -29,7 +29,7 @@ CODE = textwrap.dedent("""
     want = (F.scaled_dot_product_attention(q[0], q[2], q[3], scale=0.25) + torch.tensor([0.5, -0.5, 1.0]).view(-1, 1, 1)
             * F.scaled_dot_product_attention(-q[1], q[2], q[4], scale=0.25))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    print("openmp", int(ns_cpu._funcs[torch.float32][2].built_with_openmp), int(dna_cpu._funcs[2].built_with_openmp))
+    print("openmp", int(ns_cpu.KERNEL.library().built_with_openmp), int(dna_cpu.KERNEL.library().built_with_openmp))
 """)
 
 

@@ -109,7 +109,7 @@ def test_fake_tensors_get_the_dna_op_shape_and_layout():
 
 @pytest.mark.usefixtures("dna_kernel")  # tests/ops/conftest.py
 def test_kernel_and_python_agree_on_supported_shapes():
-    _, c_supports, _ = dna_cpu._load()
+    c_supports = dna_cpu.KERNEL.library().attnlab_dna_supports
     for D in range(8, 80, 8):
         for M in (0, 1, 1024, 1025):
             assert bool(c_supports(D, M)) == dna_cpu.supports(D, M), (D, M)

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnlab.errors import ConfigError
-from attnlab.ops import ns_transform
+from attnlab.ops import ns_cpu, ns_transform
 from attnlab.ops.ns_cpu import kernel_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -176,6 +176,14 @@ def test_auto_uses_the_kernel_only_without_gradient():
     # unsupported head shapes go to the torch path
     small = _randn(2, 9, 5, seed=8, dtype=torch.float32)
     assert torch.equal(ns_transform(small), ns_transform(small, impl="fast"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernel_and_python_agree_on_supported_shapes(dtype):
+    c_supports = getattr(ns_cpu.KERNEL.library(dtype), ns_cpu.KERNEL.builds[dtype].supports)
+    for N in range(8, 80, 8):
+        for D in range(8, 80, 8):
+            assert bool(c_supports(N, D)) == ns_cpu.supports(N, D), (N, D)
 
 
 @pytest.mark.parametrize(

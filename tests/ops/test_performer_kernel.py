@@ -68,7 +68,7 @@ def test_three_dimensional_inputs(performer_kernel):
 
 
 def test_kernel_and_python_agree_on_supported_shapes(performer_kernel):
-    supports = performer_cpu._load()[1].attnlab_performer_supports
+    supports = performer_cpu.KERNEL.library().attnlab_performer_supports
     supports.argtypes = [ctypes.c_int64, ctypes.c_int64]
     for D in range(8, 80, 8):
         for M in (0, 8, 16, 24, 32, 1024, 1040):
