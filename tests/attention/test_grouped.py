@@ -16,6 +16,7 @@ import torch
 
 import attnlab
 from attnlab.attention.base import LayerCache
+from attnlab.attention.mask import AttentionMask
 from attnlab.attention.standard import StandardAttention
 from attnlab.errors import AttnlabError
 from attnlab.ops.rotary import Rotary
@@ -54,21 +55,32 @@ def _pair(spec: str, rotary: bool):
     return out
 
 
+def _mask(kind: str):
+    """The call's mask arguments for ``kind``: causal order, key padding (with causality), an additive finfo.min mask."""
+    real = torch.ones(2, N, dtype=torch.bool)
+    real[0, 6:] = False
+    real[1, 2] = False
+    return {"bidirectional": {}, "causal": {"is_causal": True},
+            "key padding": {"attn_mask": AttentionMask(is_causal=True, key_padding=real)},
+            "additive finfo.min": {"attn_mask": torch.zeros(2, 1, 1, N, dtype=torch.float64).masked_fill(
+                ~real[:, None, None, :], torch.finfo(torch.float64).min)}}[kind]
+
+
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
-@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("mask", ["bidirectional", "causal", "key padding", "additive finfo.min"])
 @pytest.mark.parametrize("term", SPECS)
-def test_grouped_keys_are_repeated_keys(term, causal, rotary):
+def test_grouped_keys_are_repeated_keys(term, mask, rotary):
     grouped, twin = _pair(SPECS[term], rotary)
     assert grouped.qkv.out_features < twin.qkv.out_features
     x = torch.randn(2, N, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     try:
-        want = twin(x, is_causal=causal)
-    except AttnlabError as err:  # a term without a causal form refuses both, in the same words
+        want = twin(x, **_mask(mask))
+    except AttnlabError as err:  # a term that cannot honour the mask refuses both, in the same words
         with pytest.raises(AttnlabError) as again:
-            grouped(x, is_causal=causal)
+            grouped(x, **_mask(mask))
         assert str(again.value) == str(err)
         return
-    torch.testing.assert_close(grouped(x, is_causal=causal), want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(grouped(x, **_mask(mask)), want, rtol=1e-10, atol=1e-10)
 
 
 def _rotate_by_hand(t: torch.Tensor, theta: float) -> torch.Tensor:
