@@ -451,6 +451,17 @@ class AttnlabAttention(Declares, nn.Module):
             return ()
         return tuple(head) if isinstance(head, nn.Sequential) else (head,)
 
+    def training_refusal(self, device: torch.device, dtype: torch.dtype, masked: bool = False) -> str | None:
+        """Why a forced backend (the module's, or a head transform's) cannot run a training step on ``device`` in
+        ``dtype`` (a gradient needed), or None: what a run checks before it starts."""
+        call = Call(torch.device(device), dtype, True, True, self.attn_drop.p > 0, masked, False, self.head_dim,
+                    self.num_heads, 1, 1, self.qkv.out_features, Want(), False)
+        why = None if self.backend == "auto" else self.supports(self.backend, call)
+        if why:
+            return f"{type(self).__name__}'s {self.backend} backend cannot run a training step: {why}"
+        head = next((h for h in self.heads() if getattr(h, "backend", "auto") == "kernel"), None)
+        return None if head is None else f"{type(head).__name__}'s kernel backend is forward-only; training needs a gradient"
+
     # ---- observers ---------------------------------------------------------------------------------------------
     def observe(self, want: Want, fn: Callable[["AttnlabAttention", Intermediates], None],
                 training_only: bool = False) -> RemovableHandle:

@@ -248,7 +248,8 @@ class Run:
 
     def check_forward(self, model: nn.Module, device: torch.device | str) -> None:
         """One forward of the task's example input, so that a geometry the data cannot pass (an ``img_size`` other
-        than the images') is found now; on the meta device it costs nothing."""
+        than the images') is found now; on the meta device it costs nothing. Forced backends are checked first."""
+        self.check_backends(model)
         try:
             with torch.no_grad():
                 model(self.task.example_input(2, device))
@@ -256,11 +257,28 @@ class Run:
             if str(device) == "meta":  # an op without a meta kernel: the check is left to training
                 return
             raise
-        except UnsupportedModelError:  # a term the model cannot take says why itself; the data is not the cause
-            raise
+        except (UnsupportedModelError, ConfigError) as err:  # a term or a forced backend says why itself
+            if isinstance(err, UnsupportedModelError) or "backend cannot run" in str(err):
+                raise
+            raise self._cannot_build(err, ": it does not take the dataset's inputs",
+                                     "the data (image size, channels, length)") from None
         except Exception as err:  # noqa: BLE001 - timm and torch raise what they raise for a shape
             raise self._cannot_build(err, ": it does not take the dataset's inputs",
                                      "the data (image size, channels, length)") from None
+
+    def check_backends(self, model: nn.Module) -> None:
+        """ConfigError when the spec forces a backend that cannot run this run's training steps (the C kernels are
+        forward-only), before anything is written."""
+        from attnlab.attention.base import AttnlabAttention
+        from attnlab.models import attention_modules
+
+        dtype = self.amp_dtype or torch.float32
+        for name, module in attention_modules(model):
+            why = isinstance(module, AttnlabAttention) and module.training_refusal(
+                self.device, dtype, masked=bool(getattr(model, "causal", False)))
+            if why:
+                raise ConfigError(f"{self.cfg.attn} forces a backend that cannot train here ({name}): {why}; use "
+                                  f"backend=auto for training, a forced backend for evaluation or benchmarks.")
 
     def check_same_config(self) -> None:
         saved = yaml.safe_load((self.dir / CONFIG).read_text()) or {}

@@ -505,3 +505,17 @@ def test_a_large_token_file_that_passed_its_id_check_is_not_read_again(tmp_path,
     for _ in range(2):
         with pytest.raises(Exception, match="holds token id 9, outside its vocabulary of 8"):
             lm.check_token_ids(tokens(), 8, path, "uint16")
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("dna(backend=kernel)", "DnAAttention's kernel backend cannot run a training step: the fused DnA kernel is "
+                            "forward-only"),
+    ("ns(backend=kernel)", "NSTransform's kernel backend is forward-only"),
+    ("performer(features=16,backend=kernel)", "PerformerAttention's kernel backend cannot run a training step"),
+])
+def test_a_forced_backend_that_cannot_train_is_refused_before_the_run(spec, words, tmp_path):
+    """The C kernels are forward-only: forcing one for training is one line before anything is written."""
+    line = refused(["train", "--model", "vit_digits", "--dataset", "digits", "--epochs", "1", "--warmup-epochs", "0",
+                    "--attn", spec,
+                    "--runs-dir", tmp_path / "runs"], tmp_path, words)
+    assert "use backend=auto for training" in line
