@@ -233,10 +233,12 @@ class Mask:
         return self._form(("negated", dtype), build)
 
     def zero_padded_queries(self, o: torch.Tensor) -> torch.Tensor:
-        """Output (B, H, N, D) with every padded query's row exactly zero (self-attention; module docstring)."""
+        """Output (B, H, N, D) with every padded query's row exactly zero (self-attention, the queries being the last N
+        of the M keys; module docstring)."""
         kp = self.parts.key_padding
-        if kp is None or kp.shape[-1] != o.shape[-2]:
+        if kp is None:
             return o
+        kp = kp[:, -o.shape[-2]:]  # the queries are the last N keys (after a KV cache's, the new tokens)
         return torch.where(kp[:, None, :, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
 
     # ---- one sample, one head: the Jacobian instrument -----------------------------------------------------------

@@ -131,3 +131,20 @@ def test_a_kv_cache_of_grouped_keys_gives_the_causal_forward(term):
         steps = [grouped(x[:, :4], cache=cache)] + [grouped(x[:, n:n + 1], cache=cache) for n in range(4, N)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-10, atol=1e-10)
     assert cache.k.shape[1] == H_KV  # the cache keeps the grouped keys
+
+
+@pytest.mark.parametrize("term", ["standard", "dna", "diff", "cog"])
+def test_a_kv_cache_with_key_padding_gives_the_padded_causal_forward(term):
+    """Key padding over every key so far (the cached ones and the new): each step's padded query row is zero, as in
+    the full forward, and no padded key reaches a real token."""
+    grouped, _ = _pair(SPECS[term], rotary=True)
+    x = torch.randn(2, N, DIM, dtype=torch.float64)
+    real = torch.ones(2, N, dtype=torch.bool)
+    real[0, 1] = real[1, 6] = False
+    with torch.no_grad():
+        full = grouped(x, attn_mask=AttentionMask(is_causal=True, key_padding=real))
+        cache = LayerCache()
+        steps = [grouped(x[:, :4], attn_mask=AttentionMask(key_padding=real[:, :4]), cache=cache)]
+        steps += [grouped(x[:, n:n + 1], attn_mask=AttentionMask(key_padding=real[:, :n + 1]), cache=cache)
+                  for n in range(4, N)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-10, atol=1e-10)
