@@ -22,6 +22,7 @@ import torch
 
 from attnlab.bench import input_shape, measure_train_throughput, resolve_device
 from attnlab.models import attention_modules, build_model
+from attnlab.ops import logits as logit_ops
 from attnlab.reparam import qkclip
 
 
@@ -95,10 +96,10 @@ def main() -> None:
         with torch.no_grad():
             out = module.qkv(x)
             H, D = module.num_heads, module.head_dim
-            qk = out[..., : 2 * H * D].reshape(out.shape[0], out.shape[1], 2, H, D)
+            q, k = out[..., : 2 * H * D].unflatten(-1, (2, H, D)).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, N, D)
             tau = module.qk_clip.tau
-            screened_ms = _time(lambda: qkclip.screened_max_logits(qk, module.scale, tau), 10, sync)
-            exact_ms = _time(lambda: qkclip.max_scaled_logits(qk[:, :, 0], qk[:, :, 1], module.scale), 10, sync)
+            screened_ms = _time(lambda: logit_ops.screened_max_logits(q, k, module.scale, tau), 10, sync)
+            exact_ms = _time(lambda: logit_ops.max_scaled_logits(q, k, module.scale), 10, sync)
         clip_ms = _time(lambda: qkclip.clip_(models["qkclip"]), 10, sync)
         n_layers = len(attention_modules(models["qkclip"]))
         step_ms = 1e3 * args.batch_size / statistics.median(rates["standard"])

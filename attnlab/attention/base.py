@@ -1,22 +1,18 @@
-"""The one attention contract every attnlab mechanism follows: resolve the mask once, dispatch once, one kernel.
+"""The one attention contract every attnlab mechanism follows (docs/methods.md, "Adding a method"):
 
     forward(x, attn_mask, is_causal, mask, *, cache, position_bias)
-      -> Mask.resolve(...)              every mask argument, Swin's and ViTDet's position bias, a KV cache's offset:
-                                        ONE value; the record refuses what the mechanism cannot honour (one line)
-      -> choose(Call)                   the dispatcher asks each declared backend supports(call) once, in the
-                                        record's order of preference (``backend=`` forces one)
-      -> project(x, backend)            q, k, v per head (B, H, N, D), QK-norm applied; a KV cache extends k and v
-      -> kernel(q, k, v, mask, want, backend) -> (o, Intermediates)
-                                        the mechanism's formula, once; weights, branch outputs, one head alone when
-                                        ``want`` asks
-      -> finish(o)                      padded queries' rows zeroed, the head transform (``ns``), head merge, proj
+      -> Mask.resolve(...)        every mask argument, Swin's and ViTDet's position bias, a KV cache's offset: one value;
+                                  the record refuses, in one line, what the mechanism cannot honour
+      -> choose(Call)             each declared backend's supports(call), in the record's order (``backend=`` forces)
+      -> project(x, backend)      q, k, v per head (B, H, N, D), QK-norm and rotary applied; a KV cache extends k, v
+      -> kernel(q, k, v, mask, want, backend) -> (o, Intermediates)    the formula, once
+      -> finish(o, mask, x)       padded queries' rows zeroed, head transform (``ns``), head merge, projection
 
-:meth:`AttnlabAttention.run` returns the output with the :class:`Intermediates`; the instruments, QK-clip and the
-KV cache read them, through :meth:`AttnlabAttention.observe` (what every forward of the module computes and reports)
-or a direct call. A plain-softmax mechanism (its record's ``plain_softmax``) also gives its logits and per-head max
-logits. A new method is one file: a subclass that writes ``kernel`` (and ``project`` when it has other projections)
-and declares its :class:`~attnlab.attention.capabilities.Capabilities`; docs/methods.md, "Adding a method".
-The constructor keeps timm's parameter names, so a converted model loads the original state dict.
+:meth:`AttnlabAttention.run` returns the :class:`Intermediates` with the output; instruments, QK-clip and the KV cache
+read them, directly or through :meth:`AttnlabAttention.observe`. A new method is one file: a subclass that writes
+``kernel`` (and ``project`` for other projections) and declares its
+:class:`~attnlab.attention.capabilities.Capabilities`. The constructor keeps timm's parameter names, so a converted
+model loads the original state dict.
 """
 
 from __future__ import annotations
@@ -39,28 +35,25 @@ from timm.models.xcit import XCA
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..ops.logits import screened_max_logits
-from ..ops.sdpa import causal_keep
 from .capabilities import Capabilities, Declares, capabilities_of
 from .mask import AttentionMask, Mask
 
 
 @dataclass
 class Branch:
-    """One branch's weight map: ``weights`` W (B, H, N, M) and ``effective`` c_h W (the same tensor when c = 1), the
-    map the module's output is linear in."""
+    """One branch's weight map W (B, H, N, M) and ``effective`` c_h W (the same tensor when c = 1), the map the
+    module's output is linear in."""
 
     weights: torch.Tensor
     effective: torch.Tensor
 
 
 class Want(NamedTuple):
-    """What a forward computes besides its output (each only when asked).
-
-    ``weights``: each branch's weight map (the explicit backend); ``branches``: each branch's output and values
-    before its coefficient; ``logits``: float32 q k^T / sqrt(D) (plain softmax); ``max_logits``: per-head max of
-    those logits over the allowed positions, exact for every head whose Cauchy-Schwarz bound exceeds this value and
-    the bound for the others (-inf: exact everywhere; QK-clip passes tau); ``head``: the kernel's q, k, v are that
-    one head's (the attention Jacobian)."""
+    """What a forward computes besides its output, each only when asked: each branch's weight map (the explicit
+    backend); each branch's output and values before its coefficient; float32 logits q k^T / sqrt(D) (plain
+    softmax); per-head max logits over the allowed positions, exact for every head whose Cauchy-Schwarz bound
+    exceeds ``max_logits`` and that bound for the others (QK-clip passes tau); ``head``: q, k, v are that one head's
+    (the attention Jacobian)."""
 
     weights: bool = False
     branches: bool = False
@@ -76,9 +69,9 @@ class Want(NamedTuple):
 
 @dataclass
 class Intermediates:
-    """What a forward computed besides its output: the resolved ``mask``, and what ``want`` asked for: ``weights``
-    {branch: :class:`Branch`}, ``branches`` (o_pos, o_neg) and ``values`` (v_pos, v_neg) each (B, H, N, D),
-    ``logits`` (B, H, N, M) float32, ``max_logits`` (H,) float32, and ``kv`` the keys and values the call used."""
+    """The resolved ``mask``, and what ``want`` asked for: ``weights`` {branch: :class:`Branch`}, ``branches``
+    (o_pos, o_neg) and ``values`` (v_pos, v_neg) each (B, H, N, D), ``logits`` (B, H, N, M) and ``max_logits`` (H,)
+    float32, and ``kv`` the keys and values of a cached call."""
 
     mask: Mask | None = None
     weights: dict[str, Branch] | None = None
@@ -98,7 +91,6 @@ class Call(NamedTuple):
     training: bool
     dropout: bool
     masked: bool  # a mask or a position bias of any kind
-    causal_only: bool
     head_dim: int
     batch_heads: int
     queries: int
@@ -110,21 +102,31 @@ class Call(NamedTuple):
 
 def make_call(module: nn.Module, x: torch.Tensor, keys: int, mask: Mask | None, want: Want, width: int,
               masked: bool = False) -> Call:
-    """The :class:`Call` of ``module``'s forward on queries x (B, N, .) and ``keys`` keys, before the projection runs:
-    device, compute dtype (autocast's), whether a gradient will be needed (x's or any parameter's), dropout, the
-    mask (``masked``: a position bias to come), the shapes; ``width``: the fused projection's output width."""
+    """The :class:`Call` of ``module``'s forward on queries x (B, N, .) and ``keys`` keys; ``masked``: a position
+    bias is to come; ``width``: the fused projection's output width."""
     device = x.device.type
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))
     return Call(x.device, torch.get_autocast_dtype(device) if autocast else x.dtype, needs_grad, module.training,
-                module.training and module.attn_drop.p > 0, masked or mask is not None,
-                mask is not None and mask.causal_only, module.head_dim, x.shape[0] * module.num_heads, x.shape[1], keys,
-                width, want, torch.compiler.is_compiling())
+                module.training and module.attn_drop.p > 0, masked or mask is not None, module.head_dim,
+                x.shape[0] * module.num_heads, x.shape[1], keys, width, want, torch.compiler.is_compiling())
+
+
+def _each(fn, *ts):
+    """``fn`` on tensors; on DnA's query or value pairs slot by slot, a shared tensor (both slots) staying one."""
+    if not isinstance(ts[-1], tuple):
+        return fn(*ts)
+    pos = fn(*(t[0] for t in ts))
+    return ts[-1]._replace(pos=pos, neg=pos if ts[-1][1] is ts[-1][0] else fn(*(t[1] for t in ts)))
+
+
+def _first(t):
+    return t[0] if isinstance(t, tuple) else t
 
 
 class LayerCache:
-    """One attention layer's keys and values of the tokens seen so far (as the module's ``project`` returns them:
-    tensors, or DnA's pairs), for ``forward(x, cache=...)``."""
+    """One layer's keys and values of the tokens seen so far (as ``project`` returns them), for ``forward(x,
+    cache=...)``."""
 
     def __init__(self) -> None:
         self.k = self.v = None
@@ -135,35 +137,17 @@ class LayerCache:
 
     def extend(self, k, v):
         """The cached keys and values followed by ``k``, ``v`` (kept for the next call)."""
-        self.k, self.v = (new if old is None else _cat(old, new) for old, new in ((self.k, k), (self.v, v)))
+        if self.k is None:
+            self.k, self.v = k, v
+        else:
+            self.k, self.v = (_each(lambda a, b: torch.cat([a, b], dim=-2), old, new)
+                              for old, new in ((self.k, k), (self.v, v)))
         return self.k, self.v
 
 
-def _repeat(t, groups: int):
-    """Grouped keys or values (B, H_kv, M, D) as (B, H_kv * groups, M, D), each group's head repeated for its query
-    heads; DnA's pairs each, a shared tensor staying one."""
-    if isinstance(t, tuple):
-        first = _repeat(t[0], groups)
-        return t._replace(pos=first, neg=first if t[1] is t[0] else _repeat(t[1], groups))
-    return t.repeat_interleave(groups, dim=1)
-
-
-def _first(t):
-    return t[0] if isinstance(t, tuple) else t
-
-
-def _cat(old, new):
-    """``old`` followed by ``new`` along the token axis; DnA's pairs pairwise, a shared tensor staying one."""
-    if isinstance(new, tuple):
-        first = _cat(old[0], new[0])
-        return type(new)(first, first if new[1] is new[0] else _cat(old[1], new[1]))
-    return torch.cat([old, new], dim=-2)
-
-
 class AttnlabAttention(Declares, nn.Module):
-    """Multi-head self-attention for ViT global attention (``window_size=None``) and Swin window attention.
-
-    The constructor mirrors timm's ``Attention`` and ``WindowAttention`` so one mechanism stands in for another.
+    """Multi-head self-attention for ViT global attention (``window_size=None``) and Swin window attention; the
+    constructor mirrors timm's ``Attention`` and ``WindowAttention`` so one mechanism stands in for another.
 
     Args:
         dim: input (and output) token dimension.
@@ -183,9 +167,9 @@ class AttnlabAttention(Declares, nn.Module):
         layer_index, num_layers: position of this block in the model (some mechanisms depend on depth).
     """
 
-    adopts_wide_qkv = False  # True for mechanisms that know how to read a wider fused projection (DnA)
-    #: every mask part honoured, no KV cache, not plain softmax, no intermediates, the explicit backend only; a
-    #: subclass that writes its own ``kernel`` without declaring a record keeps only the mask and backend fields
+    adopts_wide_qkv = False  # True for mechanisms that read a wider fused projection (DnA)
+    #: every mask part honoured, the explicit backend only; a subclass that writes its own ``kernel`` without
+    #: declaring a record keeps only the mask and backend fields
     capabilities = Capabilities()
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -193,45 +177,27 @@ class AttnlabAttention(Declares, nn.Module):
         if "kernel" in cls.__dict__ and "capabilities" not in cls.__dict__:
             cls.capabilities = replace(cls.capabilities, plain_softmax=False, intermediates=(), kv_cache=False)
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int = 8,
-        qkv_bias: bool = False,
-        qk_norm: bool = False,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        norm_layer: type[nn.Module] | None = None,
-        head_dim: int | None = None,
-        num_kv_heads: int | None = None,
-        window_size: tuple[int, int] | None = None,
-        scale_norm: bool = False,
-        proj_bias: bool = True,
-        backend: str = "auto",
-        layer_index: int = 0,
-        num_layers: int = 1,
-    ) -> None:
+    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, norm_layer: type[nn.Module] | None = None,
+                 head_dim: int | None = None, num_kv_heads: int | None = None,
+                 window_size: tuple[int, int] | None = None, scale_norm: bool = False, proj_bias: bool = True,
+                 backend: str = "auto", layer_index: int = 0, num_layers: int = 1) -> None:
         super().__init__()
         self.qk_norm_layer = norm_layer  # what QK-norm builds here (None: the qknorm term's LayerNorm)
         norm_layer = norm_layer or nn.LayerNorm
-        self.dim = dim
-        self.num_heads = num_heads
-        self.head_dim = head_dim or dim // num_heads
-        self.attn_dim = self.num_heads * self.head_dim
+        self.dim, self.num_heads, self.head_dim = dim, num_heads, head_dim or dim // num_heads
         self.num_kv_heads = num_kv_heads or num_heads
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}: each key "
-                              f"head serves a whole group of query heads.")
-        self.kv_dim = self.num_kv_heads * self.head_dim
+        if num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={num_heads}: each key head "
+                              f"serves a whole group of query heads.")
+        self.attn_dim, self.kv_dim = num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.use_backend(backend)
-        self.layer_index = layer_index
-        self.num_layers = num_layers
+        self.layer_index, self.num_layers = layer_index, num_layers
         self._observers: OrderedDict[int, tuple[Want, Callable, bool]] = OrderedDict()
 
         self.qkv = nn.Linear(dim, self.attn_dim + 2 * self.kv_dim, bias=qkv_bias)
-        #: rotary position embeddings applied to q and k after QK-norm (Qwen3's order), or None
-        self.rotary: nn.Module | None = None
+        self.rotary: nn.Module | None = None  # rotary embeddings of q and k after QK-norm (Qwen3's order)
         self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.attn_drop = nn.Dropout(attn_drop)
@@ -242,14 +208,12 @@ class AttnlabAttention(Declares, nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
 
         self.window_size = tuple(window_size) if window_size is not None else None
-        why = self.geometry_refusal({"window_size": self.window_size})
-        if why:
-            raise UnsupportedModelError(f"{why}.")
         if self.window_size is not None:
+            if self.capabilities.window:
+                raise UnsupportedModelError(f"{self.capabilities.window}.")
             win_h, win_w = self.window_size
             self.window_area = win_h * win_w
-            self.relative_position_bias_table = nn.Parameter(
-                torch.zeros((2 * win_h - 1) * (2 * win_w - 1), num_heads))
+            self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * win_h - 1) * (2 * win_w - 1), num_heads))
             nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
             self.register_buffer("relative_position_index", get_relative_position_index(win_h, win_w),
                                  persistent=False)
@@ -257,35 +221,26 @@ class AttnlabAttention(Declares, nn.Module):
     # ---- construction from an existing module ------------------------------------------------------------------
     @classmethod
     def geometry_refusal(cls, geometry: dict) -> str | None:
-        """Why this mechanism cannot replace an attention of ``geometry`` (:meth:`geometry`), or None: the record's
-        window refusal on a Swin window geometry. Asked by the constructor and by ``variants --support``."""
+        """Why this mechanism cannot replace an attention of ``geometry`` (:meth:`geometry`), or None."""
         return cls.capabilities.window if geometry.get("window_size") is not None else None
 
     @staticmethod
     def geometry(module: nn.Module) -> dict:
         """Constructor arguments that rebuild ``module`` (timm Attention, WindowAttention, or an attnlab one)."""
-        qkv = module.qkv
+        qkv, ours = module.qkv, isinstance(module, AttnlabAttention)
         num_heads = getattr(module, "num_heads", None) or module.groups  # DaViT's ChannelAttentionV2: groups
-        # attnlab's fused projections may be wider than 3 blocks (DnA); timm's modules hold exactly q, k, v
-        head_dim = module.head_dim if isinstance(module, AttnlabAttention) else qkv.out_features // 3 // num_heads
-        geo = dict(
-            dim=qkv.in_features,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            num_kv_heads=getattr(module, "num_kv_heads", num_heads),
-            qkv_bias=qkv.bias is not None,
-            proj_bias=module.proj.bias is not None,
-            # DaViT's attentions have no dropout modules
-            attn_drop=module.attn_drop.p if hasattr(module, "attn_drop") else 0.0,
-            proj_drop=module.proj_drop.p if hasattr(module, "proj_drop") else 0.0,
-            # timm's explicit path (fused_attn off) stays explicit; an attnlab module's forced backend carries over
-            # where the new mechanism has it
-            backend=module.backend if isinstance(module, AttnlabAttention) else
-            "auto" if getattr(module, "fused_attn", True) else "explicit",
-        )
+        geo = dict(dim=qkv.in_features, num_heads=num_heads, num_kv_heads=getattr(module, "num_kv_heads", num_heads),
+                   # attnlab's fused projections may be wider than q, k, v (DnA); timm's hold exactly those
+                   head_dim=module.head_dim if ours else qkv.out_features // 3 // num_heads,
+                   qkv_bias=qkv.bias is not None, proj_bias=module.proj.bias is not None,
+                   # DaViT's attentions have no dropout modules
+                   attn_drop=module.attn_drop.p if hasattr(module, "attn_drop") else 0.0,
+                   proj_drop=module.proj_drop.p if hasattr(module, "proj_drop") else 0.0,
+                   # timm's explicit path (fused_attn off) stays explicit; an attnlab module's backend carries over
+                   backend=module.backend if ours else "auto" if getattr(module, "fused_attn", True) else "explicit")
         if isinstance(module, TimmWindowAttention):
             geo["window_size"] = tuple(module.window_size)
-        elif isinstance(module, AttnlabAttention):
+        elif ours:
             geo.update(window_size=module.window_size, norm_layer=module.qk_norm_layer)
         return geo
 
@@ -296,7 +251,7 @@ class AttnlabAttention(Declares, nn.Module):
         if geo.get("backend") not in ("auto", *cls.capabilities.backends):
             geo["backend"] = "auto"
         if options.get("backend") == "auto":  # the spec's default keeps the module's own path
-            options = {k: v for k, v in options.items() if k != "backend"}
+            del options["backend"]
         new = cls(**{**geo, **options}, layer_index=layer_index, num_layers=num_layers)
         new.adopt(module)
         return new
@@ -308,9 +263,7 @@ class AttnlabAttention(Declares, nn.Module):
             raise UnsupportedModelError(
                 f"cannot turn a {type(module).__name__} (a {width}-wide q/k/v projection) into {type(self).__name__}, "
                 f"which needs {self.attn_dim + 2 * self.kv_dim}; build the model afresh with the new spec.")
-        self.qkv = module.qkv
-        self.proj = module.proj
-        for name in ("attn_drop", "proj_drop", "q_norm", "k_norm", "norm", "gate", "rotary"):
+        for name in ("qkv", "proj", "attn_drop", "proj_drop", "q_norm", "k_norm", "norm", "gate", "rotary"):
             if hasattr(module, name):
                 setattr(self, name, getattr(module, name))
         if self.window_size is not None:
@@ -322,16 +275,15 @@ class AttnlabAttention(Declares, nn.Module):
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | AttentionMask | None = None, is_causal: bool = False,
                 mask: torch.Tensor | None = None, *, cache: LayerCache | None = None,
                 position_bias: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """x: (B, N, dim) -> (B, N, dim). ``attn_mask``: a ViT mask (SDPA's: bool or additive) or an
-        :class:`AttentionMask`; ``is_causal``: timm's flag; ``mask``: Swin's shifted-window mask (num_windows, N, N);
-        ``cache``: a :class:`LayerCache` whose keys and values the tokens continue (causal); ``position_bias``: a
-        function of the queries (B, H, N, D) giving a bias added to every logit (ViTDet's relative positions)."""
+        """x: (B, N, dim) -> (B, N, dim). ``attn_mask``: SDPA's (bool or additive) or an :class:`AttentionMask`;
+        ``is_causal``: timm's flag; ``mask``: Swin's shifted-window mask (num_windows, N, N); ``cache``: a
+        :class:`LayerCache` whose tokens these continue (causal); ``position_bias``: a function of the queries (B, H,
+        N, D) giving a bias added to every logit (ViTDet's relative positions)."""
         return self.run(x, attn_mask, is_causal, mask, cache=cache, position_bias=position_bias)[0]
 
     def run(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False, window: torch.Tensor | None = None, *,
             want: Want = Want(), cache: LayerCache | None = None,
-            position_bias: Callable[[torch.Tensor], torch.Tensor] | None = None
-            ) -> tuple[torch.Tensor, Intermediates]:
+            position_bias: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, Intermediates]:
         """:meth:`forward`'s output and the :class:`Intermediates` that ``want`` (and every observer) asks for."""
         B, N, _ = x.shape
         offset = 0 if cache is None else cache.length
@@ -339,7 +291,11 @@ class AttnlabAttention(Declares, nn.Module):
                             device=x.device, bias=self.rel_pos_bias() if self.window_size is not None else None,
                             offset=offset)
         if mask is not None or position_bias is not None:
-            self.refuse(mask, position_bias is not None)
+            parts = None if mask is None else mask.parts
+            for record in (self.capabilities, *(capabilities_of(head) for head in self.heads())):
+                why = record.refusal(parts, position_bias is not None)
+                if why:
+                    raise UnsupportedModelError(f"{why}.")
         observers = [o for o in self._observers.values() if self.training or not o[2]]
         for seen, _, _ in observers:
             want = want | seen
@@ -351,15 +307,12 @@ class AttnlabAttention(Declares, nn.Module):
         if cache is not None:
             k, v = cache.extend(k, v)
         groups = self.num_heads // self.num_kv_heads
-        if groups > 1 and backend not in self.capabilities.grouped:  # grouped keys and values serve their queries
-            k, v = _repeat(k, groups), _repeat(v, groups)
+        if groups > 1 and backend not in self.capabilities.grouped:  # each key/value head serves its query heads
+            k, v = (_each(lambda t: t.repeat_interleave(groups, dim=1), t) for t in (k, v))
         if position_bias is not None:
-            bias = position_bias(_first(q))
-            mask = (mask or Mask(AttentionMask(), B, N, N + offset, x.device)).with_bias(bias)
+            mask = (mask or Mask(AttentionMask(), B, N, N + offset, x.device)).with_bias(position_bias(_first(q)))
         o, found = self.kernel(q, k, v, mask, want, backend)
-        found.mask = mask
-        if cache is not None:
-            found.kv = (k, v)
+        found.mask, found.kv = mask, None if cache is None else (k, v)
         if want.logits or want.max_logits is not None:
             self.logit_intermediates(q, k, mask, want, found)
         out = self.finish(o, mask, x)
@@ -367,18 +320,8 @@ class AttnlabAttention(Declares, nn.Module):
             fn(self, found)
         return out, found
 
-    def refuse(self, mask: Mask | None, position_bias: bool = False) -> None:
-        """UnsupportedModelError with the sentence of the mechanism's record, or of a head transform's, that refuses
-        a part of the call's mask (or a position bias)."""
-        parts = None if mask is None else mask.parts
-        for record in (self.capabilities, *(capabilities_of(head) for head in self.heads())):
-            why = record.refusal(parts, position_bias)
-            if why:
-                raise UnsupportedModelError(f"{why}.")
-
     def project(self, x: torch.Tensor, backend: str = "explicit") -> tuple:
-        """q (B, H, N, D), k and v (B, num_kv_heads, N, D), normalised (:meth:`normed`); ``backend``: the one the
-        kernel will run."""
+        """q (B, H, N, D), k and v (B, num_kv_heads, N, D), normalised (:meth:`normed`), for ``backend``."""
         B, N, _ = x.shape
         H, H_kv = self.num_heads, self.num_kv_heads
         if H == H_kv:
@@ -408,25 +351,25 @@ class AttnlabAttention(Declares, nn.Module):
         raise NotImplementedError
 
     def softmax(self, logits: torch.Tensor, mask: Mask | None) -> torch.Tensor:
-        """softmax(logits + position bias + mask) over keys, the order timm's explicit paths add them."""
+        """softmax(logits + position bias + mask) over keys, in the order timm's explicit paths add them."""
         return (logits if mask is None else mask.add_to(logits)).softmax(dim=-1)
 
     def logit_intermediates(self, q, k, mask: Mask | None, want: Want, found: Intermediates) -> None:
-        """Float32 logits q k^T / sqrt(D) and per-head max logits over the allowed positions, for a plain-softmax
-        mechanism (its record says so)."""
+        """Float32 logits q k^T / sqrt(D) and per-head max logits over the allowed positions (plain softmax only)."""
         if not self.capabilities.plain_softmax:
             raise UnsupportedModelError(f"{type(self).__name__} does not form one softmax(q k^T / sqrt(D)) per head, "
                                         f"so it has no logits to report.")
         if q.is_meta:  # a model of shapes only has no logits
             return
         with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
-            k = _repeat(k, q.shape[1] // k.shape[1])
+            q, k = q.detach(), k.detach().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             if want.logits:
-                found.logits = (q.detach().float() @ k.detach().float().transpose(-2, -1)) * self.scale
+                found.logits = (q.float() @ k.float().transpose(-2, -1)) * self.scale
             if want.max_logits is not None:
-                found.max_logits = screened_max_logits(q.detach(), k.detach(), self.scale, want.max_logits,
-                                                       allowed=_allowed_tiles(mask), query_padding=None if mask is None
-                                                       else mask.key_padding)
+                causal = mask is not None and mask.causal_only
+                found.max_logits = screened_max_logits(
+                    q, k, self.scale, want.max_logits, causal=causal, keep=None if mask is None or causal else
+                    mask.keep(), query_padding=None if mask is None else mask.key_padding)
 
     def rel_pos_bias(self) -> torch.Tensor:
         """Swin's learned relative-position bias, (1, H, N, N)."""
@@ -435,9 +378,7 @@ class AttnlabAttention(Declares, nn.Module):
 
     def finish(self, o: torch.Tensor, mask: Mask | None, x: torch.Tensor) -> torch.Tensor:
         """Padded queries' rows zeroed, the head transform, head merge and projection: (B, H, N, D) -> (B, N, dim)."""
-        if mask is not None:
-            o = mask.zero_padded_queries(o)
-        o = self.head_transform(o)
+        o = self.head_transform(o if mask is None else mask.zero_padded_queries(o))
         B, _, N, _ = o.shape
         out = self.norm(o.transpose(1, 2).reshape(B, N, self.attn_dim))
         if self.gate is not None:
@@ -447,14 +388,12 @@ class AttnlabAttention(Declares, nn.Module):
     def heads(self) -> tuple[nn.Module, ...]:
         """The head transforms applied before head merge, in order (none for ``nn.Identity``)."""
         head = self.head_transform
-        if isinstance(head, nn.Identity):
-            return ()
-        return tuple(head) if isinstance(head, nn.Sequential) else (head,)
+        return () if isinstance(head, nn.Identity) else tuple(head) if isinstance(head, nn.Sequential) else (head,)
 
     def training_refusal(self, device: torch.device, dtype: torch.dtype, masked: bool = False) -> str | None:
         """Why a forced backend (the module's, or a head transform's) cannot run a training step on ``device`` in
-        ``dtype`` (a gradient needed), or None: what a run checks before it starts."""
-        call = Call(torch.device(device), dtype, True, True, self.attn_drop.p > 0, masked, False, self.head_dim,
+        ``dtype``, or None: what a run checks before it starts."""
+        call = Call(torch.device(device), dtype, True, True, self.attn_drop.p > 0, masked, self.head_dim,
                     self.num_heads, 1, 1, self.qkv.out_features, Want(), False)
         why = None if self.backend == "auto" else self.supports(self.backend, call)
         if why:
@@ -462,12 +401,11 @@ class AttnlabAttention(Declares, nn.Module):
         head = next((h for h in self.heads() if getattr(h, "backend", "auto") == "kernel"), None)
         return None if head is None else f"{type(head).__name__}'s kernel backend is forward-only; training needs a gradient"
 
-    # ---- observers ---------------------------------------------------------------------------------------------
     def observe(self, want: Want, fn: Callable[["AttnlabAttention", Intermediates], None],
                 training_only: bool = False) -> RemovableHandle:
         """From now on every forward (every training forward, with ``training_only``) computes what ``want`` asks
-        and calls ``fn(module, intermediates)``; returns a handle whose ``remove()`` ends that. ``want.weights``
-        makes the forward's output the explicit path's, so the maps are in its autograd graph."""
+        and calls ``fn(module, intermediates)``; the handle's ``remove()`` ends that. ``want.weights`` makes the
+        output the explicit path's, so the maps are in its autograd graph."""
         handle = RemovableHandle(self._observers)
         self._observers[handle.id] = (want, fn, training_only)
         return handle
@@ -477,25 +415,7 @@ class AttnlabAttention(Declares, nn.Module):
         return f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}{win}, backend={self.backend}"
 
 
-def _allowed_tiles(mask: Mask | None):
-    """The ``allowed(b0, b1, r0, r1, c0, c1)`` tile function of :func:`~attnlab.ops.logits.max_scaled_logits` for
-    the call's mask (None: every position counts): a slice of its keep map, or causal order tile by tile."""
-    if mask is None:
-        return None
-    if mask.causal_only:
-        return lambda b0, b1, r0, r1, c0, c1: causal_keep(r1 - r0, c1 - c0, mask.device, offset=r0 - c0)
-    keep = mask.keep()
-    if keep is None:
-        return None
-    if keep.shape[1] > 1:  # a per-head mask: a position counts if any head may attend it (never too low a max)
-        keep = keep.any(dim=1, keepdim=True)
-
-    def allowed(b0, b1, r0, r1, c0, c1):
-        return keep[b0:b1 if keep.shape[0] > 1 else 1, :, r0:r1 if keep.shape[2] > 1 else 1, c0:c1]
-    return allowed
-
-
-#: module types that :func:`attnlab.convert` replaces (exact types: subclasses may change the forward); DaViT's window
+#: module types :func:`attnlab.convert` replaces (exact types: subclasses may change the forward); DaViT's window
 #: attention is token softmax attention without a bias; XCA and the channel attentions go to ``attention.channel``
 SUPPORTED_TYPES: tuple[type, ...] = (TimmAttention, TimmWindowAttention, DaViTWindowAttention, XCA,
                                      DaViTChannelAttention, DaViTChannelAttentionV2)

@@ -8,39 +8,36 @@ from __future__ import annotations
 
 import torch
 
-#: the most float32 elements any intermediate of the logit pass holds (64 MiB): a tile of logits, or the float32
-#: copy of a tile of q or k
-CHUNK_ELEMENTS = 1 << 24
-#: relative margin on the Cauchy-Schwarz bound, so float32 rounding cannot certify a head that is in fact over tau
-BOUND_MARGIN = 1e-4
+from .sdpa import causal_keep
+
+CHUNK_ELEMENTS = 1 << 24  # the most float32 elements a tile of logits, or of q or k, holds (64 MiB)
+BOUND_MARGIN = 1e-4  # relative margin on the bound, so float32 rounding cannot certify a head that is over tau
 
 
 def _tile_sizes(B: int, H: int, N: int, M: int, D: int, block: int) -> tuple[int, int, int, int]:
-    """(images, heads, queries, keys) per tile such that the tile's logits (b h r c elements) and its float32 q and
-    k slices (b h r D, b h c D) each hold at most max(block, D) elements; the largest tiles that do."""
+    """The largest (images, heads, queries, keys) per tile whose logits (b h r c elements) and float32 q and k
+    slices (b h r D, b h c D) each hold at most max(block, D) elements."""
     c = min(M, max(1, block // D))
     r = min(N, max(1, block // max(c, D)))
     per_head = max(r * max(c, D), c * D)
     h = min(H, max(1, block // per_head))
-    b = min(B, max(1, block // (h * per_head)))
-    return b, h, r, c
+    return min(B, max(1, block // (h * per_head))), h, r, c
 
 
 def max_scaled_logits(q: torch.Tensor, k: torch.Tensor, scale: float, heads: torch.Tensor | None = None,
-                      block: int | None = None, allowed=None) -> torch.Tensor:
+                      block: int | None = None, keep: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
     """Per-head max of (q_i . k_j) * scale over batch, i and j, in float32, computed tile by tile.
 
-    q: (B, H, N, D), k: (B, H, M, D). ``heads``: indices of the heads to compute (default all).
-    ``allowed(b0, b1, r0, r1, c0, c1)``: a bool map of the positions that count in that tile of samples, queries and
-    keys, broadcastable to (b, 1, r, c), or None for all. Returns (len(heads),) or (H,); -inf for a head without any
-    allowed position. No intermediate holds more than ``block`` (default :data:`CHUNK_ELEMENTS`) elements when
-    ``block >= D``; the maximum of the tiles' maxima is the maximum of the whole logit tensor.
+    q: (B, H, N, D), k: (B, H, M, D); ``heads``: indices of the heads to compute (default all); ``keep``: bool,
+    broadcastable to (B, 1, N, M), True where a position counts; ``causal``: only j <= i counts. Returns
+    (len(heads),) or (H,), -inf for a head without any position. No intermediate holds more than ``block`` (default
+    :data:`CHUNK_ELEMENTS`) elements when ``block >= D``.
     """
     block = CHUNK_ELEMENTS if block is None else block
-    B, H, N, D = q.shape
-    M = k.shape[-2]
+    (B, H, N, D), M = q.shape, k.shape[-2]
     count = H if heads is None else heads.numel()
     tb, th, tr, tc = _tile_sizes(B, count, N, M, D, block)
+    keep = None if keep is None else keep.expand(B, 1, N, M)  # a view: tiles slice it without copying
     out = torch.full((count,), float("-inf"), device=q.device, dtype=torch.float32)
 
     def tile(t, b0, h0, r0, size):  # a tile of samples, heads (the selected ones) and tokens, in float32
@@ -53,16 +50,17 @@ def max_scaled_logits(q: torch.Tensor, k: torch.Tensor, scale: float, heads: tor
                     qt = tile(q, b0, h0, r0, tr)
                     for c0 in range(0, M, tc):
                         logits = qt @ tile(k, b0, h0, c0, tc).transpose(-2, -1)
-                        if allowed is not None:
-                            ok = allowed(b0, min(b0 + tb, B), r0, min(r0 + tr, N), c0, min(c0 + tc, M))
-                            logits = logits.masked_fill(~ok, float("-inf"))
+                        if causal:
+                            logits = logits.masked_fill(~causal_keep(*logits.shape[-2:], q.device, r0 - c0), -torch.inf)
+                        if keep is not None:
+                            logits = logits.masked_fill(~keep[b0:b0 + tb, :, r0:r0 + tr, c0:c0 + tc], -torch.inf)
                         torch.maximum(out[h0:h0 + th], logits.amax(dim=(0, 2, 3)), out=out[h0:h0 + th])
     return out * scale
 
 
 def _max_norms(t: torch.Tensor, block: int) -> torch.Tensor:
-    """max over tokens of ||t_i|| per sample and head: (B, H) float32, from float32 tiles of samples and tokens of at
-    most max(block, H D) elements."""
+    """max over tokens of ||t_i|| per sample and head, (B, H) float32, from float32 tiles of at most max(block, H D)
+    elements."""
     B, H, N, D = t.shape
     tokens = min(N, max(1, block // (H * D)))
     samples = min(B, max(1, block // (tokens * H * D)))
@@ -74,7 +72,8 @@ def _max_norms(t: torch.Tensor, block: int) -> torch.Tensor:
     return out
 
 
-def screened_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, tau: float, *, allowed=None,
+def screened_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, tau: float, *,
+                        keep: torch.Tensor | None = None, causal: bool = False,
                         query_padding: torch.Tensor | None = None, select: bool | None = None,
                         block: int | None = None) -> torch.Tensor:
     """Per-head max logit where it matters for a threshold ``tau``: exact S_max,h for every head that could exceed
@@ -83,33 +82,32 @@ def screened_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, tau: flo
         bound_h = (1 + margin) * scale * max_b (max_i ||q_b,h,i|| * max_j ||k_b,h,j||)  >=  S_max,h
 
     Heads with bound_h > tau get :func:`max_scaled_logits` (``tau=-inf``: every head exact). ``select`` (default: on
-    the CPU) computes the exact maximum for those heads only, which needs their indices on the host; otherwise (GPU:
-    no host sync) every head's exact maximum is computed and ``where(bound > tau, exact, bound)`` is returned. Both
-    give the same values. q: (B, H, N, D), k: (B, H, M, D); ``allowed`` as :func:`max_scaled_logits`;
-    ``query_padding`` (B, N) bool, True at real tokens: padded queries (and keys, when M = N) are out of the bound.
-    Returns (H,) float32.
+    the CPU) computes only those heads, which needs their indices on the host; otherwise (a GPU: no host sync) every
+    head's, returning ``where(bound > tau, exact, bound)``: the same values. q: (B, H, N, D), k: (B, H, M, D);
+    ``keep`` (broadcastable to (B, H, N, M); a position counts where any head keeps it) and ``causal`` as
+    :func:`max_scaled_logits`; ``query_padding`` (B, M) bool, True at real tokens, the queries being the last N:
+    padded queries (and keys, when M = N) are out of the bound and the maximum. Returns (H,) float32.
     """
     block = CHUNK_ELEMENTS if block is None else block
     if select is None:  # torch.compile: the dense path, one graph (selecting needs a data-dependent shape)
         select = q.device.type == "cpu" and not torch.compiler.is_compiling()
+    if keep is not None:
+        keep = keep.reshape((1,) * (4 - keep.ndim) + keep.shape)
+        keep = keep.any(dim=1, keepdim=True) if keep.shape[1] > 1 else keep  # never too low a maximum
     qb, kb = q, k
     if query_padding is not None:
-        real = query_padding[:, None, :, None].to(q.dtype)
-        qb = q * real
-        kb = k * real if k.shape[-2] == q.shape[-2] else k
-        if allowed is not None:  # padded queries' rows are opened in the keep map: close them here
-            inner = allowed
-            allowed = lambda b0, b1, r0, r1, c0, c1: inner(b0, b1, r0, r1, c0, c1) & \
-                query_padding[b0:b1, None, r0:r1, None]  # noqa: E731
+        real = query_padding[:, None, -q.shape[-2]:, None]
+        qb, kb = q * real, k * real if k.shape[-2] == q.shape[-2] else k
+        keep = None if keep is None else keep & real  # the keep map opens padded queries' rows: closed here
     bound = (_max_norms(qb, block) * _max_norms(kb, block)).amax(dim=0) * (scale * (1 + BOUND_MARGIN))
     over = bound > tau
     if not select:
-        return torch.where(over, max_scaled_logits(q, k, scale, block=block, allowed=allowed), bound)
+        return torch.where(over, max_scaled_logits(q, k, scale, block=block, keep=keep, causal=causal), bound)
     heads = over.nonzero().flatten()
     if heads.numel() == 0:
         return bound
     out = bound.clone()
-    out[heads] = max_scaled_logits(q, k, scale, heads=heads, block=block, allowed=allowed)
+    out[heads] = max_scaled_logits(q, k, scale, heads=heads, block=block, keep=keep, causal=causal)
     return out
 
 

@@ -257,7 +257,7 @@ def test_dna_triton_refuses_masks_so_auto_takes_sdpa(monkeypatch):
 
     monkeypatch.setenv("ATTNLAB_DNA_TRITON", "1")
     m = DnAAttention(DIM, HEADS).eval()
-    call = Call(torch.device("cuda"), torch.float16, False, False, False, True, False, 16, 4, N, N, 80, Want(), False)
+    call = Call(torch.device("cuda"), torch.float16, False, False, False, True, 16, 4, N, N, 80, Want(), False)
     assert m.choose(call) == "sdpa"
     assert m.supports("triton", call) == "the Triton DnA kernel takes no attention bias or mask"
     assert "runs on the CPU" in m.supports("kernel", call)

@@ -14,7 +14,7 @@ from attnlab.ops.sdpa import EXPLICIT_MAX_KEYS, causal_keep
 
 
 def _call(keys, grad=True, training=True, dtype=torch.float32):
-    return Call(torch.device("cpu"), dtype, grad, training, False, False, False, 8, 2, 4, keys, 48, Want(), False)
+    return Call(torch.device("cpu"), dtype, grad, training, False, False, 8, 2, 4, keys, 48, Want(), False)
 
 
 def test_the_rule():

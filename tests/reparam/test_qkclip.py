@@ -407,3 +407,22 @@ def test_the_max_logit_is_over_allowed_positions_only():
     want = ref.max_logit(attn.qkv.weight, attn.qkv.bias, x, 2, allowed=allowed)
     np.testing.assert_allclose(attn.qk_clip.max_logit.double().numpy(), want, rtol=1e-5)
     assert not np.allclose(want, _ref_max(attn, x))  # the excluded positions held larger logits
+
+
+@pytest.mark.parametrize("shape", [(7, 7), (1, 7, 7), (2, 1, 7, 7), (2, 2, 7, 7)])
+def test_the_max_logit_takes_a_bool_attn_mask_of_every_rank(shape):
+    """An SDPA-style bool attn_mask of rank 2, 3 or 4 (per head too: a position counts where any head may attend)
+    restricts the recorded maximum to its allowed positions."""
+    from timm.models.vision_transformer import Block
+
+    torch.manual_seed(2)
+    model = attnlab.convert(torch.nn.ModuleList([Block(16, 2, qkv_bias=True)]), "qkclip(tau=0.001)").train()
+    attn = model[0].attn
+    x = torch.randn(2, 7, 16)
+    keep = torch.rand(shape) < 0.15
+    keep[..., 0] = True  # every query attends a key
+    attn(x, attn_mask=keep)
+    allowed = keep.reshape((1,) * (4 - keep.ndim) + keep.shape).any(dim=1).expand(2, 7, 7).numpy()
+    want = ref.max_logit(attn.qkv.weight, attn.qkv.bias, x, 2, allowed=allowed)
+    np.testing.assert_allclose(attn.qk_clip.max_logit.double().numpy(), want, rtol=1e-5)
+    assert not np.allclose(want, _ref_max(attn, x))  # the excluded positions held larger logits
