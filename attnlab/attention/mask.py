@@ -1,23 +1,20 @@
 """One mask for every attention term: the caller's :class:`AttentionMask`, and the :class:`Mask` a forward resolves.
 
-    AttentionMask(is_causal=True)                          query i sees keys j <= i (SDPA's top-left convention)
-    AttentionMask(key_padding=tokens != pad_id)            (B, M) bool, True at real tokens: padded keys unseen
-    AttentionMask(attn_mask=m)                             SDPA's attn_mask: bool (True = attend) or additive float
-                                                           (an entry <= EXCLUDED, -inf or finfo.min: key excluded)
-    AttentionMask(window=swin_mask)                        Swin's shifted-window mask (num_windows, N, N), 0 / -100
+    AttentionMask(is_causal=True)                  query i sees keys j <= i (SDPA's top-left convention)
+    AttentionMask(key_padding=tokens != pad_id)    (B, M) bool, True at real tokens: padded keys unseen
+    AttentionMask(attn_mask=m)                     SDPA's attn_mask: bool (True = attend) or additive float (an entry
+                                                   <= EXCLUDED, -inf or finfo.min: key excluded)
+    AttentionMask(window=swin_mask)                Swin's shifted-window mask (num_windows, N, N), 0 / -100
 
-They combine (a causal model with padded batches passes both). :meth:`AttnlabAttention.forward
-<attnlab.attention.base.AttnlabAttention.forward>` is the one place a call's arguments (``attn_mask``, ``is_causal``,
-Swin's ``mask``, a position bias, a KV cache's offset) become one :class:`Mask`; a kernel asks it for the form it
-takes (SDPA's ``attn_mask`` / ``is_causal``, an additive bias, a keep map, the finite logit bias, the softmin
-branch's negated bias, key padding), and each form is built at most once per call. A padded query without any allowed
-key attends every key internally (no 0/0), and its output row is zeroed (:meth:`Mask.zero_padded_queries`; a row
-that a caller's own ``attn_mask`` empties follows the backend's convention, SDPA's: zeros on the CPU). The
-conventions and what each term supports: docs/methods.md, "Masks".
+They combine (a causal model with padded batches passes both). A kernel asks the call's :class:`Mask` for the form
+it takes, each built at most once per call. A padded query without any allowed key attends every key internally
+(no 0/0) and its output row is zeroed; a row that a caller's own ``attn_mask`` empties follows the backend's
+convention (SDPA's: zeros on the CPU). Conventions and what each term supports: docs/methods.md, "Masks".
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -32,16 +29,8 @@ from ..ops.sdpa import causal_keep
 EXCLUDED = -1e4
 
 
-def _resolved(attn_mask):
-    """A float ``attn_mask`` with every excluded entry (:data:`EXCLUDED`) as -inf, so that every later reader needs
-    only one test (``isneginf``); a bool mask or None as given."""
-    if attn_mask is None or attn_mask.dtype == torch.bool:
-        return attn_mask
-    return attn_mask.masked_fill(attn_mask <= EXCLUDED, float("-inf"))
-
-
 class AttentionMask(NamedTuple):
-    """Which keys each query may attend, as a caller passes it (see the module docstring). A NamedTuple, so
+    """Which keys each query may attend, as a caller passes it (module docstring); a NamedTuple, so
     ``torch.compile`` traces it."""
 
     is_causal: bool = False
@@ -51,28 +40,22 @@ class AttentionMask(NamedTuple):
 
     @classmethod
     def of(cls, attn_mask=None, is_causal: bool = False, window: torch.Tensor | None = None) -> "AttentionMask | None":
-        """One mask from an attention forward's arguments (timm's ``attn_mask`` / ``is_causal`` / Swin's ``mask``);
-        ``attn_mask`` may itself be an AttentionMask. None when nothing is masked. The one place a float mask's
-        excluded entries (:data:`EXCLUDED`) become -inf."""
-        if isinstance(attn_mask, AttentionMask):
-            mask = attn_mask._replace(is_causal=attn_mask.is_causal or bool(is_causal),
-                                      attn_mask=_resolved(attn_mask.attn_mask))
-            return mask._replace(window=window) if window is not None else mask
-        if attn_mask is None and not is_causal and window is None:
-            return None
-        return cls(is_causal=bool(is_causal), attn_mask=_resolved(attn_mask), window=window)
+        """One mask from a forward's ``attn_mask`` (itself possibly an AttentionMask), ``is_causal`` and Swin's
+        ``mask``, or None when nothing is masked; the one place a float mask's excluded entries become -inf."""
+        if not isinstance(attn_mask, AttentionMask):
+            if attn_mask is None and not is_causal and window is None:
+                return None
+            attn_mask = cls(attn_mask=attn_mask)
+        user = attn_mask.attn_mask
+        if user is not None and user.dtype != torch.bool:  # later readers need one test: isneginf
+            user = user.masked_fill(user <= EXCLUDED, float("-inf"))
+        return attn_mask._replace(is_causal=attn_mask.is_causal or bool(is_causal), attn_mask=user,
+                                  window=attn_mask.window if window is None else window)
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor, pad_id: int, *, is_causal: bool = False) -> "AttentionMask":
         """Key padding from token ids (B, N): every position holding ``pad_id`` is padding."""
         return cls(is_causal=is_causal, key_padding=tokens != pad_id)
-
-    def check(self, B: int, M: int) -> None:
-        """ConfigError unless ``key_padding`` is a bool (B, M) tensor for this call's batch and keys."""
-        kp = self.key_padding
-        if kp is not None and (kp.dtype != torch.bool or tuple(kp.shape) != (B, M)):
-            raise ConfigError(f"key_padding must be a bool tensor of shape (batch, keys) = ({B}, {M}), True at real "
-                              f"tokens; got {kp.dtype} {tuple(kp.shape)}.")
 
     @property
     def causal_only(self) -> bool:
@@ -86,19 +69,36 @@ def _windows(B: int, t: torch.Tensor) -> torch.Tensor:
     return t.view(1, num_win, 1, N, M).expand(B // num_win, -1, -1, -1, -1).reshape(B, 1, N, M)
 
 
+def _once(build):
+    """A form of the call's mask, built at most once per call and arguments."""
+    @functools.wraps(build)
+    def form(self, *args):
+        key = (build.__name__, *args)
+        if key not in self._forms:
+            self._forms[key] = build(self, *args)
+        return self._forms[key]
+    return form
+
+
+def _excluded(keep: torch.Tensor, dtype) -> torch.Tensor:
+    """0 where ``keep``, -inf elsewhere."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+
+
 class Mask:
-    """One call's mask and position bias, resolved once: what :meth:`AttnlabAttention.forward` hands a kernel.
+    """One call's mask and position bias, resolved once: what :meth:`AttnlabAttention.forward
+    <attnlab.attention.base.AttnlabAttention.forward>` hands a kernel.
 
     ``parts``: the caller's :class:`AttentionMask` (an empty one when nothing is masked); ``B, N, M``: the call's
-    batch, queries and keys; ``bias``: a position bias that is part of every branch's logit (Swin's table, ViTDet's
-    decomposed relative positions), broadcastable to (B, H, N, M), or None; ``offset``: keys before the first query
-    (a KV cache's length), so causal order is j <= i + offset.
+    batch, queries and keys; ``bias``: a position bias in every branch's logit (Swin's table, ViTDet's relative
+    positions), broadcastable to (B, H, N, M), or None; ``offset``: keys before the first query (a KV cache's), so
+    causal order is j <= i + offset; ``from_queries``: part of the bias is a function of the queries (ViTDet's).
     """
 
     def __init__(self, parts: AttentionMask, B: int, N: int, M: int, device, bias: torch.Tensor | None = None,
-                 offset: int = 0) -> None:
+                 offset: int = 0, from_queries: bool = False) -> None:
         self.parts, self.B, self.N, self.M, self.device, self.bias, self.offset = parts, B, N, M, device, bias, offset
-        self.from_queries = False  # part of the bias is a function of the queries (ViTDet's relative positions)
+        self.from_queries = from_queries
         self._forms: dict = {}
 
     @classmethod
@@ -107,8 +107,10 @@ class Mask:
         """The call's Mask from a forward's arguments (None when nothing is masked and no bias is added);
         ConfigError when key padding does not fit the call."""
         parts = AttentionMask.of(attn_mask, is_causal, window)
-        if parts is not None:
-            parts.check(B, M)
+        kp = None if parts is None else parts.key_padding
+        if kp is not None and (kp.dtype != torch.bool or tuple(kp.shape) != (B, M)):
+            raise ConfigError(f"key_padding must be a bool tensor of shape (batch, keys) = ({B}, {M}), True at real "
+                              f"tokens; got {kp.dtype} {tuple(kp.shape)}.")
         if parts is not None and parts.causal_only and offset >= M - 1:
             parts = None  # one new token after a KV cache's keys sees every key
         if parts is None and bias is None:
@@ -117,12 +119,9 @@ class Mask:
 
     def with_bias(self, bias: torch.Tensor) -> "Mask":
         """This mask with ``bias``, computed from the queries (ViTDet's), added to its position bias."""
-        mask = Mask(self.parts, self.B, self.N, self.M, self.device, bias if self.bias is None else self.bias + bias,
-                    self.offset)
-        mask.from_queries = True
-        return mask
+        return Mask(self.parts, self.B, self.N, self.M, self.device, bias if self.bias is None else self.bias + bias,
+                    self.offset, from_queries=True)
 
-    # ---- what the parts are ----------------------------------------------------------------------------------------
     @property
     def is_causal(self) -> bool:
         return self.parts.is_causal
@@ -136,71 +135,53 @@ class Mask:
         """Causality from the first key is all this call asks, and no bias is added: SDPA's ``is_causal``."""
         return self.parts.causal_only and self.bias is None and self.offset == 0
 
-    def _form(self, key, build):
-        if key not in self._forms:
-            self._forms[key] = build()
-        return self._forms[key]
-
     # ---- the forms a kernel takes ----------------------------------------------------------------------------------
+    @_once
     def keep(self, window: bool = True) -> torch.Tensor | None:
         """True where a query may attend, broadcastable to (B, H, N, M), or None when every position is allowed;
         ``window=False`` leaves Swin's window mask out (a softmax branch adds it as a bias instead). Rows that key
         padding empties are opened (module docstring)."""
-        return self._form(("keep", window), lambda: self._keep(window))
-
-    def _keep(self, window: bool) -> torch.Tensor | None:
-        keep, p = None, self.parts
+        p, allowed = self.parts, []
         if p.is_causal:
-            keep = causal_keep(self.N, self.M, self.device, self.offset)
+            allowed.append(causal_keep(self.N, self.M, self.device, self.offset))
         if p.key_padding is not None:
             kp = p.key_padding[:, None, None, :]
-            keep = kp if keep is None else keep & kp
-            keep = keep | ~keep.any(dim=-1, keepdim=True)  # a padded query without keys: open, zeroed later
-        user = p.attn_mask
-        if user is not None:
-            allowed = user if user.dtype == torch.bool else ~torch.isneginf(user)
-            keep = allowed if keep is None else keep & allowed
+            keep = kp if not allowed else allowed.pop() & kp
+            allowed.append(keep | ~keep.any(dim=-1, keepdim=True))  # a padded query without keys: open, zeroed later
+        if p.attn_mask is not None:
+            allowed.append(p.attn_mask if p.attn_mask.dtype == torch.bool else ~torch.isneginf(p.attn_mask))
         if window and p.window is not None:
-            allowed = _windows(self.B, p.window == 0)
-            keep = allowed if keep is None else keep & allowed
-        return keep
+            allowed.append(_windows(self.B, p.window == 0))
+        return functools.reduce(torch.logical_and, allowed) if allowed else None
 
+    @_once
     def additive(self, dtype) -> torch.Tensor | None:
         """The mask (not the position bias) as one additive bias for a softmax: Swin's window mask as given (timm's
         -100), a float ``attn_mask`` as given, excluded positions -inf; None when nothing is masked."""
-        return self._form(("additive", dtype), lambda: self._additive(dtype))
-
-    def _additive(self, dtype) -> torch.Tensor | None:
-        p = self.parts
+        p, user = self.parts, self.parts.attn_mask
         bias = None if p.window is None else _windows(self.B, p.window.to(dtype))
-        user = p.attn_mask
         if user is not None and user.dtype != torch.bool:
             bias = user.to(dtype) if bias is None else bias + user
-        keep = self.keep(window=False) if user is None or user.dtype == torch.bool or p.is_causal or \
-            p.key_padding is not None else None
+        if user is not None and user.dtype != torch.bool and not p.is_causal and p.key_padding is None:
+            return bias  # the float mask's excluded entries are -inf in it already
+        keep = self.keep(False)
         if keep is None:
             return bias
-        if bias is None:
-            return torch.zeros(keep.shape, dtype=dtype, device=self.device).masked_fill_(~keep, float("-inf"))
-        return bias.masked_fill(~keep, float("-inf"))
+        return _excluded(keep, dtype) if bias is None else bias.masked_fill(~keep, float("-inf"))
 
     def sdpa(self, dtype) -> tuple[torch.Tensor | None, bool]:
-        """(attn_mask, is_causal) for ``F.scaled_dot_product_attention``: the position bias plus :meth:`additive`, or
-        no tensor and ``is_causal`` when causality is all that is asked."""
-        if self.causal_only:
-            return None, True
-        return self.softmax_bias(dtype), False
-
-    def softmax_bias(self, dtype) -> torch.Tensor | None:
-        """The position bias plus :meth:`additive`: a softmax branch's whole bias as one tensor (a kernel without an
-        ``is_causal`` path takes causal order this way)."""
-        return self._form(("softmax", dtype), lambda: self._plus_bias(self.additive(dtype), dtype))
+        """(attn_mask, is_causal) for ``F.scaled_dot_product_attention``: :meth:`softmax_bias`, or no tensor and
+        ``is_causal`` when causality is all that is asked."""
+        return (None, True) if self.causal_only else (self.softmax_bias(dtype), False)
 
     def _plus_bias(self, t: torch.Tensor | None, dtype) -> torch.Tensor | None:
-        if self.bias is None:
-            return t
-        bias = self.bias.to(dtype)
-        return bias if t is None else bias + t
+        return t if self.bias is None else self.bias.to(dtype) if t is None else self.bias.to(dtype) + t
+
+    @_once
+    def softmax_bias(self, dtype) -> torch.Tensor | None:
+        """A softmax branch's whole bias as one tensor, the position bias plus :meth:`additive` (a kernel without an
+        ``is_causal`` path takes causal order this way)."""
+        return self._plus_bias(self.additive(dtype), dtype)
 
     def add_to(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (B, H, N, M) plus the position bias, then the mask, in the order timm's explicit paths add them
@@ -210,55 +191,46 @@ class Mask:
         additive = self.additive(logits.dtype)
         return logits if additive is None else logits + additive
 
+    @_once
     def logit_bias(self, dtype) -> torch.Tensor | None:
         """What is part of every branch's logit besides q k^T: the position bias plus a float ``attn_mask``'s finite
-        entries (branches that exclude masked positions rather than add -inf: DnA's softmin, Cog)."""
-        def build():
-            user = self.parts.attn_mask
-            finite = None if user is None or user.dtype == torch.bool else \
-                user.masked_fill(torch.isneginf(user), 0.0).to(dtype)
-            return self._plus_bias(finite, dtype)
-        return self._form(("logit", dtype), build)
+        entries (for branches that exclude masked positions rather than add -inf: DnA's softmin, Cog)."""
+        user = self.parts.attn_mask
+        finite = None if user is None or user.dtype == torch.bool else \
+            user.masked_fill(torch.isneginf(user), 0.0).to(dtype)
+        return self._plus_bias(finite, dtype)
 
+    @_once
     def negated(self, dtype) -> torch.Tensor | None:
         """The softmin branch's bias in negated-logit form, softmin weights = softmax(-s + this): minus
         :meth:`logit_bias`, -inf at every excluded position (weight exactly 0); None when there is neither."""
-        def build():
-            logit, keep = self.logit_bias(dtype), self.keep()
-            bias = None if logit is None else -logit
-            if keep is not None:
-                excl = torch.zeros(keep.shape, dtype=dtype, device=self.device).masked_fill_(~keep, float("-inf"))
-                bias = excl if bias is None else bias + excl
-            return bias
-        return self._form(("negated", dtype), build)
+        logit, keep = self.logit_bias(dtype), self.keep()
+        excl = None if keep is None else _excluded(keep, dtype)
+        return excl if logit is None else -logit if excl is None else excl - logit
 
     def zero_padded_queries(self, o: torch.Tensor) -> torch.Tensor:
-        """Output (B, H, N, D) with every padded query's row exactly zero (self-attention, the queries being the last N
-        of the M keys; module docstring)."""
+        """Output (B, H, N, D) with every padded query's row exactly zero (the queries are the last N of the M keys;
+        after a KV cache's, the new tokens)."""
         kp = self.parts.key_padding
         if kp is None:
             return o
-        kp = kp[:, -o.shape[-2]:]  # the queries are the last N keys (after a KV cache's, the new tokens)
-        return torch.where(kp[:, None, :, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+        return torch.where(kp[:, None, -o.shape[-2]:, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
 
     # ---- one sample, one head: the Jacobian instrument -----------------------------------------------------------
     def for_sample(self, index: int) -> "Mask":
         """The mask of one sample (or Swin window) of the batch, as a batch of one."""
-        p = self.parts
-        user = p.attn_mask
-        if user is not None and user.ndim == 4 and user.shape[0] > 1:
-            user = user[index:index + 1]
-        parts = p._replace(key_padding=None if p.key_padding is None else p.key_padding[index:index + 1],
-                           attn_mask=user, window=None if p.window is None else p.window[index % p.window.shape[0]][None])
-        bias = self.bias if self.bias is None or self.bias.shape[0] == 1 else self.bias[index:index + 1]
+        p, one = self.parts, slice(index, index + 1)
+        user = p.attn_mask if p.attn_mask is None or p.attn_mask.ndim < 4 or len(p.attn_mask) == 1 else p.attn_mask[one]
+        parts = p._replace(key_padding=None if p.key_padding is None else p.key_padding[one], attn_mask=user,
+                           window=None if p.window is None else p.window[index % p.window.shape[0]][None])
+        bias = self.bias if self.bias is None or self.bias.shape[0] == 1 else self.bias[one]
         return Mask(parts, 1, self.N, self.M, self.device, bias, self.offset)
 
     def for_head(self, head: int) -> "Mask":
         """The mask of one head (a per-head bias or attn_mask sliced), as heads of one."""
-        user = self.parts.attn_mask
-        if user is not None and user.ndim == 4 and user.shape[1] > 1:
-            user = user[:, head:head + 1]
-        bias = self.bias if self.bias is None or self.bias.shape[-3] == 1 else self.bias[..., head:head + 1, :, :]
+        user, one = self.parts.attn_mask, slice(head, head + 1)
+        user = user[:, one] if user is not None and user.ndim == 4 and user.shape[1] > 1 else user
+        bias = self.bias if self.bias is None or self.bias.shape[-3] == 1 else self.bias[..., one, :, :]
         return Mask(self.parts._replace(attn_mask=user), self.B, self.N, self.M, self.device, bias, self.offset)
 
 
