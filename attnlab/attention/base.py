@@ -1,8 +1,8 @@
 """The one attention contract every attnlab mechanism follows (docs/methods.md, "Adding a method"):
 
     forward(x, attn_mask, is_causal, mask, *, cache, position_bias)
-      -> Mask.resolve(...)        every mask argument, Swin's and ViTDet's position bias, a KV cache's offset: one value;
-                                  the record refuses, in one line, what the mechanism cannot honour
+      -> Mask.resolve(...)        every mask argument, Swin's and ViTDet's position bias, a KV cache's offset: one
+                                  value; the record refuses, in one line, what the mechanism cannot honour
       -> choose(Call)             each declared backend's supports(call), in the record's order (``backend=`` forces)
       -> project(x, backend)      q, k, v per head (B, H, N, D), QK-norm and rotary applied; a KV cache extends k, v
       -> kernel(q, k, v, mask, want, backend) -> (o, Intermediates)    the formula, once
@@ -398,8 +398,8 @@ class AttnlabAttention(Declares, nn.Module):
         why = None if self.backend == "auto" else self.supports(self.backend, call)
         if why:
             return f"{type(self).__name__}'s {self.backend} backend cannot run a training step: {why}"
-        head = next((h for h in self.heads() if getattr(h, "backend", "auto") == "kernel"), None)
-        return None if head is None else f"{type(head).__name__}'s kernel backend is forward-only; training needs a gradient"
+        head = next((type(h).__name__ for h in self.heads() if getattr(h, "backend", "auto") == "kernel"), None)
+        return head and f"{head}'s kernel backend is forward-only; training needs a gradient"
 
     def observe(self, want: Want, fn: Callable[["AttnlabAttention", Intermediates], None],
                 training_only: bool = False) -> RemovableHandle:

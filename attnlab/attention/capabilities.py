@@ -1,15 +1,10 @@
 """What an attention mechanism can do, declared once per class as data.
 
-Every mechanism class (and every head transform) holds one frozen :class:`Capabilities` record as its class attribute
-``capabilities``. The forward's refusals, the backend dispatcher, ``convert`` on a causal model, ``attnlab variants
---support``, the instruments (entropy, maps, Jacobian, two-branch), QK-clip, the KV cache and the generated contract
-tests (tests/attention/test_contract.py) read it; none of them probes a module for attributes. A mask part's field is
-None when the mechanism honours it, else the one sentence (no final period) its refusal raises:
-
-    capabilities = Capabilities(causal="nystrom cannot honour a causal mask: its landmarks are ...",
-                                attn_mask="nystrom cannot honour this attention mask: ...", intermediates=("head",))
-
-docs/methods.md, "Adding a method", says what each field promises and how the contract tests check it.
+Every mechanism class (and head transform) holds one frozen :class:`Capabilities` record, ``capabilities``. The
+forward's refusals, the backend dispatcher, ``convert``, ``attnlab variants --support``, the instruments, QK-clip,
+the KV cache and the generated contract tests read it; none probes a module for attributes. A mask part's field is
+None when the mechanism honours it, else the one sentence (no final period) its refusal raises. docs/methods.md,
+"Adding a method", says what each field promises and how the contract tests check it.
 """
 
 from __future__ import annotations
@@ -20,45 +15,33 @@ from typing import ClassVar
 from ..errors import ConfigError
 from ..ops.sdpa import explicit_is_faster
 
-#: what a kernel can return besides its output (:class:`~attnlab.attention.base.Want`): ``weights`` each branch's
-#: weight map, ``branches`` each branch's output and values before its coefficient (DnA, diff), ``head`` one head
-#: computed alone from its own q, k, v (what the attention Jacobian differentiates)
+#: what a kernel can return besides its output (:class:`~attnlab.attention.base.Want`): each branch's weight map,
+#: each branch's output and values before its coefficient (DnA, diff), one head computed alone (the Jacobian's)
 INTERMEDIATES = ("weights", "branches", "head")
 
 
 @dataclass(frozen=True)
 class Capabilities:
-    """One mechanism's (or head transform's) capabilities.
+    """One mechanism's (or head transform's) capabilities: the refusal sentence of each mask part it cannot honour
+    (None: honoured; ``window`` is also asked when a module is built on a Swin window geometry), and what it offers."""
 
-    Args:
-        causal: refusal of a causal mask (``is_causal``, an AttentionMask's causal order), or None: honoured.
-        key_padding: refusal of key padding (an AttentionMask's ``key_padding``), or None.
-        attn_mask: refusal of a caller's ``attn_mask`` (bool or additive, -inf or finfo.min), or None.
-        window: refusal of Swin's window attention (relative-position bias and shifted-window mask), or None; asked
-            when the module is built on a window geometry as well as when a window mask arrives.
-        bias: refusal of a position bias added to every logit (ViTDet's decomposed relative positions), or None.
-        kv_cache: a new token's query against the cached keys and values is its causal output (generation may
-            cache them). For a head transform: the transform keeps that true.
-        plain_softmax: the weights are one row-stochastic softmax(q k^T / sqrt(D) + bias) per head, q and k the first
-            two blocks of ``qkv``: the forward can return its logits and per-head max logits (entropy, QK-clip, the
-            attention Jacobian).
-        intermediates: what the kernel returns when asked (:data:`INTERMEDIATES`).
-        grouped: the backends that take grouped keys and values (fewer heads than the queries) as they are; for the
-            others the forward repeats each key/value head for its group of query heads first.
-        backends: the backends the dispatcher may pick, in its order of preference, each computing the same formula:
-            ``kernel`` (a fused CPU kernel), ``triton`` (CUDA), ``sdpa`` (PyTorch's fused attention), ``explicit``
-            (the readable definition, the contract tests' float64 reference).
-    """
-
-    causal: str | None = None
-    key_padding: str | None = None
-    attn_mask: str | None = None
-    window: str | None = None
-    bias: str | None = None
+    causal: str | None = None  # a causal mask (``is_causal``, an AttentionMask's causal order)
+    key_padding: str | None = None  # an AttentionMask's ``key_padding``
+    attn_mask: str | None = None  # a caller's ``attn_mask`` (bool or additive, -inf or finfo.min)
+    window: str | None = None  # Swin's window attention (relative-position bias and shifted-window mask)
+    bias: str | None = None  # a position bias added to every logit (ViTDet's decomposed relative positions)
+    #: a new token's query against cached keys and values is its causal output (a head transform keeps that true)
     kv_cache: bool = False
+    #: one row-stochastic softmax(q k^T / sqrt(D) + bias) per head, q and k the first two blocks of ``qkv``: the
+    #: forward can return its logits and per-head max logits (entropy, QK-clip, the attention Jacobian)
     plain_softmax: bool = False
-    intermediates: tuple[str, ...] = ()
+    intermediates: tuple[str, ...] = ()  # what the kernel returns when asked (:data:`INTERMEDIATES`)
+    #: the backends that take grouped keys and values (fewer heads than the queries) as they are; for the others
+    #: the forward repeats each key/value head for its group of query heads
     grouped: tuple[str, ...] = ()
+    #: the backends the dispatcher may pick, in order of preference, each computing the same formula: ``kernel`` (a
+    #: fused CPU kernel), ``triton`` (CUDA), ``sdpa`` (PyTorch's), ``explicit`` (the readable definition, the
+    #: contract tests' float64 reference)
     backends: tuple[str, ...] = ("explicit",)
 
     def __post_init__(self) -> None:
@@ -69,14 +52,10 @@ class Capabilities:
     def refusal(self, mask, bias: bool = False) -> str | None:
         """The first sentence (causal, key padding, attn_mask, window, bias) why ``mask`` (an AttentionMask, or
         None) and, with ``bias``, a position bias cannot be honoured, or None."""
-        if mask is None:
-            return self.bias if bias else None
-        for present, why in ((mask.is_causal, self.causal), (mask.key_padding is not None, self.key_padding),
-                             (mask.attn_mask is not None, self.attn_mask), (mask.window is not None, self.window),
-                             (bias, self.bias)):
-            if present and why:
-                return why
-        return None
+        parts = () if mask is None else (
+            (mask.is_causal, self.causal), (mask.key_padding is not None, self.key_padding),
+            (mask.attn_mask is not None, self.attn_mask), (mask.window is not None, self.window))
+        return next((why for present, why in (*parts, (bias, self.bias)) if present and why), None)
 
 
 #: the record of a module that declares none (timm's own attention before conversion): it offers nothing
@@ -99,10 +78,9 @@ class Declares:
         self.backend = name
 
     def choose(self, call) -> str:
-        """The one backend dispatcher, asked once per forward with the call's
-        :class:`~attnlab.attention.base.Call`: the forced backend (ConfigError with the reason when it cannot run
-        the call), else the first of the record's backends, in order, whose :meth:`supports` accepts it (SDPA passed
-        over where the explicit product measures faster: a CPU training step with few keys,
+        """The one backend dispatcher, asked once per forward with its :class:`~attnlab.attention.base.Call`: the
+        forced backend (ConfigError with the reason when it cannot run the call), else the first of the record's
+        backends whose :meth:`supports` accepts the call (SDPA passed over where the explicit product measures faster,
         :func:`~attnlab.ops.sdpa.explicit_is_faster`)."""
         if self.backend != "auto":
             why = self.supports(self.backend, call)

@@ -1,18 +1,13 @@
 """Channel attention: a D x D softmax map over each head's features, built from sums over tokens.
 
 DaViT's channel attention (Ding et al., "DaViT: Dual Attention Vision Transformers", arXiv:2204.03645, Sec. 3.2),
-as timm computes it; timm and the authors' code name the projections so that k and v form the map and q is mixed:
+as timm computes it (timm and the authors' code name the projections so that k and v form the map and q is mixed):
 
     A_h = softmax(s * k_h^T v_h)     (D x D, softmax over the last index),   o_h = q_h A_h^T     (N x D)
 
-with s = 1/sqrt(D) (``ChannelAttention``) or s = 1/sqrt(N) on q instead of k (``ChannelAttentionV2``, the Florence-2
-models, whose map is softmax(s q^T k) mixing v). XCiT's cross-covariance attention (``attnlab.attention.xca``)
-is the same family with q and k L2-normalised along tokens and a learned temperature.
-
-Weight terms (``sigma``, ``specnorm``, ``speccond``), ``ns`` and ``qknorm`` carry over (``qknorm`` on the map's two
-factors: q and k for XCA and ``ChannelAttentionV2``, k and v for ``ChannelAttention``, whose ``q_norm`` normalises
-k and ``k_norm`` v); token-attention kernels and ``qkclip`` are refused (:data:`CHANNEL_REFUSALS`). The reasons:
-docs/methods.md, "XCiT and DaViT".
+with s = 1/sqrt(D) (``ChannelAttention``), or s = 1/sqrt(N) on q and the map softmax(s q^T k) mixing v
+(``ChannelAttentionV2``, the Florence-2 models). XCiT's cross-covariance attention (:mod:`attnlab.attention.xca`) is
+of the same family. Which terms act on a channel map, and why: docs/methods.md, "XCiT and DaViT".
 """
 
 from __future__ import annotations
@@ -50,10 +45,7 @@ def channel_capabilities(family: str, backends: tuple[str, ...] = ("explicit",))
 
 
 class ChannelMapAttention(AttnlabAttention):
-    """Base of the mechanisms whose map is D x D over features; declares which spec terms they accept.
-
-    ``family`` names the module kind in messages and in ``attnlab variants --support``.
-    """
+    """Base of the mechanisms whose map is D x D over features; ``family`` names the module kind in messages."""
 
     family: ClassVar[str] = "channel attention"
     capabilities = channel_capabilities(family)
@@ -74,19 +66,15 @@ class ChannelMapAttention(AttnlabAttention):
 
 
 class DaViTChannelAttention(ChannelMapAttention):
-    """DaViT's channel attention, ``o_h = q_h softmax(k_h^T v_h / sqrt(D))^T`` (timm ``ChannelAttention``), or with
-    ``dynamic_scale`` ``o_h = softmax(q_h^T k_h / sqrt(N)) v_h^T`` transposed (timm ``ChannelAttentionV2``).
-
-    Args: as :class:`AttnlabAttention`, plus ``v2`` (timm's ChannelAttentionV2 layout) and ``dynamic_scale``.
-    """
+    """DaViT's channel attention (timm ``ChannelAttention``), or with ``v2`` timm's ``ChannelAttentionV2``, whose
+    ``dynamic_scale`` takes s = 1/sqrt(N). Arguments as :class:`AttnlabAttention` plus those two."""
 
     family = "DaViT's channel attention"
     capabilities = channel_capabilities(family)
 
     def __init__(self, *args, v2: bool = False, dynamic_scale: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.v2 = v2
-        self.dynamic_scale = dynamic_scale
+        self.v2, self.dynamic_scale = v2, dynamic_scale
 
     @staticmethod
     def geometry(module) -> dict:

@@ -5,12 +5,9 @@ attention weights.
     w = sign(s) * softmax(|s| over unmasked keys),   w = 0 exactly at masked keys
     o_h = w v_h
 
-Masked keys (those the call's mask excludes) are removed from the softmax (its input set to -inf) rather than added
-to s: adding -100 to s would make |s| large and give the masked key the largest weight, with a negative sign. No
-parameters beyond the standard module's, so a standard state dict loads strictly. As in the authors' models, the
-first and last attention layers (by ``layer_index`` / ``num_layers``) stay plain softmax unless
-``all_layers=True``; those layers run the standard kernel. Signed layers compute the explicit formula on either
-backend (no fused kernel computes signed weights). Details: docs/methods.md, "cog".
+A masked key is removed from the softmax, not added to s (adding -100 would give it the largest |s|). As in the
+authors' models the first and last attention layers stay plain softmax unless ``all_layers=True``; docs/methods.md,
+"cog".
 """
 
 from __future__ import annotations
@@ -40,13 +37,9 @@ class CogAttention(StandardAttention):
         if not self.signed:
             return super().kernel(q, k, v, mask, want, backend)
         s = (q * self.scale) @ k.transpose(-2, -1)
-        bias = None if mask is None else mask.logit_bias(s.dtype)
-        if bias is not None:
-            s = s + bias
-        magnitude = s.abs()
-        keep = None if mask is None else mask.keep()
-        if keep is not None:
-            magnitude = magnitude.masked_fill(~keep, float("-inf"))
+        bias, keep = (None, None) if mask is None else (mask.logit_bias(s.dtype), mask.keep())
+        s = s if bias is None else s + bias
+        magnitude = s.abs() if keep is None else s.abs().masked_fill(~keep, float("-inf"))
         w = torch.sign(s) * magnitude.softmax(dim=-1)
         return self.attn_drop(w) @ v, Intermediates(weights={"attn": Branch(w, w)} if want.weights else None)
 

@@ -1,17 +1,16 @@
-"""Differential attention (Ye et al., 2024, "Differential Transformer"), as timm's ``DiffAttention`` computes it.
+"""Differential attention (Ye et al., 2024, "Differential Transformer", arXiv:2410.05258), as timm's
+``DiffAttention`` computes it.
 
-Each head h (value width D) splits its query and key into two halves of width d = D / 2 (timm's split: features
-``[h*D, h*D + d)`` are q1, ``[h*D + d, (h+1)*D)`` are q2, likewise for k) and shares one value v_h of width D:
+Each head h (value width D) splits its query and key into two halves of width d = D / 2 (timm's split) and shares
+one value v_h of width D:
 
     A1 = softmax(q1 k1^T / sqrt(d) + bias),   A2 = softmax(q2 k2^T / sqrt(d) + bias)
     lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init
     lambda_init = 0.8 - 0.6 * exp(-0.3 * depth)          (depth: 0-based index of the attention layer)
     o_h = (1 - lambda_init) * RMSNorm_D((A1 - lambda * A2) v_h)
 
-``bias`` is the call's position bias plus its mask (:class:`~attnlab.attention.mask.Mask`), in
-both branches' logits before their softmax (timm's ``DiffAttention`` is ViT-only, so the Swin form is attnlab's).
-``qkv`` and ``proj`` keep the standard module's shapes and the new parameters timm's names (``lambda_q1`` ...,
-``lambda_a``, ``lambda_b``, ``sub_norm.weight``), so a timm ``DiffAttention`` state dict loads (docs/methods.md).
+``bias``: the call's position bias plus its mask, in both branches (timm's is ViT-only; the Swin form is attnlab's).
+Parameters keep timm's names, so a timm ``DiffAttention`` state dict loads; docs/methods.md, "diff".
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ class DiffAttention(AttnlabAttention):
     """
 
     capabilities = Capabilities(kv_cache=True, intermediates=("weights", "branches"), backends=("sdpa", "explicit"))
+    _OWN = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "lambda_a", "lambda_b")
 
     def __init__(self, dim: int, num_heads: int = 8, *, dual_lambda: bool = False, qk_norm: bool = False,
                  norm_layer: type[nn.Module] | None = None, **kwargs) -> None:
@@ -57,19 +57,13 @@ class DiffAttention(AttnlabAttention):
             self.k_norm = norm_layer(self.qk_head_dim)
 
         self.dual_lambda = dual_lambda
-        if dual_lambda:
-            self.lambda_a = nn.Parameter(torch.zeros(()))
-            self.lambda_b = nn.Parameter(torch.zeros(()))
-            self.lambda_q1 = self.lambda_k1 = self.lambda_q2 = self.lambda_k2 = None
-        else:
-            self.lambda_a = self.lambda_b = None
-            for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):  # drawn in timm's order
-                setattr(self, name, nn.Parameter(torch.empty(self.qk_head_dim).normal_(0, 0.1)))
+        for name in self._OWN:  # timm's order: q1, k1, q2, k2 drawn normal(0, 0.1); or a, b at zero
+            dual = name in ("lambda_a", "lambda_b")
+            shape = () if dual else (self.qk_head_dim,)
+            setattr(self, name, None if dual != dual_lambda else
+                    nn.Parameter(torch.zeros(shape) if dual else torch.empty(shape).normal_(0, 0.1)))
         self.sub_norm = RmsNorm(self.head_dim, eps=1e-5)
         self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * self.layer_index)
-
-    # ---- construction ----------------------------------------------------------------------------------------------
-    _OWN = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "lambda_a", "lambda_b")
 
     def adopt(self, module: nn.Module) -> None:
         """Take the shared submodules; from a timm or attnlab ``DiffAttention`` also its lambdas and sub-norm."""
@@ -79,11 +73,10 @@ class DiffAttention(AttnlabAttention):
             for name in self._OWN:
                 setattr(self, name, getattr(module, name))
             self.sub_norm = module.sub_norm
-        # parameters created here follow the adopted weights' device and dtype
-        ref = module.qkv.weight
+        ref = module.qkv.weight  # parameters created here follow the adopted weights' device and dtype
         for name in self._OWN:
             p = getattr(self, name)
-            if p is not None and (p.device != ref.device or p.dtype != ref.dtype):
+            if p is not None and (p.device, p.dtype) != (ref.device, ref.dtype):
                 setattr(self, name, nn.Parameter(p.detach().to(ref.device, ref.dtype)))
         self.sub_norm.to(ref.device, ref.dtype)
 
@@ -110,11 +103,9 @@ class DiffAttention(AttnlabAttention):
         return torch.exp(a.to(dtype)) - torch.exp(b.to(dtype)) + self.lambda_init
 
     def kernel(self, q, k, v, mask, want, backend):
-        """(1 - lambda_init) RMSNorm(A1 v - lambda A2 v); the branches are A1 v and A2 v (before lambda), which
-        share v."""
-        d = self.qk_head_dim
+        """(1 - lambda_init) RMSNorm(A1 v - lambda A2 v); the branches are A1 v and A2 v (before lambda)."""
+        d, found = self.qk_head_dim, Intermediates()
         halves = ((q[..., :d], k[..., :d]), (q[..., d:], k[..., d:]))
-        found = Intermediates()
         if backend == "sdpa":
             p = self.attn_drop.p if self.training else 0.0
             attn_mask, causal = (None, False) if mask is None else mask.sdpa(q.dtype)
@@ -126,12 +117,10 @@ class DiffAttention(AttnlabAttention):
             if want.weights:  # the output from the very maps reported, so gradients reach them (relevance)
                 e2 = -self.lambda_full().to(w2.dtype) * w2
                 found.weights = {"pos": Branch(w1, w1), "neg": Branch(w2, e2)}
-                if want.branches:
-                    found.branches, found.values = (o1, o2), (v, v)
-                return self.sub_norm(o1 + self.attn_drop(e2) @ v) * (1 - self.lambda_init), found
         if want.branches:
             found.branches, found.values = (o1, o2), (v, v)
-        return self.sub_norm(o1 - self.lambda_full().to(o1.dtype) * o2) * (1 - self.lambda_init), found
+        o = o1 + self.attn_drop(e2) @ v if found.weights else o1 - self.lambda_full().to(o1.dtype) * o2
+        return self.sub_norm(o) * (1 - self.lambda_init), found
 
     def branch_coefficients(self) -> tuple[str, torch.Tensor]:
         """("lambda", lambda): the negative branch's coefficient (one for every head)."""

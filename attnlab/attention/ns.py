@@ -7,13 +7,9 @@ feature-by-token output, after value aggregation and before head merge.
     X_hat_{b,h} = (r Z / max(||Z||_F, eps))^T                              (eq. 4-5)
 
 A ``head`` term: it composes after any kernel (``ns``, ``dna+ns``) and adds no parameters, so an ``ns`` model loads
-a ``standard`` model's state dict. The math lives in :func:`attnlab.ops.ns_transform`.
-
-Masks. The transform mixes all N tokens of a head (the Frobenius norm and the Gram product run over every token),
-so it is not causal: a causal mask is refused with that reason, and so is a caller's ``attn_mask`` (tokens that it
-hides from each other, padding or packed sequences, would meet in the transform). With key padding the rows of
-padded tokens are zero before the transform (the attention module zeroes them), so they add nothing to the norm or
-the Gram, and a zero row stays zero: real tokens' outputs do not depend on the padding.
+a ``standard`` model's state dict. The math lives in :func:`attnlab.ops.ns_transform`. The transform mixes all N
+tokens of a head, so causal and caller masks are refused (its record); padded tokens' rows are zero before it, so
+they add nothing to the norm or the Gram and real tokens' outputs do not depend on them.
 """
 
 from __future__ import annotations
@@ -36,8 +32,7 @@ class NSTransform(Declares, nn.Module):
             run) or ``reference`` (Algorithm 1 literally). See :func:`attnlab.ops.ns_transform`.
     """
 
-    #: a causal mask and a caller's attn_mask are refused (Swin's window mask is the model's own geometry and is
-    #: kept; key padding's rows are zero before the transform); tokens mix, so no KV cache
+    #: Swin's window mask is the model's own geometry and is kept; tokens mix, so no KV cache
     capabilities = Capabilities(
         causal="ns cannot honour a causal mask: its transform mixes all N tokens of a head (the Frobenius norm and the "
                "Gram product run over every token), so token i's output depends on later tokens",

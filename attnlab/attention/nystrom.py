@@ -5,13 +5,10 @@ Per head, with m landmarks q~, k~ (segment means of q and k, Sec. 3.2) and the i
 
     o_h = softmax(q k~^T / sqrt(D)) softmax(q~ k~^T / sqrt(D))^+ softmax(q~ k^T / sqrt(D)) v  [+ conv(v)]
 
-With m >= N it is softmax attention, computed exactly (the authors' fallback). The optional skip ``conv(v)`` is the
-authors' depthwise convolution over the tokens of each head's values (kernel (conv, 1), one filter per head, no
-bias; their LRA configurations use 35). The formula is in :func:`attnlab.ops.lowrank.nystrom_attention`. The q, k, v
-projections are the standard module's, so weight terms (``nystrom+speccond``) act on them as on softmax attention.
-
-Masks: key padding as the authors mask it (:func:`~attnlab.ops.lowrank.nystrom_attention`); causal masks, Swin's
-windows and position biases and a caller's ``attn_mask`` are refused, with the reasons its record holds.
+exact softmax attention when m >= N (the authors' fallback). ``conv(v)``: the authors' optional depthwise
+convolution over each head's value tokens (their LRA configurations: kernel 35). The formula:
+:func:`attnlab.ops.lowrank.nystrom_attention`; key padding as the authors mask it; docs/methods.md, "Low-rank
+kernels".
 """
 
 from __future__ import annotations
@@ -56,8 +53,7 @@ class NystromAttention(AttnlabAttention):
                                groups=self.num_heads) if conv else None)
 
     def kernel(self, q, k, v, mask, want, backend):
-        kp = None if mask is None else mask.key_padding  # the rest of a mask is refused by the record
-        kp = None if kp is None else kp[:, None, :]
+        kp = None if mask is None or mask.key_padding is None else mask.key_padding[:, None, :]  # the rest: refused
         o = nystrom_attention(q, k, v, self.landmarks, scale=self.scale, z0=self.z0, key_padding=kp,
                               pinv_iters=None if self.pinv == "exact" else self.iters)
         if self.conv is not None:  # one filter per head: the heads are the convolution's groups

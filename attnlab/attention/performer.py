@@ -6,14 +6,10 @@ Per head, with M positive orthogonal random features phi (Lemma 1, Sec. 2.4):
     o_h = phi(q) (phi(k)^T v) / (phi(q) (phi(k)^T 1)),   phi(x) = exp(W x - ||x||^2 / 2) / sqrt(M),  x = q / D^(1/4)
 
 an unbiased estimate of softmax(q k^T / sqrt(D)) v's numerator and denominator, linear in N
-(:func:`attnlab.ops.lowrank.performer_attention`). Masks: padded keys weigh 0 in both sums; a causal mask gives the
-unidirectional FAVOR+ of Sec. 2.2 (prefix sums); a caller's ``attn_mask`` or Swin's windows are refused.
-
-The projection W (M, D) is a buffer of each module, drawn from a seed (``seed``, the block's index, the draw
-number), so a run's features are reproducible on any device; ``redraw=n`` draws new ones every n training forwards
-(``redraw=1``: every call, as Google's FAVOR+; lucidrains/performer-pytorch: every 1000), ``redraw=0`` keeps the
-first draw. The count is kept in Python (no device read per forward) and saved with the model (``forwards``), so a
-resumed run continues the same schedule. Evaluation never redraws.
+(:func:`attnlab.ops.lowrank.performer_attention`). Padded keys weigh 0 in both sums; a causal mask gives the
+unidirectional FAVOR+ of Sec. 2.2 (prefix sums). W (M, D) is a buffer drawn from (``seed``, block index, draw
+number); ``redraw=n`` draws anew every n training forwards, counted in Python and saved (``forwards``) so a resumed
+run keeps the schedule; docs/methods.md, "Low-rank kernels".
 """
 
 from __future__ import annotations
@@ -34,9 +30,6 @@ class PerformerAttention(AttnlabAttention):
         features: number of random features M (default 256).
         redraw: draw new features every this many training forwards (0: never; 1: every call).
         seed: seed of the draws (with the block's index and the draw number).
-
-    Backends: ``kernel`` (the fused CPU kernel, :mod:`attnlab.ops.performer_cpu`, for float32 forward passes without
-    gradient or mask, outside ``torch.compile``) and ``explicit`` (torch ops, every call).
     """
 
     capabilities = Capabilities(
@@ -71,10 +64,8 @@ class PerformerAttention(AttnlabAttention):
         if self._count and self._count % self.redraw == 0:
             new = self.draw(self._count // self.redraw).to(self.projection.dtype)
             if self.projection.is_cuda:
-                self._staged = new.pin_memory()  # kept alive until the asynchronous copy has run
-                self.projection.copy_(self._staged, non_blocking=True)
-            else:
-                self.projection.copy_(new)
+                new = self._staged = new.pin_memory()  # kept alive until the asynchronous copy has run
+            self.projection.copy_(new, non_blocking=self.projection.is_cuda)
         self._count += 1
         self.forwards.fill_(self._count)
 
@@ -102,8 +93,8 @@ class PerformerAttention(AttnlabAttention):
         if backend == "kernel":
             return performer_cpu.performer_kernel(q, k, v, projection), Intermediates()
         kp = None if mask is None or mask.key_padding is None else mask.key_padding[:, None, :]
-        return performer_attention(q, k, v, projection, key_padding=kp, causal=mask is not None and mask.is_causal
-                                   ), Intermediates()
+        causal = mask is not None and mask.is_causal
+        return performer_attention(q, k, v, projection, key_padding=kp, causal=causal), Intermediates()
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, features={self.features}, redraw={self.redraw}, seed={self.seed}"

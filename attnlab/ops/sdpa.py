@@ -1,12 +1,9 @@
 """The causal order as a keep map, and when the explicit product beats PyTorch's fused SDPA.
 
-PyTorch's CPU flash kernel streams over key blocks, which wins for long sequences, but its backward is slow for
-the short ones vision models use (65 tokens in ``vit_cifar``, 16 or 49 per Swin window), and very slow in bf16
-(explicit / fused fwd+bwd time 0.72 at N = 65 in fp32, 0.17 in bf16; docs/perf.md, "End-to-end training", has the
-crossover table). So the attention dispatcher (:meth:`attnlab.attention.base.AttnlabAttention.choose`) passes SDPA
-over for a CPU training forward that needs a gradient and has at most :data:`EXPLICIT_MAX_KEYS` keys; everything
-else (inference, GPUs, long sequences, eval-mode forwards, so that ``convert(model, "standard")`` stays
-bit-identical to timm) calls SDPA.
+PyTorch's CPU flash kernel wins for long sequences, but its backward is slow for the short ones vision models use
+(65 tokens in ``vit_cifar``, 16 or 49 per Swin window), and very slow in bf16 (docs/perf.md, "End-to-end training",
+has the crossover table). So the attention dispatcher passes SDPA over for a CPU training forward that needs a
+gradient and has at most :data:`EXPLICIT_MAX_KEYS` keys; everything else calls SDPA.
 """
 
 from __future__ import annotations
@@ -21,8 +18,8 @@ EXPLICIT_MAX_KEYS = {torch.float32: 96, torch.bfloat16: 224, torch.float16: 224}
 
 def causal_keep(N: int, M: int, device=None, offset: int = 0) -> torch.Tensor:
     """The causal order as a keep map (N, M), True where query i may attend key j: j <= i + ``offset`` (SDPA's
-    top-left convention at ``offset=0``; a tile whose first query is r0 and first key c0 takes ``offset=r0 - c0``;
-    queries after a KV cache's L keys take ``offset=L``). The one place attnlab builds the causal triangle."""
+    top-left convention at 0; a tile at query r0 and key c0 takes r0 - c0, queries after a KV cache's L keys L). The
+    one place attnlab builds the causal triangle."""
     return torch.ones(N, M, dtype=torch.bool, device=device).tril(offset)
 
 
