@@ -137,12 +137,10 @@ class LayerCache:
 
     def extend(self, k, v):
         """The cached keys and values followed by ``k``, ``v`` (kept for the next call)."""
-        if self.k is None:
-            self.k, self.v = k, v
-        else:
-            self.k, self.v = (_each(lambda a, b: torch.cat([a, b], dim=-2), old, new)
-                              for old, new in ((self.k, k), (self.v, v)))
-        return self.k, self.v
+        if self.k is not None:
+            k, v = (_each(lambda a, b: torch.cat([a, b], dim=-2), old, new) for old, new in ((self.k, k), (self.v, v)))
+        self.k, self.v = k, v
+        return k, v
 
 
 class AttnlabAttention(Declares, nn.Module):
@@ -219,11 +217,6 @@ class AttnlabAttention(Declares, nn.Module):
                                  persistent=False)
 
     # ---- construction from an existing module ------------------------------------------------------------------
-    @classmethod
-    def geometry_refusal(cls, geometry: dict) -> str | None:
-        """Why this mechanism cannot replace an attention of ``geometry`` (:meth:`geometry`), or None."""
-        return cls.capabilities.window if geometry.get("window_size") is not None else None
-
     @staticmethod
     def geometry(module: nn.Module) -> dict:
         """Constructor arguments that rebuild ``module`` (timm Attention, WindowAttention, or an attnlab one)."""

@@ -6,10 +6,8 @@ For head h with q_h, k_h, v_h (N x D), each feature column of q and k is L2-norm
     q^_h = q_h / ||q_h||_col,   k^_h = k_h / ||k_h||_col,   A_h = softmax(tau_h q^_h^T k^_h)   (D x D)
     o_h = v_h A_h^T   (N x D; timm: A_h v_h^T in the transposed layout)
 
-tau_h is a learned temperature per head (``temperature``, shape (H, 1, 1), no weight decay in timm). The map is
-over features, so its cost is linear in N. Its logits are cosine similarities times tau_h, bounded by |tau_h|.
-``qknorm`` adds timm's per-token LayerNorm of q and k over D before the column normalisation, so that no token
-dominates the cross-covariance through its magnitude.
+tau_h is a learned temperature per head (``temperature``, (H, 1, 1), no weight decay in timm). The map is over
+features, so its cost is linear in N and its logits are bounded by |tau_h|; docs/methods.md, "XCiT and DaViT".
 """
 
 from __future__ import annotations

@@ -161,8 +161,8 @@ def term_support(model: nn.Module) -> list[dict]:
                 reason = None
                 if mechanism:
                     reason = mechanism.refusal(term, variant.kind)
-                elif variant.kind == "kernel":  # the mechanism's own constructor check, on this module's geometry
-                    reason = variant.load().geometry_refusal(AttnlabAttention.geometry(module))
+                elif variant.kind == "kernel" and AttnlabAttention.geometry(module).get("window_size") is not None:
+                    reason = variant.load().capabilities.window  # what the mechanism's constructor would refuse
                 if not reason and causal and variant.kind in ("kernel", "head"):
                     reason = variant.load().capabilities.causal
                 if reason:
