@@ -12,19 +12,12 @@ The variants of Table 12 (``variant=``):
     shared  Â±     one Q and one V, learnable alpha:  [softmax(s) + alpha softmin(s)] V
     sum     A±     one Q and one V, alpha fixed at 1: [softmax(s) + softmin(s)] V
 
-``alpha`` is one learnable scalar per head (``alpha_init=0.5``). ``scale=both`` scales both branches by
-1/sqrt(d) (the main text and all of the authors' code); ``scale=neg_only`` scales only the negative branch, as
-Algorithm 1 is written.
-
-Masks enter the softmax branch's logits as in standard attention; in the softmin branch a masked position is
-*excluded* (weight exactly 0: adding -100 and then negating would make softmin pick it), while B and a float
-``attn_mask``'s finite entries stay part of its logit, softmax(-(s^- + B)) over the allowed positions
-(:meth:`~attnlab.attention.mask.Mask.negated`). All projections of a block are ONE ``nn.Linear`` named ``qkv``, its
-rows in the authors' order Q+, Q-, K, V+, V- (or the variant's subset, :func:`block_names`); separate ``q_neg`` /
-``v_neg`` Linears in a state dict are fused on load. One kernel (:meth:`_DnAParams.kernel`) computes the formula on
-four backends (the fused CPU ``kernel``, the opt-in CUDA ``triton``, ``sdpa``, ``explicit``) for the self- and the
-cross-attention module alike, and returns the branch outputs and weight maps the instruments ask for; docs/methods.md,
-"DnA", has the masks, the layout and the backends in full.
+``alpha``: one learnable scalar per head. ``scale=both`` scales both branches by 1/sqrt(d) (the main text and the
+authors' code), ``neg_only`` only the negative one (Algorithm 1 as written). A masked position is excluded from the
+softmin branch (weight exactly 0), while B and a float ``attn_mask``'s finite entries stay in its logit
+(:meth:`~attnlab.attention.mask.Mask.negated`). All projections of a block are ONE ``nn.Linear`` ``qkv``, its rows
+in the authors' order Q+, Q-, K, V+, V- (the variant's subset, :func:`block_names`). One kernel computes the formula
+for the self- and the cross-attention module on four backends. docs/methods.md, "DnA": masks, layout, backends.
 """
 
 from __future__ import annotations
@@ -100,18 +93,14 @@ class Pair(NamedTuple):
     neg: torch.Tensor
 
 
-# ---- parameters shared by the self- and cross-attention modules --------------------------------------------------
 class _DnAParams:
-    """Options, alpha, the kernel and the fused-projection bookkeeping common to :class:`DnAAttention` and
+    """Options, alpha, the kernel and the row bookkeeping common to :class:`DnAAttention` and
     :class:`attnlab.attention.dna_cross.DnACrossAttention`."""
 
     def _setup_dna(self, variant: str, alpha_init: float, scale: str, init: str, neg_init: float) -> None:
         _check_options(variant, alpha_init, scale, init, neg_init)
-        self.variant = variant
-        self.alpha_init = alpha_init
-        self.scale_mode = scale
-        self.init = init
-        self.neg_init = neg_init
+        self.variant, self.alpha_init, self.scale_mode = variant, alpha_init, scale
+        self.init, self.neg_init = init, neg_init
         self.qkv_blocks = block_names(variant)
         # Sec. 3.2: alpha_h, one learnable scalar per head; variant=sum fixes it at 1 (no parameter)
         self.alpha = None if variant == "sum" else nn.Parameter(torch.full((self.num_heads,), float(alpha_init)))
@@ -189,48 +178,41 @@ class _DnAParams:
             found.branches, found.values = (o_pos, o_neg), (v_pos, v_neg)
         return combine(o_pos, o_neg, self.alpha), found
 
-    def _init_negative(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
-                       only: tuple[str, ...] = ("q_neg", "v_neg")) -> None:
+    def _init_negative(self, rows: dict, only: tuple[str, ...] = ("q_neg", "v_neg")) -> None:
         """Fill the q_neg / v_neg rows (those in ``only``) in place: ``init=copy`` gives Q- = |neg_init| * Q+ and
         V- = neg_init * V+ (a negative neg_init flips only V-, as the authors' video code does); ``init=random``
         draws timm's init (trunc normal, std 0.02, zero bias)."""
         for neg, pos, factor in (("q_neg", "q_pos", abs(self.neg_init)), ("v_neg", "v_pos", self.neg_init)):
-            if neg not in rows or neg not in only:
-                continue
-            w, b = rows[neg]
-            if self.init == "copy":
-                pw, pb = rows[pos]
-                w.copy_(pw * factor)
+            if neg in rows and neg in only:
+                (w, b), (pw, pb) = rows[neg], rows[pos]
+                if self.init == "copy":
+                    w.copy_(pw * factor)
+                else:
+                    trunc_normal_(w, std=0.02)
                 if b is not None:
-                    b.copy_(pb * factor)
-            else:
-                trunc_normal_(w, std=0.02)
-                if b is not None:
-                    b.zero_()
+                    b.copy_(pb * factor) if self.init == "copy" else b.zero_()
+
+
+def _branch(name: str) -> str:
+    """A block's name by its branch: a shared "q" or "v" serves as q_pos or v_pos."""
+    return {"q": "q_pos", "v": "v_pos"}.get(name, name)
 
 
 def _rows(linear: nn.Linear, names: tuple[str, ...], widths) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """Views (weight rows, bias entries) of each named block of a fused Linear; ``widths``: one per block."""
+    """Views (weight rows, bias entries) of each named block of a fused Linear (``widths``: one per block), a shared
+    block also under its branch's name (:func:`_branch`)."""
     ends = list(accumulate(widths))
-    return {name: (linear.weight.data[end - width:end], None if linear.bias is None else linear.bias.data[end - width:end])
-            for name, width, end in zip(names, widths, ends)}
+    rows = {name: (linear.weight.data[end - w:end], None if linear.bias is None else linear.bias.data[end - w:end])
+            for name, w, end in zip(names, widths, ends)}
+    return {**rows, **{_branch(name): rows[name] for name in names}}
 
 
 def _slots(names: tuple[str, ...], items) -> tuple:
     """(q_pos, q_neg, k, v_pos, v_neg) from one item per named block; a shared query or value (the same object) fills
     both of its slots."""
-    named = dict(zip(names, items))
-    q_pos, v_pos = named.get("q_pos", named.get("q")), named.get("v_pos", named.get("v"))
+    named = {_branch(name): item for name, item in zip(names, items)}
+    q_pos, v_pos = named["q_pos"], named["v_pos"]
     return q_pos, named.get("q_neg", q_pos), named["k"], v_pos, named.get("v_neg", v_pos)
-
-
-def _canonical(rows: dict) -> dict:
-    """Name every block by its branch: a shared "q" serves as q_pos (and q_neg), a shared "v" as v_pos (and v_neg)."""
-    out = dict(rows)
-    for shared in ("q", "v"):
-        if shared in out:
-            out.setdefault(f"{shared}_pos", out[shared])
-    return out
 
 
 class DnAAttention(_DnAParams, AttnlabAttention):
@@ -255,46 +237,37 @@ class DnAAttention(_DnAParams, AttnlabAttention):
                  scale: str = "both", init: str = "random", neg_init: float = 1e-4, **kwargs) -> None:
         super().__init__(dim, num_heads, **kwargs)
         self._setup_dna(variant, alpha_init, scale, init, neg_init)
-        bias = self.qkv.bias is not None
-        self.qkv = nn.Linear(dim, self.head_dim * sum(self.block_heads()), bias=bias)
+        self.qkv = nn.Linear(dim, self.head_dim * sum(self.block_heads()), bias=self.qkv.bias is not None)
         if init == "copy":
             with torch.no_grad():
-                self._init_negative(_canonical(_rows(self.qkv, self.qkv_blocks, self.qkv_widths())))
+                self._init_negative(_rows(self.qkv, self.qkv_blocks, self.qkv_widths()))
         self._register_load_state_dict_pre_hook(self._fuse_separate_projections)
 
-    # ---- construction from an existing module ------------------------------------------------------------------
     def adopt(self, module: nn.Module) -> None:
         """Take over ``module``'s projections as Q+, K, V+ (and, from a DnA module, its own Q-, V- and alpha);
         fill what is new according to ``init``."""
         fused = self.qkv
         super().adopt(module)  # takes module.qkv (and proj, norms, position bias) as the base class does
-        src = module.qkv
+        src, ours = module.qkv, isinstance(module, DnAAttention)
         fused = fused.to(device=src.weight.device, dtype=src.weight.dtype)
-        src_blocks = module.qkv_blocks if isinstance(module, DnAAttention) else ("q", "k", "v")
-        src_widths = module.qkv_widths() if isinstance(module, DnAAttention) else (self.attn_dim, self.kv_dim, self.kv_dim)
-        src_rows = _canonical(_rows(src, src_blocks, src_widths))
+        src_rows = _rows(src, module.qkv_blocks if ours else ("q", "k", "v"),
+                         module.qkv_widths() if ours else super().qkv_widths())
         dst_rows = _rows(fused, self.qkv_blocks, self.qkv_widths())
         with torch.no_grad():
-            for name, (w, b) in dst_rows.items():
-                key = {"q": "q_pos", "v": "v_pos"}.get(name, name)
-                if key not in src_rows:  # a negative branch the source does not have
-                    continue
-                w.copy_(src_rows[key][0])
+            for (w, b), (sw, sb) in ((dst_rows[n], src_rows[_branch(n)]) for n in self.qkv_blocks
+                                     if _branch(n) in src_rows):  # not a negative branch the source lacks
+                w.copy_(sw)
                 if b is not None:
-                    sb = src_rows[key][1]
                     b.copy_(sb) if sb is not None else b.zero_()
-            new = tuple(n for n in ("q_neg", "v_neg") if n in dst_rows and n not in src_rows)
-            self._init_negative(_canonical(dst_rows), only=new)
+            self._init_negative(dst_rows, only=tuple(n for n in ("q_neg", "v_neg") if n not in src_rows))
         self.qkv = fused
+        alpha = getattr(module, "alpha", None)
         if self.alpha is not None:
-            alpha = getattr(module, "alpha", None)
-            if isinstance(alpha, nn.Parameter) and alpha.shape == self.alpha.shape:
-                self.alpha = alpha
-            else:
-                self.alpha = nn.Parameter(self.alpha.detach().to(device=src.weight.device, dtype=src.weight.dtype))
+            same = isinstance(alpha, nn.Parameter) and alpha.shape == self.alpha.shape
+            self.alpha = alpha if same else nn.Parameter(self.alpha.detach().to(src.weight.device, src.weight.dtype))
 
     def _fuse_separate_projections(self, state_dict, prefix, *args) -> None:
-        """Load-time hook: a checkpoint with a 3*dim ``qkv`` (Q+, K, V+) and separate ``q_neg`` / ``v_neg``
+        """Load-time hook: a checkpoint with a 3-block ``qkv`` (Q+, K, V+) and separate ``q_neg`` / ``v_neg``
         Linears becomes this module's fused ``qkv``."""
         sep = [n for n in ("q_neg", "v_neg") if prefix + f"{n}.weight" in state_dict]
         if not sep or prefix + "qkv.weight" not in state_dict:
@@ -304,18 +277,13 @@ class DnAAttention(_DnAParams, AttnlabAttention):
             if qkv is None:
                 continue
             parts = dict(zip(("q_pos", "k", "v_pos"), qkv.split([self.attn_dim, self.kv_dim, self.kv_dim])))
-            for name in sep:
-                t = state_dict.pop(prefix + f"{name}.{kind}", None)
-                if t is not None:
-                    parts[name] = t
-            try:
-                fused = [parts[{"q": "q_pos", "v": "v_pos"}.get(n, n)] for n in self.qkv_blocks]
-                state_dict[prefix + f"qkv.{kind}"] = torch.cat(fused)
-            except KeyError as err:
-                raise SpecError(f"checkpoint at {prefix!r} lacks {err.args[0]}.{kind} that dna(variant="
-                                f"{self.variant}) needs.") from None
+            parts.update((n, t) for n in sep if (t := state_dict.pop(prefix + f"{n}.{kind}", None)) is not None)
+            missing = [n for n in self.qkv_blocks if _branch(n) not in parts]
+            if missing:
+                raise SpecError(f"checkpoint at {prefix!r} lacks {missing[0]}.{kind} that dna(variant={self.variant}) "
+                                f"needs.")
+            state_dict[prefix + f"qkv.{kind}"] = torch.cat([parts[_branch(n)] for n in self.qkv_blocks])
 
-    # ---- the mechanism ---------------------------------------------------------------------------------------------
     def block_heads(self) -> list[int]:
         """Heads per block of the fused projection: queries num_heads, keys and values num_kv_heads."""
         return [self.num_heads if name.startswith("q") else self.num_kv_heads for name in self.qkv_blocks]
@@ -325,24 +293,18 @@ class DnAAttention(_DnAParams, AttnlabAttention):
         return [h * self.head_dim for h in self.block_heads()]
 
     def project(self, x: torch.Tensor, backend: str = "explicit") -> tuple[Queries, torch.Tensor, Pair]:
-        """(:class:`Queries`, k, :class:`Pair` of values), each (B, H, N, D); a shared query or value fills both
-        slots, and Q and K are normalised per head when qk_norm is on (each query branch by the same ``q_norm``).
-
-        For the ``kernel`` backend without QK-norm the projection is one bias-free GEMM and the kernel adds the bias
-        as it copies each head, which spares a pass over the (B, N, 5*dim) output (docs/perf.md); forward hooks on
-        ``qkv`` do not see that GEMM. ``qkv.weight`` is read once (a parametrisation such as sigma's power iteration
-        runs on each read)."""
+        """(:class:`Queries`, k, :class:`Pair` of values), each (B, H, N, D), a shared query or value in both slots;
+        QK-norm on each query branch (the same ``q_norm``) and k. For the ``kernel`` backend without QK-norm the
+        projection is one bias-free GEMM and the kernel adds the bias as it copies each head (one pass fewer over the
+        (B, N, 5 dim) output; forward hooks on ``qkv`` do not see that GEMM). ``qkv.weight`` is read once (a
+        parametrisation such as sigma's runs on each read)."""
         B, N, _ = x.shape
         sizes = self.block_heads()
         defer = (backend == "kernel" and self.rotary is None and self.num_kv_heads == self.num_heads
                  and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity))
-        if defer:
-            w, b = self.qkv.weight, self.qkv.bias
-            y = F.linear(x, w)
-        else:
-            y, b = self.qkv(x), None
-        blocks = y.view(B, N, -1, self.head_dim).transpose(1, 2).split(sizes, dim=1)
-        q_pos, q_neg, k, v_pos, v_neg = _slots(self.qkv_blocks, blocks)
+        y, b = (F.linear(x, self.qkv.weight), self.qkv.bias) if defer else (self.qkv(x), None)
+        q_pos, q_neg, k, v_pos, v_neg = _slots(self.qkv_blocks, y.view(B, N, -1, self.head_dim).transpose(1, 2).split(
+            sizes, dim=1))
         input_bias = None if b is None else _slots(self.qkv_blocks, b.view(-1, self.head_dim).split(sizes))
         if not defer:
             shared_q = q_neg is q_pos
@@ -353,7 +315,7 @@ class DnAAttention(_DnAParams, AttnlabAttention):
     def projection(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) views of one block of the fused ``qkv``: ``q_pos``, ``q_neg``, ``k``, ``v_pos``,
         ``v_neg`` (or ``q`` / ``v`` when shared)."""
-        rows = _canonical(_rows(self.qkv, self.qkv_blocks, self.qkv_widths()))
+        rows = _rows(self.qkv, self.qkv_blocks, self.qkv_widths())
         if name not in rows:
             raise KeyError(f"dna(variant={self.variant}) has no {name!r} projection; it has "
                            f"{', '.join(self.qkv_blocks)}.")

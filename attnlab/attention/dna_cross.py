@@ -11,7 +11,7 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from .base import Intermediates, Want, make_call
 from .capabilities import Capabilities, Declares
-from .dna import Pair, Queries, _canonical, _DnAParams, _rows, _slots
+from .dna import Pair, Queries, _DnAParams, _rows, _slots
 from .mask import Mask
 
 
@@ -61,9 +61,8 @@ class DnACrossAttention(_DnAParams, Declares, nn.Module):
                 self._init_negative(self._all_rows())
 
     def _all_rows(self) -> dict:
-        rows = {**_rows(self.q, self.q_blocks, [self.attn_dim] * len(self.q_blocks)),
+        return {**_rows(self.q, self.q_blocks, [self.attn_dim] * len(self.q_blocks)),
                 **_rows(self.kv, self.kv_blocks, [self.attn_dim] * len(self.kv_blocks))}
-        return _canonical(rows)
 
     @torch.no_grad()
     def copy_from(self, q: nn.Linear, k: nn.Linear, v: nn.Linear, proj: nn.Linear | None = None) -> "DnACrossAttention":
