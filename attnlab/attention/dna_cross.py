@@ -16,13 +16,11 @@ from .mask import Mask
 
 
 class DnACrossAttention(_DnAParams, Declares, nn.Module):
-    """DnA cross-attention (Sec. 3.3, the visual-probe adapter): queries from ``x``, keys and values from ``context``.
+    """DnA cross-attention (Sec. 3.3, the visual-probe adapter): queries from ``x``, keys and values from ``context``,
 
         P' = softmax(P W_{Q+} (X W_K)^T / sqrt(d)) X W_{V+} + alpha * softmin(P W_{Q-} (X W_K)^T / sqrt(d)) X W_{V-}
 
-    followed by the output projection. Projections: ``q`` (rows Q+, Q- or Q) on ``x``, ``kv`` (rows K, V+, V- or K,
-    V) on ``context``; options as :class:`DnAAttention` (``init=copy`` derives Q-, V- from Q+, V+ at construction and
-    in :meth:`copy_from`).
+    then the output projection; ``q`` (rows Q+, Q- or Q) projects ``x``, ``kv`` (rows K, V+, V- or K, V) ``context``.
 
     Args:
         dim: query token width (and output width).
@@ -42,9 +40,7 @@ class DnACrossAttention(_DnAParams, Declares, nn.Module):
                  backend: str = "auto", variant: str = "qv", alpha_init: float = 0.5, scale: str = "both",
                  init: str = "random", neg_init: float = 1e-4) -> None:
         super().__init__()
-        self.dim = dim
-        self.kv_dim = kv_dim or dim
-        self.num_heads = num_heads
+        self.dim, self.kv_dim, self.num_heads = dim, kv_dim or dim, num_heads
         self.head_dim = head_dim or dim // num_heads
         self.attn_dim = num_heads * self.head_dim
         self.use_backend(backend)
@@ -79,14 +75,10 @@ class DnACrossAttention(_DnAParams, Declares, nn.Module):
             self.proj.load_state_dict(proj.state_dict())
         return self
 
-    def _heads(self, linear: nn.Linear, x: torch.Tensor, blocks: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
-        """One (B, H, N, D) tensor per block of ``linear``'s output on x (B, N, .)."""
-        B, N, _ = x.shape
-        return linear(x).view(B, N, len(blocks), self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-
     def project(self, x: torch.Tensor, context: torch.Tensor) -> tuple[Queries, torch.Tensor, Pair]:
         """Queries (B, H, N, D) from x, keys and values (B, H, M, D) from context."""
-        heads = self._heads(self.q, x, self.q_blocks) + self._heads(self.kv, context, self.kv_blocks)
+        heads = [t for linear, y in ((self.q, x), (self.kv, context)) for t in
+                 linear(y).unflatten(-1, (-1, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4).unbind(0)]
         q_pos, q_neg, k, v_pos, v_neg = _slots(self.q_blocks + self.kv_blocks, heads)
         return Queries(q_pos, q_neg), k, Pair(v_pos, v_neg)
 
