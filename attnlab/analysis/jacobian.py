@@ -1,26 +1,17 @@
 """Jacobian conditioning of self-attention (the spectral-conditioning paper's Figures 2-4, rightmost plots).
 
-For block l, head h and one input sequence X (N, C) (a ViT image's tokens or one Swin window), the head's output is
+For block l, head h and one input sequence X (N, C) (a ViT image's tokens or one Swin window):
 
     O_h(W_Q, W_K, W_V) = softmax(q k^T / sqrt(D) + bias) v,   q = X W_Q^T + b_Q,  k = X W_K^T + b_K,  v = X W_V^T + b_V
-
-with W_Q, W_K, W_V (D, C) the head's rows of the (effective) fused qkv weight, q and k passed through the module's
-QK-norm when it has one, and the head's output transform (``ns``) applied when one is set. The Jacobian
-
     J = d vec(O_h) / d [vec(W_Q), vec(W_K), vec(W_V)]        (N * D rows, 3 * D * C columns; row-major vec)
+    kappa(J) = sigma_max / sigma_min over its min(N * D, 3 * D * C) singular values
 
-(XCiT's and DaViT's channel attentions, Nyström and FAVOR+: O_h from the module's own kernel on that one head, its
-record's ``head`` intermediate; :func:`head_function`) is computed with ``torch.func.jacrev`` (reverse mode: N * D outputs are fewer than 3 * D * C inputs), and its
-condition number is kappa(J) = sigma_max / sigma_min over its min(N * D, 3 * D * C) singular values
-(``torch.linalg.svdvals``), in float64 by default: the paper reports kappa up to 1e10, beyond float32's reach.
-The weights are the ones the forward uses: under ``sigma`` gamma W / sigma(W), under ``speccond`` W + lam I_k.
-
-Masks: the block's mask (causal order, key padding, Swin's window mask) is the one its forward received; with key
-padding only the real tokens' outputs are rows of J (n * D rows for n real tokens), so padded positions are not
-measured.
-
-Cost: one (N D) x (3 D C) SVD per head, block and sequence; for ``vit_cifar`` (N 65, D 16, C 192) a 1040 x 9216
-matrix, about a second on two CPU cores, so pass a few images and, if need be, a subset of blocks and heads.
+W_Q, W_K, W_V (D, C) are the head's rows of the effective fused qkv weight (under ``sigma`` gamma W / sigma(W),
+under ``speccond`` W + lam I_k); O_h is the module's own kernel on that one head (its record's ``head``
+intermediate: QK-norm, the head transform, channel maps, Nyström, FAVOR+ included), under the mask its forward
+received (with key padding only the real tokens' rows). ``torch.func.jacrev`` and ``torch.linalg.svdvals``, in
+float64 by default (the paper reports kappa up to 1e10). Cost: one (N D) x (3 D C) SVD per head, block and
+sequence, about a second for ``vit_cifar`` on two CPU cores; docs/methods.md, "Jacobian conditioning instrument".
 """
 
 from __future__ import annotations
@@ -155,18 +146,16 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
                 raise ConfigError(f"sequences={sequences} is out of range for {name}, whose input holds {B} "
                                   f"sequences (images for ViT, windows of the batch for Swin); use 0 to {B - 1}.")
             head_list = [h for h in (range(module.num_heads) if heads is None else heads) if h < module.num_heads]
-            D, A = module.head_dim, module.attn_dim
-            with torch.no_grad():
-                weight = module.qkv.weight.to(dtype)  # effective weight (parametrisations applied)
-                qkv_bias = module.qkv.bias.to(dtype) if module.qkv.bias is not None else None
+            D, group = module.head_dim, module.num_heads // module.num_kv_heads
+            with torch.no_grad():  # the effective weight (parametrisations applied), in its q, k, v blocks
+                w_blocks = module.qkv.weight.to(dtype).split(module.qkv_widths())
+                b_blocks = None if module.qkv.bias is None else module.qkv.bias.to(dtype).split(module.qkv_widths())
             own = copy.deepcopy(module).to(dtype)  # its norms, kernel and head transform in the Jacobian's dtype
             per_head = []
             for h in head_list:
-                g = h // (module.num_heads // module.num_kv_heads)  # its key and value head
-                rows = [slice(h * D, (h + 1) * D), slice(A + g * D, A + (g + 1) * D),
-                        slice(A + module.kv_dim + g * D, A + module.kv_dim + (g + 1) * D)]
-                w_q, w_k, w_v = (weight[r] for r in rows)
-                b_q, b_k, b_v = (qkv_bias[r] for r in rows) if qkv_bias is not None else (None, None, None)
+                of = (h, h // group, h // group)  # its query head, its key and value head
+                w_q, w_k, w_v = (t[i * D:(i + 1) * D] for t, i in zip(w_blocks, of))
+                b_q, b_k, b_v = (None,) * 3 if b_blocks is None else (t[i * D:(i + 1) * D] for t, i in zip(b_blocks, of))
                 per_seq = []
                 for s in sequences:
                     one = None if mask is None else mask.for_sample(s).for_head(h)

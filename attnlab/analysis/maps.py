@@ -1,12 +1,11 @@
 """Attention maps of every layer and branch, read from a real forward through each mechanism's explicit path.
 
-The instruments that look at attention weights (head redundancy, relevance) need the (B, H, N, M) maps of every
-attention module, per branch for two-branch mechanisms, and relevance needs them inside the autograd graph. They are
-a kernel's intermediates: an observer asks every forward of the module for ``weights``
-(:meth:`~attnlab.attention.base.AttnlabAttention.observe`), which runs the explicit backend, so the model's output
-is computed from the very maps recorded and gradients reach them. A mechanism whose record does not declare the
-``weights`` intermediate (Nyström, Performer, channel maps) cannot be measured. Branches as the mechanisms name them,
-each a weight map W (rows over keys) and its signed coefficient c in the module's output o_h = sum_b c_b,h W_b,h V_b,h:
+The instruments that look at attention weights (head redundancy, relevance) need every attention module's (B, H, N,
+M) maps, per branch, inside the autograd graph (relevance). They are a kernel's ``weights`` intermediate: an
+observer asks every forward for them (:meth:`~attnlab.attention.base.AttnlabAttention.observe`), which runs the
+explicit backend, so the output is computed from the very maps recorded. A mechanism whose record does not declare
+``weights`` (Nyström, Performer, channel maps) cannot be measured. Branches, each a weight map W (rows over keys) and
+its signed coefficient c in the module's output o_h = sum_b c_b,h W_b,h V_b,h:
 
     standard (with or without ns), cog   "attn": W = softmax(s) (cog: sign(s) softmax(|s|)),   c = 1
     dna (Sec. 3.2)                       "pos": softmax(s^+), c = 1;   "neg": softmin(s^-), c = alpha_h
@@ -43,8 +42,7 @@ def unconverted(name: str, module: nn.Module) -> str:
 
 
 def map_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every attention module, in forward order; UnsupportedModelError naming the first whose
-    attention maps cannot be read."""
+    """:func:`measured_modules`; UnsupportedModelError naming the first whose attention maps cannot be read."""
     found = measured_modules(model)
     for name, module in found:
         if not isinstance(module, AttnlabAttention):
@@ -55,18 +53,31 @@ def map_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def not_called(name: str) -> UnsupportedModelError:
+    """The refusal for an attention module whose forward a pass never called (its hooks saw nothing)."""
+    return UnsupportedModelError(
+        f"attention module {name!r} was not called through its forward (its block runs the module's steps itself), "
+        f"so this instrument cannot see it; call the attention module itself in the block.")
+
+
+def _check_called(watch: list[tuple[str, nn.Module]], called: set[int]) -> None:
+    """:func:`not_called` for the first module of ``watch`` whose id is not in ``called``."""
+    missed = next((name for name, m in watch if id(m) not in called), None)
+    if missed is not None:
+        raise not_called(missed)
+
+
 @contextmanager
 def capture_maps(model: nn.Module, record: Callable[[int, str, nn.Module, dict[str, Branch]], None]
                  ) -> Iterator[list[tuple[str, nn.Module]]]:
     """While open, every forward of an attention module of ``model`` runs its explicit backend and calls
     ``record(index, name, module, branches)`` with its weight maps (in the autograd graph). Yields the modules;
-    UnsupportedModelError (:func:`not_called`) when one of them was never called."""
-    modules = map_modules(model)
-    called: set[int] = set()
+    :func:`not_called` when one of them was never called."""
+    modules, called = map_modules(model), set()
 
     def observer(index, name):
         def seen(module, found):
-            called.add(index)
+            called.add(id(module))
             record(index, name, module, found.weights)
         return seen
 
@@ -76,9 +87,7 @@ def capture_maps(model: nn.Module, record: Callable[[int, str, nn.Module, dict[s
     finally:
         for h in handles:
             h.remove()
-    missed = next((name for i, (name, _) in enumerate(modules) if i not in called), None)
-    if missed is not None:
-        raise not_called(missed)
+    _check_called(modules, called)
 
 
 @contextmanager
@@ -93,18 +102,10 @@ def eval_mode(model: nn.Module) -> Iterator[torch.device]:
             m.training = mode
 
 
-def not_called(name: str) -> UnsupportedModelError:
-    """The refusal for an attention module whose forward a pass never called (its hooks saw nothing)."""
-    return UnsupportedModelError(
-        f"attention module {name!r} was not called through its forward (its block runs the module's steps itself), "
-        f"so this instrument cannot see it; call the attention module itself in the block.")
-
-
 def forward_batches(model: nn.Module, images: torch.Tensor, batch_size: int, handles=(),
                     watch: list[tuple[str, nn.Module]] = ()) -> None:
-    """``images`` through ``model`` in chunks of ``batch_size`` under :func:`eval_mode`; the hooks ``handles`` (what
-    measures the forwards) are removed after, whatever happens. UnsupportedModelError (:func:`not_called`) when a
-    module of ``watch`` (name, module), the ones the hooks measure, was never called."""
+    """``images`` through ``model`` in chunks of ``batch_size`` under :func:`eval_mode`; the hooks ``handles`` are
+    removed after, whatever happens; :func:`not_called` when a module of ``watch`` (name, module) was never called."""
     called: set[int] = set()
     handles = [*handles, *(m.register_forward_pre_hook(lambda mod, args: called.add(id(mod))) for _, m in watch)]
     try:
@@ -114,9 +115,7 @@ def forward_batches(model: nn.Module, images: torch.Tensor, batch_size: int, han
     finally:
         for h in handles:
             h.remove()
-    missed = next((name for name, m in watch if id(m) not in called), None)
-    if missed is not None:
-        raise not_called(missed)
+    _check_called(watch, called)
 
 
 __all__ = ["Branch", "capture_maps", "eval_mode", "forward_batches", "map_modules", "measured_modules", "not_called",
