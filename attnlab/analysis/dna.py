@@ -130,22 +130,22 @@ def branch_instruments(model: nn.Module, images: torch.Tensor, k: int = DEFAULT_
     """
     modules = two_branch_modules(model)
     result = BranchInstruments(layers=[n for n, _ in modules], k=k, eps=eps, alpha=alpha_stats(model))
-    parts: list[dict[str, list[torch.Tensor]]] = [{"i": [], "c": [], "o": []} for _ in modules]
+    parts = [([], [], []) for _ in modules]  # per layer: intruders, C(V+, V-), branch cosine, one tensor per batch
 
     def observer(index):
         def record(module, found):
             (o_pos, o_neg), (v_pos, v_neg) = found.branches, found.values
-            parts[index]["i"].append(intruder_dimensions(o_pos, o_neg, k, eps).cpu())
-            parts[index]["c"].append(value_similarity(v_pos, v_neg).cpu())
-            parts[index]["o"].append(branch_cosine(o_pos, o_neg).cpu())
+            for part, value in zip(parts[index], (intruder_dimensions(o_pos, o_neg, k, eps),
+                                                  value_similarity(v_pos, v_neg), branch_cosine(o_pos, o_neg))):
+                part.append(value.cpu())
         return record
 
     forward_batches(model, images, batch_size,
                     [m.observe(Want(branches=True), observer(i)) for i, (_, m) in enumerate(modules)], watch=modules)
-    for p in parts:
-        result.intruders.append(torch.cat(p["i"]))
-        result.value_similarity.append(torch.cat(p["c"]))
-        result.branch_cosine.append(torch.cat(p["o"]))
+    for intruders, similarity, cosine in parts:
+        result.intruders.append(torch.cat(intruders))
+        result.value_similarity.append(torch.cat(similarity))
+        result.branch_cosine.append(torch.cat(cosine))
     return result
 
 
@@ -154,44 +154,35 @@ def plot_branch_instruments(results: dict[str, BranchInstruments], out_dir: str 
     layer; one PNG each in ``out_dir``. Returns the paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
+    first, k = next(iter(results.values())), max(r.k for r in results.values())
+    figures = {name: agg_figure(figsize=(10, 3) if name == "alpha" else (6, 4))
+               for name in ("intruders", "value_similarity", "branch_cosine", "alpha")}
 
-    def save(fig, name):
-        fig.tight_layout()
-        paths.append(save_png(fig, out_dir / name, dpi=120))
-
-    fig = agg_figure(figsize=(6, 4))
-    ax = fig.add_subplot()
-    k = max(r.k for r in results.values())
-    width = 0.8 / max(len(results), 1)
+    ax, width = figures["intruders"].add_subplot(), 0.8 / max(len(results), 1)
     for i, (name, r) in enumerate(results.items()):
         counts = torch.bincount(r.pooled("intruders").long(), minlength=k + 1).double()
         ax.bar((torch.arange(k + 1).double() + (i - (len(results) - 1) / 2) * width).numpy(),
                (counts / counts.sum()).numpy(), width=width, label=name)
-    first = next(iter(results.values()))
     ax.set(xlabel=f"intruder dimensions (k={first.k}, eps={first.eps:.3g})", ylabel="fraction of (sample, head, layer)",
            title="Intruder dimensions between the two branches")
     ax.legend()
-    save(fig, "intruders.png")
-
     for key, label in (("value_similarity", "C(V+, V-)"), ("branch_cosine", "cosine(O+, O-)")):
-        fig = agg_figure(figsize=(6, 4))
-        ax = fig.add_subplot()
+        ax = figures[key].add_subplot()
         for name, r in results.items():
             ax.hist(r.pooled(key).numpy(), bins=50, range=(-1, 1), alpha=0.6, density=True,
                     label=f"{name} (mean {float(r.pooled(key).mean()):.2f})")
         ax.set(xlabel=label, ylabel="density", title=f"{label} per sample, head and layer")
         ax.legend()
-        save(fig, f"{key}.png")
-
-    fig = agg_figure(figsize=(10, 3))
     for j, stat in enumerate(("mean", "max", "min", "sd")):
-        ax = fig.add_subplot(1, 4, j + 1)
+        ax = figures["alpha"].add_subplot(1, 4, j + 1)
         for name, r in results.items():
             ax.plot([a["layer"] for a in r.alpha], [a[stat] for a in r.alpha], marker="o", label=name)
         ax.set(xlabel="layer", title=f"alpha {stat}")
     ax.legend()
-    save(fig, "alpha.png")
+    paths = []
+    for name, fig in figures.items():
+        fig.tight_layout()
+        paths.append(save_png(fig, out_dir / f"{name}.png", dpi=120))
     return paths
 
 
