@@ -10,6 +10,9 @@ padding hides reaches no output it must not; Swin's window mask changes exactly 
 transform such as ns mixes a window's tokens after attention by design, so hidden regions may meet there). A forced
 backend that cannot run a cell (the C kernel in float64 or with a mask, Triton without CUDA, kernels switched off)
 refuses it in one line, which the cell checks. A new registered term enters every cell with no edit here.
+
+The logit intermediates (QK-clip's and the entropy instrument's) are generated the same way, term x every form of a
+mask the forward takes (SDPA's bool masks of rank 2, 3 and 4 among them), against q k^T computed here.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 import attnlab
-from attnlab.attention.base import AttnlabAttention
+from attnlab.attention.base import AttnlabAttention, Want
 from attnlab.attention.capabilities import Capabilities, capabilities_of
 from attnlab.attention.mask import AttentionMask
 from attnlab.errors import ConfigError, UnsupportedModelError
@@ -278,3 +281,78 @@ def test_the_record_is_frozen_and_the_backend_option_offers_what_it_declares(ter
         assert option is not None and set(option.choices) == {"auto", *record.backends}, term
     else:
         assert option is None, term
+
+
+#: every form of a mask the forward takes, for the intermediates' test: (2, N, N) keep maps, True where query i may
+#: attend key j (a padded query's row counts nowhere)
+FORMS = ["none", "causal", "key padding", "causal + key padding", "additive -inf", "bool (N, N)",
+         "bool per head (H, N, N)", "bool per sample (B, 1, N, N)", "window bias"]
+
+
+def _form(mask: str, dtype: torch.dtype) -> tuple[dict, torch.Tensor]:
+    """(forward arguments, keep map) of the mask form named ``mask``; SDPA's broadcasting reads a 3-D mask as (H, N, M),
+    and a position counts for every head's maximum where any head may attend it."""
+    real, causal = _keep(), torch.ones(N, N, dtype=torch.bool).tril()
+    pairs = real[:, :, None] & real[:, None, :]
+    holes = torch.rand(2, N, N, generator=torch.Generator().manual_seed(4)) < 0.6
+    holes[:, :, 0] = True  # every query attends a key
+    if mask == "none":
+        return {}, torch.ones(2, N, N, dtype=torch.bool)
+    if mask == "causal":
+        return {"is_causal": True}, causal.expand(2, N, N)
+    if mask in ("key padding", "causal + key padding"):
+        both = mask != "key padding"
+        return ({"attn_mask": AttentionMask(is_causal=both, key_padding=real)}, pairs & causal if both else pairs)
+    if mask == "additive -inf":
+        return ({"attn_mask": torch.zeros(2, 1, N, N, dtype=dtype).masked_fill(~holes[:, None], float("-inf"))},
+                holes)
+    if mask == "bool (N, N)":
+        return {"attn_mask": holes[0]}, holes[0].expand(2, N, N)
+    if mask == "window bias":  # the attention takes Swin's mask positionally (timm's WindowAttention.forward)
+        return {"window": _window_mask().to(dtype)}, _window_mask() == 0
+    if mask == "bool per head (H, N, N)":
+        return {"attn_mask": holes}, holes.any(dim=0).expand(2, N, N)
+    return {"attn_mask": holes[:, None]}, holes
+
+
+@pytest.mark.parametrize("mask", FORMS)
+@pytest.mark.parametrize("term", TERMS)
+def test_logit_intermediates_match_an_independent_reference_under_every_mask_form(term, mask):
+    """Every plain-softmax term (its record says so) reports float32 logits q k^T / sqrt(D) and, for every mask form,
+    per-head max logits over the positions that form allows (never the position bias), computed here from the fused
+    projection's q and k; a term whose record does not say so refuses in one line."""
+    try:
+        model = _model(term, mask == "window bias")
+    except UnsupportedModelError:
+        return  # the window geometry, refused as the contract cells check
+    attn = attention_modules(model)[0][1]
+    x = _input()
+    kwargs, keep = _form(mask, x.dtype)
+    want = Want(logits=True, max_logits=float("-inf"))
+    parts = [m for m in ("causal", "key padding", "window bias", "none") if m in mask] or ["additive -inf"]
+    predicted = next((why for why in (_predicted(_records(model), m) for m in parts) if why), None)
+    if not attn.capabilities.plain_softmax or predicted is not None:
+        with pytest.raises(UnsupportedModelError) as refused:
+            attn.run(x, **kwargs, want=want)
+        assert "\n" not in str(refused.value)
+        return
+    H, D = attn.num_heads, attn.head_dim
+
+    def reference(x):  # q k^T / sqrt(D) from the fused projection's first two blocks, and its masked maxima
+        with torch.no_grad():
+            q, k = (t.unflatten(-1, (H, D)).transpose(1, 2) for t in attn.qkv(x)[..., :2 * H * D].chunk(2, dim=-1))
+        logits = q @ k.transpose(-2, -1) / D ** 0.5
+        return logits, logits.masked_fill(~keep[:, None], float("-inf")).amax(dim=(0, 2, 3))
+
+    # the first input whose unmasked maximum lies where the form excludes it, so that the cell can fail
+    for seed in range(100):
+        x = torch.randn(2, N, DIM, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        logits, expected = reference(x)
+        if mask == "none" or not torch.equal(expected, logits.amax(dim=(0, 2, 3))):
+            break
+    else:
+        raise AssertionError(f"no input puts a maximum where {mask} excludes it")
+    with torch.no_grad():
+        found = attn.run(x, **kwargs, want=want)[1]
+    torch.testing.assert_close(found.logits.double(), logits, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(found.max_logits.double(), expected, rtol=1e-6, atol=1e-6)
