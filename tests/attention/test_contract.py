@@ -11,8 +11,9 @@ transform such as ns mixes a window's tokens after attention by design, so hidde
 backend that cannot run a cell (the C kernel in float64 or with a mask, Triton without CUDA, kernels switched off)
 refuses it in one line, which the cell checks. A new registered term enters every cell with no edit here.
 
-The logit intermediates (QK-clip's and the entropy instrument's) are generated the same way, term x every form of a
-mask the forward takes (SDPA's bool masks of rank 2, 3 and 4 among them), against q k^T computed here.
+The intermediates are generated the same way, term x every form of a mask the forward takes (SDPA's bool masks of
+rank 2, 3 and 4 among them): the logits and max logits (QK-clip's, the entropy instrument's) against q k^T computed
+here; each branch's weight map (the maps instruments' and relevance's) zero where the form excludes a key.
 """
 
 from __future__ import annotations
@@ -290,29 +291,36 @@ FORMS = ["none", "causal", "key padding", "causal + key padding", "additive -inf
 
 
 def _form(mask: str, dtype: torch.dtype) -> tuple[dict, torch.Tensor]:
-    """(forward arguments, keep map) of the mask form named ``mask``; SDPA's broadcasting reads a 3-D mask as (H, N, M),
-    and a position counts for every head's maximum where any head may attend it."""
+    """(forward arguments, keep map (B, H or 1, N, N)) of the mask form named ``mask``: the keys each query may attend
+    (a padded query's row keeps the real keys: its output row is zeroed after); SDPA's broadcasting reads a 3-D mask
+    as (H, N, M)."""
     real, causal = _keep(), torch.ones(N, N, dtype=torch.bool).tril()
-    pairs = real[:, :, None] & real[:, None, :]
+    keys = real[:, None, :].expand(2, N, N)
     holes = torch.rand(2, N, N, generator=torch.Generator().manual_seed(4)) < 0.6
     holes[:, :, 0] = True  # every query attends a key
     if mask == "none":
-        return {}, torch.ones(2, N, N, dtype=torch.bool)
+        return {}, torch.ones(2, 1, N, N, dtype=torch.bool)
     if mask == "causal":
-        return {"is_causal": True}, causal.expand(2, N, N)
+        return {"is_causal": True}, causal.expand(2, 1, N, N)
     if mask in ("key padding", "causal + key padding"):
         both = mask != "key padding"
-        return ({"attn_mask": AttentionMask(is_causal=both, key_padding=real)}, pairs & causal if both else pairs)
+        return ({"attn_mask": AttentionMask(is_causal=both, key_padding=real)}, (keys & causal if both else keys)[:, None])
     if mask == "additive -inf":
         return ({"attn_mask": torch.zeros(2, 1, N, N, dtype=dtype).masked_fill(~holes[:, None], float("-inf"))},
-                holes)
+                holes[:, None])
     if mask == "bool (N, N)":
-        return {"attn_mask": holes[0]}, holes[0].expand(2, N, N)
+        return {"attn_mask": holes[0]}, holes[0].expand(2, 1, N, N)
     if mask == "window bias":  # the attention takes Swin's mask positionally (timm's WindowAttention.forward)
-        return {"window": _window_mask().to(dtype)}, _window_mask() == 0
+        return {"window": _window_mask().to(dtype)}, (_window_mask() == 0)[:, None]
     if mask == "bool per head (H, N, N)":
-        return {"attn_mask": holes}, holes.any(dim=0).expand(2, N, N)
-    return {"attn_mask": holes[:, None]}, holes
+        return {"attn_mask": holes}, holes.expand(2, 2, N, N)
+    return {"attn_mask": holes[:, None]}, holes[:, None]
+
+
+def _predicted_form(model: nn.Module, mask: str) -> str | None:
+    """The refusal the records predict for a form of :data:`FORMS`, or None."""
+    parts = [m for m in ("causal", "key padding", "window bias", "none") if m in mask] or ["additive -inf"]
+    return next((why for why in (_predicted(_records(model), m) for m in parts) if why), None)
 
 
 @pytest.mark.parametrize("mask", FORMS)
@@ -328,9 +336,11 @@ def test_logit_intermediates_match_an_independent_reference_under_every_mask_for
     attn = attention_modules(model)[0][1]
     x = _input()
     kwargs, keep = _form(mask, x.dtype)
+    keep = keep.any(dim=1)  # a position counts for every head's maximum where any head may attend it
+    if "key padding" in mask:  # and only a real query's
+        keep = keep & _keep()[:, :, None]
     want = Want(logits=True, max_logits=float("-inf"))
-    parts = [m for m in ("causal", "key padding", "window bias", "none") if m in mask] or ["additive -inf"]
-    predicted = next((why for why in (_predicted(_records(model), m) for m in parts) if why), None)
+    predicted = _predicted_form(model, mask)
     if not attn.capabilities.plain_softmax or predicted is not None:
         with pytest.raises(UnsupportedModelError) as refused:
             attn.run(x, **kwargs, want=want)
@@ -356,3 +366,29 @@ def test_logit_intermediates_match_an_independent_reference_under_every_mask_for
         found = attn.run(x, **kwargs, want=want)[1]
     torch.testing.assert_close(found.logits.double(), logits, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(found.max_logits.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mask", FORMS)
+@pytest.mark.parametrize("term", TERMS)
+def test_weight_maps_honour_every_mask_form(term, mask):
+    """Every term whose record declares the ``weights`` intermediate reports, per branch, (B, H, N, M) maps that are
+    0 wherever the form excludes a key (exactly; Swin's -100 below 1e-40, as a softmax gives it), and whose rows'
+    absolute values sum to 1 (softmax, softmin, Cog's signed weights); the output is linear in them: o_h is
+    sum_b c_b W_b V_b (checked by the instruments' tests)."""
+    try:
+        model = _model(term, mask == "window bias")
+    except UnsupportedModelError:
+        return
+    attn = attention_modules(model)[0][1]
+    if "weights" not in attn.capabilities.intermediates or _predicted_form(model, mask) is not None:
+        return
+    kwargs, keep = _form(mask, torch.float64)
+    with torch.no_grad():
+        found = attn.run(_input(), **kwargs, want=Want(weights=True))[1]
+    assert found.weights, f"{term} declares weights but returned none"
+    for branch, maps in found.weights.items():
+        w = maps.weights
+        assert w.shape == (2, attn.num_heads, N, N), (branch, w.shape)
+        excluded = w.masked_fill(keep, 0.0).abs().max()
+        assert float(excluded) <= (1e-40 if mask == "window bias" else 0.0), f"{term} {branch}: {float(excluded):.3g}"
+        torch.testing.assert_close(w.abs().sum(dim=-1), torch.ones(2, attn.num_heads, N, dtype=w.dtype))
