@@ -1,22 +1,16 @@
-"""DnA's instruments (DnA paper Sec. 4.4, Appendix C.5), for any two-branch attention: DnA and Differential.
-
-For every attention layer, sample (ViT) or window (Swin) and head, with the two branch outputs O+, O- (N x D; DnA:
-softmax(s+) V+ and softmin(s-) V-, diff: A1 V and A2 V, both before alpha / lambda) and values V+, V- (N x D; diff
-shares V, so V+ = V-):
+"""DnA's instruments (DnA paper Sec. 4.4, Appendix C.5) for any two-branch attention, DnA and Differential; see
+docs/methods.md, "Two-branch convention (DnA and diff) and instruments". Per attention layer, sample (ViT) or window
+(Swin) and head, from the real forward's branch outputs O+, O- (N x D, before alpha / lambda) and values V+, V-
+(N x D; diff shares V, so V+ = V-):
 
 - intruder dimensions (Sec. 4.4 (a)): U+ and U- the top-k left singular vectors of O+ and O- (k = 10; at most
   min(N, D)). A vector u of U+ is an intruder when |cos(u, w)| < eps for every w in U- (eps = cos(pi/3)); the count
   is 0..k, higher means the branches span more separate subspaces.
 - value similarity C(V+, V-) = <V+, V->_F / (||V+||_F ||V-||_F) in [-1, 1] (Sec. 4.4 (b); the paper's display
   divides by ||V+||_F twice, its trace form and stated range use both norms, as here).
-- branch cosine: the cosine of the two branch outputs as matrices, <O+, O->_F / (||O+||_F ||O-||_F) (Sec. 4.4:
-  0.96 for diff, 0.32 for DnA on ImageNet).
+- branch cosine <O+, O->_F / (||O+||_F ||O-||_F) (Sec. 4.4: 0.96 for diff, 0.32 for DnA on ImageNet).
 - alpha statistics per layer (Appendix C.5 (D), Figure 11): mean, max, min and sample SD of alpha_h over heads
   (diff: its one lambda per layer, SD 0).
-
-Every such module's record declares the ``branches`` intermediate: its kernel returns the branch outputs (o_pos,
-o_neg), each (B, H, N, D) before alpha / lambda, and values (v_pos, v_neg) (diff: its one V twice), read here from
-the real forward; ``branch_coefficients() -> ("alpha", (H,))`` or ``("lambda", lambda)`` gives the coefficient.
 """
 
 from __future__ import annotations
@@ -36,16 +30,14 @@ from .maps import forward_batches
 
 DEFAULT_K = 10
 DEFAULT_EPS = math.cos(math.pi / 3)
+MEASURES = ("intruders", "value_similarity", "branch_cosine")  # BranchInstruments' per-layer tensors
 
 
 def intruder_dimensions(a: torch.Tensor, b: torch.Tensor, k: int = DEFAULT_K, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """Number of a's top-k left singular vectors whose |cosine| with every one of b's top-k stays below eps.
-
-    a, b: (..., N, D). Returns (...) int64 counts in [0, k'] with k' = min(k, N, D). Computed in float64.
-    """
+    a, b: (..., N, D). Returns (...) int64 counts in [0, k'] with k' = min(k, N, D). Computed in float64."""
     kk = min(k, a.shape[-2], a.shape[-1])
-    ua = torch.linalg.svd(a.double(), full_matrices=False).U[..., :kk]
-    ub = torch.linalg.svd(b.double(), full_matrices=False).U[..., :kk]
+    ua, ub = (torch.linalg.svd(t.double(), full_matrices=False).U[..., :kk] for t in (a, b))
     cos = (ua.transpose(-2, -1) @ ub).abs()  # (..., k', k'): singular vectors are unit, their sign arbitrary
     return (cos.amax(dim=-1) < eps).sum(dim=-1)
 
@@ -53,23 +45,14 @@ def intruder_dimensions(a: torch.Tensor, b: torch.Tensor, k: int = DEFAULT_K, ep
 def frobenius_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """<a, b>_F / (||a||_F ||b||_F) over the last two dimensions, (...); float64."""
     a, b = a.double(), b.double()
-    num = (a * b).sum(dim=(-2, -1))
-    return num / (a.flatten(-2).norm(dim=-1) * b.flatten(-2).norm(dim=-1))
+    return (a * b).sum(dim=(-2, -1)) / (a.flatten(-2).norm(dim=-1) * b.flatten(-2).norm(dim=-1))
 
 
-def value_similarity(v_pos: torch.Tensor, v_neg: torch.Tensor) -> torch.Tensor:
-    """C(V+, V-) = Trace(V+^T V-) / (||V+||_F ||V-||_F) per (...) for V±: (..., N, D)."""
-    return frobenius_cosine(v_pos, v_neg)
-
-
-def branch_cosine(o_pos: torch.Tensor, o_neg: torch.Tensor) -> torch.Tensor:
-    """Cosine similarity of the two branch outputs as matrices, per (...), for O±: (..., N, D)."""
-    return frobenius_cosine(o_pos, o_neg)
+value_similarity = branch_cosine = frobenius_cosine  # C(V+, V-) of the values, and the cosine of the branch outputs
 
 
 def two_branch_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every module whose record declares the two-branch convention (DnA, diff), in forward
-    order."""
+    """(name, module) of every module whose record declares the two-branch convention (DnA, diff), in forward order."""
     found = [(n, m) for n, m in model.named_modules() if "branches" in capabilities_of(m).intermediates]
     if not found:
         raise UnsupportedModelError(
@@ -123,29 +106,23 @@ class BranchInstruments:
 def branch_instruments(model: nn.Module, images: torch.Tensor, k: int = DEFAULT_K, eps: float = DEFAULT_EPS,
                        batch_size: int = 32) -> BranchInstruments:
     """Run ``model`` (eval mode, no grad) on ``images`` and measure, at every two-branch layer and for every sample
-    (Swin: window) and head, the intruder count, C(V+, V-) and the branch cosine; plus alpha statistics.
-
-    Each layer's branch outputs and values are its kernel's intermediates in the real forward (Swin's windows,
-    causal order, key padding as the forward received them).
-    """
+    (Swin: window) and head, the intruder count, C(V+, V-) and the branch cosine, from its kernel's branch outputs
+    and values in the real forward (Swin's windows, causal order, key padding as it received them); plus alpha
+    statistics."""
     modules = two_branch_modules(model)
     result = BranchInstruments(layers=[n for n, _ in modules], k=k, eps=eps, alpha=alpha_stats(model))
-    parts = [([], [], []) for _ in modules]  # per layer: intruders, C(V+, V-), branch cosine, one tensor per batch
+    parts = [{key: [] for key in MEASURES} for _ in modules]  # per layer, each measure's per-batch tensors
 
-    def observer(index):
-        def record(module, found):
-            (o_pos, o_neg), (v_pos, v_neg) = found.branches, found.values
-            for part, value in zip(parts[index], (intruder_dimensions(o_pos, o_neg, k, eps),
-                                                  value_similarity(v_pos, v_neg), branch_cosine(o_pos, o_neg))):
-                part.append(value.cpu())
-        return record
+    def record(index, found):
+        (o_pos, o_neg), (v_pos, v_neg) = found.branches, found.values
+        values = intruder_dimensions(o_pos, o_neg, k, eps), value_similarity(v_pos, v_neg), branch_cosine(o_pos, o_neg)
+        for key, value in zip(MEASURES, values):
+            parts[index][key].append(value.cpu())
 
-    forward_batches(model, images, batch_size,
-                    [m.observe(Want(branches=True), observer(i)) for i, (_, m) in enumerate(modules)], watch=modules)
-    for intruders, similarity, cosine in parts:
-        result.intruders.append(torch.cat(intruders))
-        result.value_similarity.append(torch.cat(similarity))
-        result.branch_cosine.append(torch.cat(cosine))
+    forward_batches(model, images, batch_size, [m.observe(Want(branches=True), lambda mod, found, i=i: record(i, found))
+                                                for i, (_, m) in enumerate(modules)], watch=modules)
+    for key in MEASURES:
+        getattr(result, key).extend(torch.cat(p[key]) for p in parts)
     return result
 
 
@@ -154,35 +131,38 @@ def plot_branch_instruments(results: dict[str, BranchInstruments], out_dir: str 
     layer; one PNG each in ``out_dir``. Returns the paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    first, k = next(iter(results.values())), max(r.k for r in results.values())
-    figures = {name: agg_figure(figsize=(10, 3) if name == "alpha" else (6, 4))
-               for name in ("intruders", "value_similarity", "branch_cosine", "alpha")}
+    k, width = max(r.k for r in results.values()), 0.8 / max(len(results), 1)
+    paths, first = [], next(iter(results.values()))
 
-    ax, width = figures["intruders"].add_subplot(), 0.8 / max(len(results), 1)
+    def save(fig, name):
+        fig.axes[-1].legend()
+        fig.tight_layout()
+        paths.append(save_png(fig, out_dir / name, dpi=120))
+
+    fig = agg_figure(figsize=(6, 4))
+    ax = fig.add_subplot()
     for i, (name, r) in enumerate(results.items()):
         counts = torch.bincount(r.pooled("intruders").long(), minlength=k + 1).double()
         ax.bar((torch.arange(k + 1).double() + (i - (len(results) - 1) / 2) * width).numpy(),
                (counts / counts.sum()).numpy(), width=width, label=name)
     ax.set(xlabel=f"intruder dimensions (k={first.k}, eps={first.eps:.3g})", ylabel="fraction of (sample, head, layer)",
            title="Intruder dimensions between the two branches")
-    ax.legend()
+    save(fig, "intruders.png")
     for key, label in (("value_similarity", "C(V+, V-)"), ("branch_cosine", "cosine(O+, O-)")):
-        ax = figures[key].add_subplot()
+        fig = agg_figure(figsize=(6, 4))
+        ax = fig.add_subplot()
         for name, r in results.items():
             ax.hist(r.pooled(key).numpy(), bins=50, range=(-1, 1), alpha=0.6, density=True,
                     label=f"{name} (mean {float(r.pooled(key).mean()):.2f})")
         ax.set(xlabel=label, ylabel="density", title=f"{label} per sample, head and layer")
-        ax.legend()
+        save(fig, f"{key}.png")
+    fig = agg_figure(figsize=(10, 3))
     for j, stat in enumerate(("mean", "max", "min", "sd")):
-        ax = figures["alpha"].add_subplot(1, 4, j + 1)
+        ax = fig.add_subplot(1, 4, j + 1)
         for name, r in results.items():
             ax.plot([a["layer"] for a in r.alpha], [a[stat] for a in r.alpha], marker="o", label=name)
         ax.set(xlabel="layer", title=f"alpha {stat}")
-    ax.legend()
-    paths = []
-    for name, fig in figures.items():
-        fig.tight_layout()
-        paths.append(save_png(fig, out_dir / f"{name}.png", dpi=120))
+    save(fig, "alpha.png")
     return paths
 
 

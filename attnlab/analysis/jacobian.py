@@ -1,22 +1,24 @@
-"""Jacobian conditioning of self-attention (the spectral-conditioning paper's Figures 2-4, rightmost plots).
-
-For block l, head h and one input sequence X (N, C) (a ViT image's tokens or one Swin window):
+"""Jacobian conditioning of self-attention (the spectral-conditioning paper's Figures 2-4, rightmost plots); weights,
+masks and cost as docs/methods.md, "Jacobian conditioning instrument", says. For block l, head h and one input
+sequence X (N, C) (a ViT image's tokens or one Swin window), W_Q, W_K, W_V (D, C) the head's rows of the effective
+fused qkv weight (under ``sigma`` gamma W / sigma(W), under ``speccond`` W + lam I_k):
 
     O_h(W_Q, W_K, W_V) = softmax(q k^T / sqrt(D) + bias) v,   q = X W_Q^T + b_Q,  k = X W_K^T + b_K,  v = X W_V^T + b_V
     J = d vec(O_h) / d [vec(W_Q), vec(W_K), vec(W_V)]        (N * D rows, 3 * D * C columns; row-major vec)
     kappa(J) = sigma_max / sigma_min over its min(N * D, 3 * D * C) singular values
 
-W_Q, W_K, W_V (D, C) are the head's rows of the effective fused qkv weight (under ``sigma`` gamma W / sigma(W),
-under ``speccond`` W + lam I_k); O_h is the module's own kernel on that one head (its record's ``head``
-intermediate: QK-norm, the head transform, channel maps, Nyström, FAVOR+ included), under the mask its forward
-received (with key padding only the real tokens' rows). ``torch.func.jacrev`` and ``torch.linalg.svdvals``, in
-float64 by default (the paper reports kappa up to 1e10). Cost: one (N D) x (3 D C) SVD per head, block and
-sequence, about a second for ``vit_cifar`` on two CPU cores; docs/methods.md, "Jacobian conditioning instrument".
+with key padding, only the n real tokens' outputs are rows of J (n * D rows). XCiT's and DaViT's channel attentions,
+Nyström and FAVOR+: O_h from the module's own kernel on that one head (:func:`head_function`). J comes from
+``torch.func.jacrev`` (reverse mode: N * D outputs are fewer than 3 * D * C inputs), kappa from
+``torch.linalg.svdvals``, in float64 by default: the paper reports kappa up to 1e10, beyond float32's reach. Cost:
+one (N D) x (3 D C) SVD per head, block and sequence, for ``vit_cifar`` (N 65, D 16, C 192) 1040 x 9216, about a
+second on two CPU cores: pass a few images and, if need be, a subset of blocks and heads.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -42,8 +44,7 @@ def attention_jacobian(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_
         return o if rows is None else o[rows]
 
     parts = jacrev(f, argnums=(0, 1, 2))(w_q, w_k, w_v)  # each (N, D, D, C)
-    rows = parts[0].shape[0] * parts[0].shape[1]
-    return torch.cat([p.reshape(rows, -1) for p in parts], dim=1)
+    return torch.cat([p.reshape(p.shape[0] * p.shape[1], -1) for p in parts], dim=1)
 
 
 def condition_number(j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -56,10 +57,8 @@ def condition_number(j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 @dataclass
 class JacobianConditioning:
     """Condition numbers of the attention Jacobian, indexed [block, head, sequence] (NaN where a block lacks a head).
-
     ``blocks`` are the attention modules' names, ``heads`` and ``sequences`` the indices measured (a sequence is an
-    image for ViT, a window of the batch for Swin).
-    """
+    image for ViT, a window of the batch for Swin)."""
 
     kappa: torch.Tensor
     sigma_max: torch.Tensor
@@ -73,9 +72,8 @@ class JacobianConditioning:
         return self.kappa.log10().nanmean(dim=(1, 2))
 
     def to_dict(self) -> dict:
-        return {"blocks": self.blocks, "heads": self.heads, "sequences": self.sequences,
-                "kappa": self.kappa.tolist(), "sigma_max": self.sigma_max.tolist(),
-                "sigma_min": self.sigma_min.tolist()}
+        return {"blocks": self.blocks, "heads": self.heads, "sequences": self.sequences, "kappa": self.kappa.tolist(),
+                "sigma_max": self.sigma_max.tolist(), "sigma_min": self.sigma_min.tolist()}
 
 
 def head_function(module: nn.Module, head: int, mask=None) -> Callable[..., torch.Tensor]:
@@ -83,7 +81,7 @@ def head_function(module: nn.Module, head: int, mask=None) -> Callable[..., torc
     weights (D, C) and biases (D,): the module's own per-head steps and kernel on that head alone (its record's
     ``head`` intermediate), padded queries' rows zeroed and the head transform applied, as in its forward."""
     def f(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None):
-        q, k, v = ((x @ w.T + (b if b is not None else 0))[None, None] for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
+        q, k, v = ((x @ w.T + (0 if b is None else b))[None, None] for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
         q, k, v = module.normed(q, k, v)
         if module.rotary is not None:
             q, k = module.rotary(q, k)
@@ -101,24 +99,6 @@ def _check(module: nn.Module, name: str) -> None:
             f"measure a model built with a softmax kernel (standard, optionally with ns, sigma, speccond, qknorm).")
 
 
-def _capture_inputs(model: nn.Module, modules: list[tuple[str, nn.Module]], images: torch.Tensor) -> dict:
-    """Each attention module's input x and its forward's resolved mask (Swin's windows and position bias, causal
-    order, key padding) in one forward pass."""
-    seen: dict[str, list] = {name: [None, None] for name, _ in modules}
-
-    def pre_hook(name):
-        return lambda mod, args, kwargs: seen[name].__setitem__(0, (args[0] if args else kwargs["x"]).detach())
-
-    def observer(name):
-        return lambda mod, found: seen[name].__setitem__(1, found.mask)
-
-    handles = [m.register_forward_pre_hook(pre_hook(n), with_kwargs=True) for n, m in modules]
-    handles += [m.observe(Want(), observer(n)) for n, m in modules]
-    with torch.no_grad():
-        forward_batches(model, images, len(images), handles, watch=modules)
-    return seen
-
-
 def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Sequence[int] | None = None,
                           heads: Sequence[int] | None = None, sequences: Sequence[int] | None = None,
                           dtype: torch.dtype = torch.float64) -> JacobianConditioning:
@@ -131,40 +111,43 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
     chosen = [found[i] for i in (range(len(found)) if blocks is None else blocks)]
     for name, module in chosen:
         _check(module, name)
+    sequences = [0] if sequences is None else list(sequences)
+    inputs, masks, results = {}, {}, []
     with eval_mode(model):
-        inputs = _capture_inputs(model, chosen, images)
-        sequences = [0] if sequences is None else list(sequences)
-        results = []
+        # each module's input x and its forward's resolved mask (Swin's windows and position bias, causal order, key
+        # padding) from one forward pass
+        hooks = [m.register_forward_pre_hook(lambda mod, a, kw: inputs.update({mod: (a[0] if a else kw["x"]).detach()}),
+                                             with_kwargs=True) for _, m in chosen]
+        hooks += [m.observe(Want(), lambda mod, found: masks.update({mod: found.mask})) for _, m in chosen]
+        with torch.no_grad():
+            forward_batches(model, images, len(images), hooks, watch=chosen)
         for name, module in chosen:
-            x_all, mask = inputs[name]
+            x_all, mask = inputs[module], masks[module]
             if mask is not None and mask.from_queries:
                 raise UnsupportedModelError(
                     f"{name} adds a position bias computed from its queries (ViTDet's relative positions), which the "
                     f"attention Jacobian would hold fixed although it depends on W_Q; measure a model without it.")
-            B, N, _ = x_all.shape
+            B = x_all.shape[0]
             if any(not 0 <= s < B for s in sequences):
                 raise ConfigError(f"sequences={sequences} is out of range for {name}, whose input holds {B} "
                                   f"sequences (images for ViT, windows of the batch for Swin); use 0 to {B - 1}.")
             head_list = [h for h in (range(module.num_heads) if heads is None else heads) if h < module.num_heads]
-            D, group = module.head_dim, module.num_heads // module.num_kv_heads
-            with torch.no_grad():  # the effective weight (parametrisations applied), in its q, k, v blocks
-                w_blocks = module.qkv.weight.to(dtype).split(module.qkv_widths())
-                b_blocks = None if module.qkv.bias is None else module.qkv.bias.to(dtype).split(module.qkv_widths())
+            D, A, groups = module.head_dim, module.attn_dim, module.num_heads // module.num_kv_heads
+            with torch.no_grad():
+                weight = module.qkv.weight.to(dtype)  # effective weight (parametrisations applied)
+                bias = None if module.qkv.bias is None else module.qkv.bias.to(dtype)
             own = copy.deepcopy(module).to(dtype)  # its norms, kernel and head transform in the Jacobian's dtype
-            per_head = []
-            for h in head_list:
-                of = (h, h // group, h // group)  # its query head, its key and value head
-                w_q, w_k, w_v = (t[i * D:(i + 1) * D] for t, i in zip(w_blocks, of))
-                b_q, b_k, b_v = (None,) * 3 if b_blocks is None else (t[i * D:(i + 1) * D] for t, i in zip(b_blocks, of))
-                per_seq = []
-                for s in sequences:
-                    one = None if mask is None else mask.for_sample(s).for_head(h)
-                    real = None if one is None or one.key_padding is None else one.key_padding[0]
-                    j = attention_jacobian(x_all[s].to(dtype), w_q, w_k, w_v, head_function(own, h, one), rows=real,
-                                           b_q=b_q, b_k=b_k, b_v=b_v)
-                    per_seq.append(torch.stack(condition_number(j)))
-                per_head.append(torch.stack(per_seq))
-            results.append((head_list, torch.stack(per_head)))  # (heads, sequences, 3)
+            kappas = []
+            for h, s in itertools.product(head_list, sequences):
+                g = h // groups  # its key and value head
+                rows = [slice(start, start + D) for start in (h * D, A + g * D, A + module.kv_dim + g * D)]  # q, k, v
+                b_q, b_k, b_v = (None,) * 3 if bias is None else (bias[r] for r in rows)
+                one = None if mask is None else mask.for_sample(s).for_head(h)
+                real = None if one is None or one.key_padding is None else one.key_padding[0]
+                j = attention_jacobian(x_all[s].to(dtype), *(weight[r] for r in rows), head_function(own, h, one),
+                                       rows=real, b_q=b_q, b_k=b_k, b_v=b_v)
+                kappas.append(torch.stack(condition_number(j)))
+            results.append((head_list, torch.stack(kappas).view(len(head_list), len(sequences), 3)))
     # Swin's stages differ in head count: heads a block does not have are NaN
     all_heads = sorted({h for hs, _ in results for h in hs})
     out = torch.full((len(results), len(all_heads), len(sequences), 3), float("nan"), dtype=dtype)

@@ -1,11 +1,10 @@
 """Attention maps of every layer and branch, read from a real forward through each mechanism's explicit path.
 
-The instruments that look at attention weights (head redundancy, relevance) need every attention module's (B, H, N,
-M) maps, per branch, inside the autograd graph (relevance). They are a kernel's ``weights`` intermediate: an
-observer asks every forward for them (:meth:`~attnlab.attention.base.AttnlabAttention.observe`), which runs the
-explicit backend, so the output is computed from the very maps recorded. A mechanism whose record does not declare
-``weights`` (Nyström, Performer, channel maps) cannot be measured. Branches, each a weight map W (rows over keys) and
-its signed coefficient c in the module's output o_h = sum_b c_b,h W_b,h V_b,h:
+Head redundancy and relevance need every attention module's (B, H, N, M) maps per branch, relevance inside the
+autograd graph: an observer asks every forward for ``weights``, which runs the explicit backend, so the output is
+computed from the very maps recorded; a record without ``weights`` (Nyström, Performer, channel maps) cannot be
+measured (docs/methods.md, "Instruments: head redundancy, ..."). Branch b of head h: a weight map W (rows over keys)
+and its signed coefficient c in the module's output o_h = sum_b c_b,h W_b,h V_b,h:
 
     standard (with or without ns), cog   "attn": W = softmax(s) (cog: sign(s) softmax(|s|)),   c = 1
     dna (Sec. 3.2)                       "pos": softmax(s^+), c = 1;   "neg": softmin(s^-), c = alpha_h
@@ -29,8 +28,7 @@ from ..models.convert import attention_modules
 
 def measured_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every attention module, in forward order; UnsupportedModelError when there is none."""
-    found = attention_modules(model)
-    if not found:
+    if not (found := attention_modules(model)):
         raise UnsupportedModelError(f"{type(model).__name__} has no attention module attnlab can measure.")
     return found
 
@@ -42,7 +40,8 @@ def unconverted(name: str, module: nn.Module) -> str:
 
 
 def map_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """:func:`measured_modules`; UnsupportedModelError naming the first whose attention maps cannot be read."""
+    """(name, module) of every attention module, in forward order; UnsupportedModelError naming the first whose
+    attention maps cannot be read."""
     found = measured_modules(model)
     for name, module in found:
         if not isinstance(module, AttnlabAttention):
@@ -60,10 +59,18 @@ def not_called(name: str) -> UnsupportedModelError:
         f"so this instrument cannot see it; call the attention module itself in the block.")
 
 
-def _check_called(watch: list[tuple[str, nn.Module]], called: set[int]) -> None:
-    """:func:`not_called` for the first module of ``watch`` whose id is not in ``called``."""
-    missed = next((name for name, m in watch if id(m) not in called), None)
-    if missed is not None:
+@contextmanager
+def _watching(modules, handles=()) -> Iterator[None]:
+    """While open, notes which of ``modules`` (name, module) are called; after, removes the hooks ``handles`` and
+    its own, whatever happens, then raises :func:`not_called` for the first module never called."""
+    called: set[int] = set()
+    handles = [*handles, *(m.register_forward_pre_hook(lambda mod, args: called.add(id(mod))) for _, m in modules)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+    if (missed := next((name for name, m in modules if id(m) not in called), None)) is not None:
         raise not_called(missed)
 
 
@@ -72,22 +79,12 @@ def capture_maps(model: nn.Module, record: Callable[[int, str, nn.Module, dict[s
                  ) -> Iterator[list[tuple[str, nn.Module]]]:
     """While open, every forward of an attention module of ``model`` runs its explicit backend and calls
     ``record(index, name, module, branches)`` with its weight maps (in the autograd graph). Yields the modules;
-    :func:`not_called` when one of them was never called."""
-    modules, called = map_modules(model), set()
-
-    def observer(index, name):
-        def seen(module, found):
-            called.add(id(module))
-            record(index, name, module, found.weights)
-        return seen
-
-    handles = [m.observe(Want(weights=True), observer(i, n)) for i, (n, m) in enumerate(modules)]
-    try:
+    UnsupportedModelError (:func:`not_called`) when one of them was never called."""
+    modules = map_modules(model)
+    observers = [m.observe(Want(weights=True), lambda mod, found, i=i, n=n: record(i, n, mod, found.weights))
+                 for i, (n, m) in enumerate(modules)]
+    with _watching(modules, observers):
         yield modules
-    finally:
-        for h in handles:
-            h.remove()
-    _check_called(modules, called)
 
 
 @contextmanager
@@ -104,18 +101,12 @@ def eval_mode(model: nn.Module) -> Iterator[torch.device]:
 
 def forward_batches(model: nn.Module, images: torch.Tensor, batch_size: int, handles=(),
                     watch: list[tuple[str, nn.Module]] = ()) -> None:
-    """``images`` through ``model`` in chunks of ``batch_size`` under :func:`eval_mode`; the hooks ``handles`` are
-    removed after, whatever happens; :func:`not_called` when a module of ``watch`` (name, module) was never called."""
-    called: set[int] = set()
-    handles = [*handles, *(m.register_forward_pre_hook(lambda mod, args: called.add(id(mod))) for _, m in watch)]
-    try:
-        with eval_mode(model) as device:
-            for chunk in images.split(batch_size):
-                model(chunk.to(device))
-    finally:
-        for h in handles:
-            h.remove()
-    _check_called(watch, called)
+    """``images`` through ``model`` in chunks of ``batch_size`` under :func:`eval_mode`; the hooks ``handles`` (what
+    measures the forwards) are removed after, whatever happens. UnsupportedModelError (:func:`not_called`) when a
+    module of ``watch`` (name, module), the ones the hooks measure, was never called."""
+    with _watching(watch, handles), eval_mode(model) as device:
+        for chunk in images.split(batch_size):
+            model(chunk.to(device))
 
 
 __all__ = ["Branch", "capture_maps", "eval_mode", "forward_batches", "map_modules", "measured_modules", "not_called",
