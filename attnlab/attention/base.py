@@ -355,7 +355,9 @@ class AttnlabAttention(Declares, nn.Module):
         if q.is_meta:  # a model of shapes only has no logits
             return
         with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
-            q, k = q.detach(), k.detach().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            q, k = q.detach(), k.detach()
+            if k.shape[1] != q.shape[1]:  # grouped keys the backend took as they are: one per query head here
+                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             if want.logits:
                 found.logits = (q.float() @ k.float().transpose(-2, -1)) * self.scale
             if want.max_logits is not None:
