@@ -25,8 +25,8 @@ from torch.nn.utils import parametrize
 
 from ..attention.standard import StandardAttention
 from ..errors import ConfigError, did_you_mean
-from .llama import Llama, llama_geometry
-from .options import flag, refuse
+from .llama import Llama, default_mlp_hidden, llama_geometry
+from .options import flag, is_int, refuse
 from .pretrained import load_strict, open_safetensors, read_state_dict, safetensors_header
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -124,6 +124,8 @@ def hf_geometry(config: Mapping, source: str, shapes: Mapping[str, tuple[int, ..
         if failed:
             raise ConfigError(f"{source} {why}; give a model without it.")
     hints = _hints(shapes or {})
+    if is_int(config.get("hidden_size")) and config["hidden_size"] > 0:  # a config.json states intermediate_size
+        hints.setdefault("mlp_hidden", default_mlp_hidden(config["hidden_size"]))
     for key in ("vocab_size", "embed_dim", "depth", "num_heads", "mlp_hidden"):
         if config.get(_NAMES[key]) is None:
             raise ConfigError(f"{owner} has no {_NAMES[key]}; give it as a positive integer"

@@ -136,7 +136,7 @@ def llama_geometry(values: Mapping[str, object], owner: str = "Llama", names: Ma
                      f"{listed(divisors(heads))} (or {unset} for {heads})")
     mlp = values.get("mlp_hidden")
     mlp = default_mlp_hidden(dim) if mlp is None else positive_int(
-        owner, name("mlp_hidden"), mlp, f"{default_mlp_hidden(dim)} (or {unset} for that default)")
+        owner, name("mlp_hidden"), mlp, hint("mlp_hidden", f"{default_mlp_hidden(dim)} (or {unset} for that default)"))
     theta = finite_above(owner, name("rope_theta"), values.get("rope_theta"), THETA_MIN,
                          "one such as 10000.0 (Llama 2; Llama 3: 500000.0, Qwen: 1000000.0)", high=THETA_MAX)
     eps = finite_above(owner, name("norm_eps"), values.get("norm_eps"), 0.0, "one such as 1e-06 (Llama: 1e-05)")
