@@ -139,7 +139,7 @@ def llama_geometry(values: Mapping[str, object], owner: str = "Llama", names: Ma
         owner, name("mlp_hidden"), mlp, hint("mlp_hidden", f"{default_mlp_hidden(dim)} (or {unset} for that default)"))
     theta = finite_above(owner, name("rope_theta"), values.get("rope_theta"), THETA_MIN,
                          "one such as 10000.0 (Llama 2; Llama 3: 500000.0, Qwen: 1000000.0)", high=THETA_MAX)
-    eps = finite_above(owner, name("norm_eps"), values.get("norm_eps"), 0.0, "one such as 1e-06 (Llama: 1e-05)")
+    eps = finite_above(owner, name("norm_eps"), values.get("norm_eps"), 0.0, "one such as 1.0e-06 (Llama: 1.0e-05)")
     flags = {key: flag(owner, name(key), values.get(key))
              for key in ("qkv_bias", "proj_bias", "qk_norm", "tie_embeddings")}
     return dict(g, num_heads=heads, num_kv_heads=kv, head_dim=head_dim, mlp_hidden=mlp, rope_theta=theta,

@@ -53,8 +53,22 @@ def finite_above(owner: str, key: str, value: object, low: float, right: str, hi
     x = real(value)
     if x is None or not (math.isfinite(x) and low < x <= high):
         rule = f"a finite number above {low:g}" + (f" and at most {high:.4g}" if math.isfinite(high) else "")
-        raise refuse(owner, key, value, rule, right)
+        raise refuse(owner, key, value, rule, right + _yaml_text(value))
     return x
+
+
+def _yaml_text(value: object) -> str:
+    """A note for a number YAML read as text (PyYAML reads 1e6 and 1.0e6 as strings: its floats need a dot and a
+    signed exponent), with the spelling it reads as that number."""
+    try:
+        number = float(value) if isinstance(value, str) else None
+    except ValueError:
+        return ""
+    if number is None:
+        return ""
+    mantissa, _, exponent = repr(number).partition("e")
+    spelled = f"{mantissa if '.' in mantissa else mantissa + '.0'}e{exponent}" if exponent else repr(number)
+    return f" (YAML reads {value} as text; it reads {spelled} as the number)"
 
 
 def divisors(n: int) -> list[int]:

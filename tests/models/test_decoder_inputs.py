@@ -95,7 +95,7 @@ CONFIGS = {
                            "rope_parameters.rope_theta is 0, not a finite number above 1 and at most 3.403e+38; "
                            "give one such as 10000.0"),
     "parameters-not-object": ({"rope_parameters": "default"}, (), "rope_parameters is 'default', not a JSON object"),
-    "eps-0": ({"rms_norm_eps": 0}, (), "rms_norm_eps is 0, not a finite number above 0; give one such as 1e-06"),
+    "eps-0": ({"rms_norm_eps": 0}, (), "rms_norm_eps is 0, not a finite number above 0; give one such as 1.0e-06"),
     "eps-negative": ({"rms_norm_eps": -1}, (), "rms_norm_eps is -1"),
     "eps-string": ({"rms_norm_eps": "1e-6"}, (), "rms_norm_eps is '1e-6'"),
     "tie-string": ({"tie_word_embeddings": "yes"}, (), "tie_word_embeddings is 'yes', not a boolean; give true or "
@@ -176,7 +176,7 @@ OPTIONS = {
     "theta-past-float32": ({"rope_theta": 1e39}, "rope_theta is 1e+39, not a finite number above 1 and at most"),
     "theta-1": ({"rope_theta": 1.0}, "rope_theta is 1.0, not a finite number above 1"),
     "theta-string": ({"rope_theta": "1e4"}, "rope_theta is '1e4'"),
-    "eps-0": ({"norm_eps": 0.0}, "norm_eps is 0.0, not a finite number above 0; give one such as 1e-06"),
+    "eps-0": ({"norm_eps": 0.0}, "norm_eps is 0.0, not a finite number above 0; give one such as 1.0e-06"),
     "eps-negative": ({"norm_eps": -1}, "norm_eps is -1, not a finite number above 0"),
     "eps-nan": ({"norm_eps": math.nan}, "norm_eps is nan"),
     "eps-inf": ({"norm_eps": math.inf}, "norm_eps is inf"),
