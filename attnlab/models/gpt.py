@@ -307,5 +307,6 @@ def generate(model: DecoderLM, tokens, max_new_tokens: int, temperature: float =
     return idx
 
 
-__all__ = ["GELU", "GPT", "DecoderLM", "gpt_options", "GPT_PRESETS", "Block", "KVCache", "LayerCache", "check_block_size", "generate",
+__all__ = ["GELU", "GPT", "DecoderLM", "gpt_options", "GPT_PRESETS", "Block", "KVCache", "LayerCache",
+           "check_block_size", "generate",
            "sample_next", "supports_kv_cache"]

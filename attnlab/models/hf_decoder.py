@@ -116,8 +116,10 @@ def hf_geometry(config: Mapping, source: str, shapes: Mapping[str, tuple[int, ..
                      'a list of "full_attention", one per layer, or null')
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     for failed, why in (
-            (rope_type != "default", f"uses {rope_type!r} rope scaling, which attnlab's rotary positions do not compute"),
-            (config.get("hidden_act", "silu") != "silu", f"uses hidden_act {config.get('hidden_act')!r}, not SwiGLU's silu"),
+            (rope_type != "default",
+             f"uses {rope_type!r} rope scaling, which attnlab's rotary positions do not compute"),
+            (config.get("hidden_act", "silu") != "silu",
+             f"uses hidden_act {config.get('hidden_act')!r}, not SwiGLU's silu"),
             (config.get("mlp_bias") is True, "has MLP biases, which attnlab's SwiGLU does not hold"),
             (config.get("use_sliding_window") is True or any(t != "full_attention" for t in layer_types),
              "uses sliding-window attention, which attnlab's model does not")):

@@ -64,8 +64,9 @@ CONFIGS = {
                                                            "32), or set head_dim"),
     "heads-negative": ({"num_attention_heads": -4}, (), "num_attention_heads is -4, not a positive integer"),
     "heads-float": ({"num_attention_heads": 4.0}, (), "num_attention_heads is 4.0, not a positive integer"),
-    "heads-not-dividing": ({"num_attention_heads": 3}, ("head_dim",), "num_attention_heads is 3, not a positive integer dividing "
-                                                           "hidden_size 32 into even head_dims"),
+    "heads-not-dividing": ({"num_attention_heads": 3}, ("head_dim",), "num_attention_heads is 3, not a positive "
+                                                                      "integer dividing hidden_size 32 into even "
+                                                                      "head_dims"),
     "heads-0-with-head_dim": ({"num_attention_heads": 0, "head_dim": 8}, (),
                               "num_attention_heads is 0, not a positive integer; give one such as 4 "
                               "(hidden_size / head_dim)"),
@@ -285,7 +286,8 @@ def test_the_loader_refuses_in_one_line_what_raised_raw_errors(hf_dir, tmp_path)
     with pytest.raises(ConfigError) as err:
         llama_from_hf(path)
     assert "holds 'layers.0', which attnlab's Llama has no place for" in _one_line(err)
-    _edit_weights(path, lambda s: {k: v for k, v in s.items() if k not in ("model.layers.0", "model.layers.1.self_attn.k_proj.weight")})
+    _edit_weights(path, lambda s: {k: v for k, v in s.items()
+                                   if k not in ("model.layers.0", "model.layers.1.self_attn.k_proj.weight")})
     with pytest.raises(ConfigError) as err:
         llama_from_hf(path)
     assert "holds 'model.layers.1.self_attn.q_proj.weight' but not 'model.layers.1.self_attn.k_proj.weight'" in \
@@ -294,7 +296,8 @@ def test_the_loader_refuses_in_one_line_what_raised_raw_errors(hf_dir, tmp_path)
     with pytest.raises(ConfigError) as err:
         llama_from_hf(path)
     assert "whose shapes (32, 32), (16, 30), (16, 32) differ past the first dimension" in _one_line(err)
-    _edit_weights(path, lambda s: {k: (v * 0).to(torch.int8) for k, v in s.items() if k != "model.layers.1.self_attn.k_proj.weight"} | {"model.layers.1.self_attn.k_proj.weight": torch.zeros(16, 32, dtype=torch.int8)})
+    _edit_weights(path, lambda s: {k: torch.zeros(16, 32) if "k_proj" in k else v for k, v in s.items()})
+    _edit_weights(path, lambda s: {k: v.to(torch.int8) for k, v in s.items()})  # a quantised file, nothing floating
     with pytest.raises(ConfigError) as err:
         llama_from_hf(path)
     assert "holds no floating-point tensor (torch.int8 and the like); give float32" in _one_line(err)
@@ -306,7 +309,8 @@ def test_an_integer_or_boolean_tensor_for_a_floating_point_parameter_is_refused_
     path = _changed(hf_dir, tmp_path, {})
     key = "model.layers.1.mlp.up_proj.weight"
     _edit_weights(path, lambda s: {**s, key: s[key].round().to(dtype)})
-    for load in (llama_from_hf, lambda p: attnlab.build_model("llama_tiny", pretrained_file=str(p), **_tiny_geometry())):
+    for load in (llama_from_hf,
+                 lambda p: attnlab.build_model("llama_tiny", pretrained_file=str(p), **_tiny_geometry())):
         with pytest.raises(ConfigError) as err:
             load(path)
         text = _one_line(err)
