@@ -354,35 +354,59 @@ def _batches(docs: Iterable[tuple[int, str]], size: int) -> Iterator[list[tuple[
 
 
 class _Split:
-    """One split's shards: those written, and the documents and ids gathered for the next."""
+    """One split's shards: those written, and the documents and ids gathered for the next (``pending``)."""
 
-    def __init__(self, name: str, done: dict | None, dtype) -> None:
-        done = done or {"shards": [], "next_doc": 0}
-        self.name, self.dtype = name, dtype
+    def __init__(self, name: str, out: Path, done: dict | None, dtype) -> None:
+        done = done or {"shards": [], "pending": None}
+        self.name, self.out, self.dtype = name, out, dtype
         self.shards: list[dict] = list(done["shards"])
-        self.next_doc: int = done["next_doc"]  # the first document not in a written shard
         self.parts: list[np.ndarray] = []
-        self.tokens = 0
-        self.docs = 0
+        self.tokens = self.docs = 0
+        self.saved: dict | None = done.get("pending")  # the pending ids as the last state recorded them
+        if self.saved:
+            path = out / self.saved["file"]
+            data = path.read_bytes() if path.is_file() else b""
+            if hashlib.sha256(data).hexdigest() != self.saved["sha256"]:
+                raise DatasetError(f"{path}, which {out / STATE} records, is missing or changed; remove {out} to "
+                                   f"start over.")
+            self.parts = [np.frombuffer(data, dtype=dtype.newbyteorder("<")).astype(dtype)]
+            self.tokens, self.docs = self.saved["tokens"], self.saved["documents"]
 
     def add(self, ids: list[int], sep: int) -> None:
         self.parts.append(np.asarray([sep, *ids], dtype=self.dtype))
         self.tokens += len(ids) + 1
         self.docs += 1
 
-    def flush(self, out: Path, next_doc: int) -> None:
+    def _bytes(self) -> bytes:
+        return np.concatenate(self.parts).astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
+
+    def flush(self) -> None:
+        """The pending documents as the next shard."""
         if not self.docs:
-            self.next_doc = next_doc
             return
-        data = np.concatenate(self.parts).astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
+        data = self._bytes()
         name = shard_name(self.name, len(self.shards))
-        _atomic_write(out / name, data)
+        _atomic_write(self.out / name, data)
         self.shards.append({"file": name, "tokens": self.tokens, "documents": self.docs,
                             "sha256": hashlib.sha256(data).hexdigest()})
-        self.parts, self.tokens, self.docs, self.next_doc = [], 0, 0, next_doc
+        self.parts, self.tokens, self.docs, self.saved = [], 0, 0, None
+
+    def keep_pending(self, next_doc: int) -> None:
+        """The pending ids written aside (named by the restart point), so that a restart need not read them again."""
+        if not self.docs:
+            self.saved = None
+            return
+        if self.saved and self.saved["documents"] == self.docs:
+            return  # unchanged since the last save
+        data = self._bytes()
+        self.parts = [np.frombuffer(data, dtype=self.dtype.newbyteorder("<")).astype(self.dtype)]
+        name = f".{self.name}.pending.{next_doc}.bin"
+        _atomic_write(self.out / name, data)
+        self.saved = {"file": name, "tokens": self.tokens, "documents": self.docs,
+                      "sha256": hashlib.sha256(data).hexdigest()}
 
     def state(self) -> dict:
-        return {"shards": self.shards, "next_doc": self.next_doc}
+        return {"shards": self.shards, "pending": self.saved}
 
 
 def prepare(source: Source, tokenizer: str | Path, out: str | Path, *, text_key: str = "text", val: Val = Val(0.005),
@@ -416,14 +440,20 @@ def prepare(source: Source, tokenizer: str | Path, out: str | Path, *, text_key:
         log(f"{out} already holds this corpus (manifest.json); nothing to do.")
         return state["manifest"]
     out.mkdir(parents=True, exist_ok=True)
-    splits = {s: _Split(s, (state or {}).get("splits", {}).get(s), dtype) for s in SPLITS}
-    start = min(sp.next_doc for sp in splits.values())
+    splits = {s: _Split(s, out, (state or {}).get("splits", {}).get(s), dtype) for s in SPLITS}
+    start = (state or {}).get("next_doc", 0)
     if start:
-        log(f"resuming {out}: {sum(len(sp.shards) for sp in splits.values())} shards written, reading again from "
+        log(f"resuming {out}: {sum(len(sp.shards) for sp in splits.values())} shards written, continuing from "
             f"document {start}")
 
-    def save() -> None:
-        _write_json(out / STATE, {**job, "splits": {s: sp.state() for s, sp in splits.items()}})
+    def save(next_doc: int) -> None:
+        for sp in splits.values():
+            sp.keep_pending(next_doc)
+        _write_json(out / STATE, {**job, "next_doc": next_doc, "splits": {s: sp.state() for s, sp in splits.items()}})
+        keep = {sp.saved["file"] for sp in splits.values() if sp.saved}
+        for p in out.glob(".*.pending.*.bin"):  # earlier restart points' pending ids
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
 
     def numbered() -> Iterator[tuple[int, str]]:
         for i, (text, _where) in enumerate(d for d in source.documents(text_key) if d[0]):
@@ -432,6 +462,7 @@ def prepare(source: Source, tokenizer: str | Path, out: str | Path, *, text_key:
 
     pool = None
     try:
+        save(start)  # from here on the folder is this job's: a shard written before the next save is found again
         if workers > 1:
             import multiprocessing
 
@@ -444,20 +475,13 @@ def prepare(source: Source, tokenizer: str | Path, out: str | Path, *, text_key:
                        for batch in _batches(numbered(), BATCH_DOCS))
         bar = tqdm(desc=f"tokenizing into {out}", unit="doc", initial=start,
                    disable=None if progress is None else not progress, dynamic_ncols=True)
-        last = start - 1
         for indices, ids in encoded:
             for i, doc_ids in zip(indices, ids):
                 sp = splits["val" if val.is_val(i) else "train"]
-                last = i
-                if i < sp.next_doc:
-                    continue  # already in a shard written before the interruption
                 sp.add(doc_ids, sep)
                 if sp.tokens >= shard_tokens:
-                    sp.flush(out, i + 1)
-                    for other in splits.values():  # an empty split has nothing pending: its restart point moves on
-                        if not other.docs:
-                            other.next_doc = max(other.next_doc, i + 1)
-                    save()
+                    sp.flush()
+                    save(i + 1)
             bar.update(len(indices))
             bar.set_postfix(tokens=sum(sp.tokens + sum(s["tokens"] for s in sp.shards) for sp in splits.values()),
                             refresh=False)
@@ -472,7 +496,7 @@ def prepare(source: Source, tokenizer: str | Path, out: str | Path, *, text_key:
         pool.close()
         pool.join()
     for sp in splits.values():
-        sp.flush(out, last + 1)
+        sp.flush()
     totals = {s: {"tokens": sum(x["tokens"] for x in sp.shards), "documents": sum(x["documents"] for x in sp.shards),
                   "shards": sp.shards} for s, sp in splits.items()}
     if not totals["train"]["tokens"] or not totals["val"]["tokens"]:
@@ -490,6 +514,8 @@ def prepare(source: Source, tokenizer: str | Path, out: str | Path, *, text_key:
                 "attnlab_version": __version__, "vocab_size": vocab, "splits": totals}
     _write_json(out / MANIFEST, manifest)
     (out / STATE).unlink(missing_ok=True)
+    for p in out.glob(".*.pending.*.bin"):
+        p.unlink(missing_ok=True)
     return manifest
 
 
@@ -499,7 +525,8 @@ def _encode_batch(batch: list[tuple[int, str]]) -> tuple[list[int], list[list[in
 
 def _remove_ours(out: Path) -> None:
     for p in out.iterdir():
-        if p.name in (STATE, MANIFEST) or re.fullmatch(r"\.?(train|val)_\d{6}\.bin(\.tmp)?", p.name):
+        if p.name in (STATE, MANIFEST) or re.fullmatch(r"\.{0,2}((train|val)_\d{6}|(train|val)\.pending\.\d+)\.bin"
+                                                       r"(\.tmp)?|\.(manifest|prepare\.state)\.json\.tmp", p.name):
             p.unlink(missing_ok=True)
     try:
         out.rmdir()
