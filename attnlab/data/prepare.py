@@ -514,7 +514,7 @@ def prepare(source: Source, tokenizer: str | Path, out: str | Path, *, text_key:
                 "attnlab_version": __version__, "vocab_size": vocab, "splits": totals}
     _write_json(out / MANIFEST, manifest)
     (out / STATE).unlink(missing_ok=True)
-    for p in out.glob(".*.pending.*.bin"):
+    for p in [*out.glob(".*.pending.*.bin"), *out.glob(".*.tmp")]:  # ids set aside; a write cut short by a crash
         p.unlink(missing_ok=True)
     return manifest
 
