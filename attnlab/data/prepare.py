@@ -456,7 +456,7 @@ def prepare(source: Source, tokenizer: str | Path, out: str | Path, *, text_key:
                 p.unlink(missing_ok=True)
 
     def numbered() -> Iterator[tuple[int, str]]:
-        for i, (text, _where) in enumerate(d for d in source.documents(text_key) if d[0]):
+        for i, (text, _) in enumerate(d for d in source.documents(text_key) if d[0]):
             if i >= start:
                 yield i, text
 
@@ -467,7 +467,7 @@ def prepare(source: Source, tokenizer: str | Path, out: str | Path, *, text_key:
             import multiprocessing
 
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the processes are the parallelism
-            pool = multiprocessing.get_context("fork").Pool(workers, _init_worker, (str(tokenizer),))
+            pool = multiprocessing.Pool(workers, _init_worker, (str(tokenizer),))
             encoded = pool.imap(_encode_batch, _batches(numbered(), BATCH_DOCS), chunksize=1)
         else:
             encoded = (([i for i, _ in batch], [e.ids for e in tok.encode_batch([t for _, t in batch],

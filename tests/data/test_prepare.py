@@ -362,6 +362,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, gpt2_like):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{"text": "b"}\n\n{"text": oops}\n')
     assert "bad.jsonl line 4 is not valid JSON" in _fails([bad, *tok])
+    assert "bad.jsonl line 4 is not valid JSON" in _fails([bad, *tok, "--workers", "2"])  # raised in the pool's feeder
     nokey = tmp_path / "nokey.jsonl"
     nokey.write_text('{"text": "a"}\n{"body": "b"}\n')
     assert "line 2 has no 'text' field (it holds body)" in _fails([nokey, *tok])
