@@ -40,7 +40,7 @@ def _val(text: str):
     try:
         return parse_val(text)
     except ConfigError as err:
-        raise argparse.ArgumentTypeError(str(err).removeprefix(f"--val {text!r} ").rstrip(".")) from None
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--val ").rstrip(".")) from None
 
 
 def configure(p: argparse.ArgumentParser) -> None:

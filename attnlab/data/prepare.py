@@ -317,7 +317,24 @@ def _init_worker(tokenizer_path: str) -> None:
 
     global _TOKENIZER
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it ends the pool
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # pool.terminate() ends a worker quietly (the CLI's handler raises)
     _TOKENIZER = load_tokenizer(tokenizer_path)
+
+
+def _pool(workers: int, tokenizer: str):
+    """A process pool whose workers start with SIGTERM's default action (forked children inherit the CLI's handler,
+    which would print a traceback when ``pool.terminate()`` ends them)."""
+    import multiprocessing
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return multiprocessing.Pool(workers, _init_worker, (tokenizer,))
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        return multiprocessing.Pool(workers, _init_worker, (tokenizer,))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _encode(texts: list[str]) -> list[list[int]]:
@@ -464,10 +481,8 @@ def prepare(source: Source, tokenizer: str | Path, out: str | Path, *, text_key:
     try:
         save(start)  # from here on the folder is this job's: a shard written before the next save is found again
         if workers > 1:
-            import multiprocessing
-
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the processes are the parallelism
-            pool = multiprocessing.Pool(workers, _init_worker, (str(tokenizer),))
+            pool = _pool(workers, str(tokenizer))
             encoded = pool.imap(_encode_batch, _batches(numbered(), BATCH_DOCS), chunksize=1)
         else:
             encoded = (([i for i, _ in batch], [e.ids for e in tok.encode_batch([t for _, t in batch],
@@ -553,7 +568,9 @@ def _resume(out: Path, job: dict) -> dict | None:
         found_job = {**found, "tokenizer": {k: v for k, v in (found.get("tokenizer") or {}).items() if k != "file"}}
         if any(found_job.get(k) != job[k] for k in job):
             what = next(k for k in job if found_job.get(k) != job[k])
-            raise DatasetError(f"--out {out} holds a corpus prepared with another {what.replace('_', ' ')} (from "
+            what = {"source": "input", "text_key": "--text-key", "val": "--val", "shard_tokens": "--shard-tokens",
+                    "separator": "--separator", "tokenizer": "tokenizer"}.get(what, what)
+            raise DatasetError(f"--out {out} holds a corpus prepared with another {what} (from "
                                f"{'a finished' if name == MANIFEST else 'an interrupted'} run); give another --out "
                                f"folder, or remove {out} to start over.")
         if name == MANIFEST:

@@ -400,9 +400,9 @@ def test_out_folder_of_another_corpus_is_refused(tmp_path, gpt2_like):
     out = tmp_path / "out"
     assert in_process(["data", "prepare", good, "--tokenizer", gpt2_like, "--out", out, "--val", "2"]).returncode == 0
     before = folder_bytes(out)
-    assert "prepared with another val" in _fails([good, "--tokenizer", gpt2_like, "--out", out, "--val", "3"])
+    assert "prepared with another --val" in _fails([good, "--tokenizer", gpt2_like, "--out", out, "--val", "3"])
     other = write_jsonl(tmp_path / "d.jsonl", make_docs(20, seed=5))
-    assert "prepared with another source" in _fails([other, "--tokenizer", gpt2_like, "--out", out, "--val", "2"])
+    assert "prepared with another input" in _fails([other, "--tokenizer", gpt2_like, "--out", out, "--val", "2"])
     assert folder_bytes(out) == before
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "train.bin").write_bytes(b"\0\0")
