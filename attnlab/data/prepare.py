@@ -226,7 +226,8 @@ class Source:
         stamps = {}
         for p in self.files:
             st = p.stat()
-            stamps[p.relative_to(root).as_posix() if p != root else p.name] = f"{st.st_size} bytes, mtime {st.st_mtime_ns}"
+            name = p.relative_to(root).as_posix() if p != root else p.name
+            stamps[name] = f"{st.st_size} bytes, mtime {st.st_mtime_ns}"
         return {"path": str(root.resolve()), "files": stamps}
 
     def documents(self, key: str) -> Iterator[tuple[str, str]]:

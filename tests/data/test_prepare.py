@@ -21,7 +21,6 @@ import pytest
 from attnlab.data import prepare as prep
 from tests.cli_runner import in_process
 
-tokenizers = pytest.importorskip("tokenizers")
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = "the cat sat on a mat and dog ran far away while birds sing over green hills où ünïcode".split()
 
@@ -141,7 +140,8 @@ def test_separator_is_the_tokenizers_own(tmp_path):
     prep.prepare(prep.resolve_source(str(write_jsonl(tmp_path / "c.jsonl", docs))), llama, tmp_path / "out",
                  val=prep.Val(count=2))
     # the BOS comes once, from the separator: the template's own is not added again
-    assert shard_bytes(tmp_path / "out", "train") == expected_shards(docs, llama, "<s>", 10**8, lambda i: i < 2)["train"]
+    want = expected_shards(docs, llama, "<s>", 10**8, lambda i: i < 2)
+    assert shard_bytes(tmp_path / "out", "train") == want["train"]
 
 
 def test_uint32_for_a_vocabulary_over_65536(tmp_path):

@@ -67,7 +67,8 @@ def test_wortsman_init_is_truncated_normal_with_variance_one_over_fan_in():
         assert w.abs().max().item() <= bound + 1e-7 and w.abs().max().item() > 0.97 * bound
     emb = model.wte.weight.detach().double()
     assert abs(emb.var().item() * 256 - 1) < 0.02 and emb.abs().max().item() > 4 / math.sqrt(256)  # a plain normal
-    assert all(float(p.detach().min()) == 1.0 == float(p.detach().max()) for n, p in model.named_parameters() if "norm" in n)
+    norms = [p.detach() for n, p in model.named_parameters() if "norm" in n]
+    assert norms and all(float(p.min()) == 1.0 == float(p.max()) for p in norms)
 
 
 def test_llama_init_is_normal_0_02_and_bad_init_is_refused():
