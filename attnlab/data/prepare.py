@@ -9,9 +9,10 @@
       -> manifest.json: source, tokenizer sha256, vocab, dtype, token and document counts per split and per shard
 
 Shards are written atomically (a temporary name, then ``os.replace``), and after each one ``prepare.state.json``
-records, per split, the shards written and the first document not in them; an interrupted run (SIGKILL, Ctrl-C, a
-full disk) started again with the same arguments re-reads the input from the earliest such document and writes the
-same bytes an uninterrupted run would. The manifest is written last: its presence marks a finished corpus.
+records the shards written, the next document, and the ids the other split has gathered since its last shard (set
+aside in a hidden file named by that document); an interrupted run (SIGKILL, Ctrl-C, a full disk) started again
+with the same arguments skips the documents before that one unread by the tokenizer, and writes the same bytes an
+uninterrupted run would. The manifest is written last: its presence marks a finished corpus.
 attnlab's ``nanogpt`` dataset reads the shards through :mod:`attnlab.data.shards`.
 """
 
