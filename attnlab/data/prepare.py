@@ -24,7 +24,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -442,6 +442,12 @@ def prepare(source: Source, tokenizer: str | Path, out: str | Path, *, text_key:
         raise ConfigError(f"--workers must be at least 1, not {workers}.")
     if shard_tokens < 1:
         raise ConfigError(f"--shard-tokens must be at least 1, not {shard_tokens}.")
+    out = Path(out)
+    if source.files:  # an --out inside the input folder: its own shards are not input
+        inside = out.resolve()
+        source = replace(source, files=tuple(p for p in source.files if inside not in p.resolve().parents))
+        if not source.files:
+            raise DatasetError(f"input {source.text} holds no files outside --out {out}; give the corpus's folder.")
     tokenizer = Path(tokenizer)
     tok = load_tokenizer(tokenizer)
     sep_token, sep = find_separator(tok, separator)

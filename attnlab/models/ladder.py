@@ -13,7 +13,8 @@ with variance 1/fan_in (cut at two standard deviations of the untruncated normal
 1/0.8796 so that the truncated one has variance 1/fan_in), the embedding N(0, 1/d), norms at 1; or ``llama``:
 N(0, 0.02) for every matrix, norms at 1 (Llama's, and :class:`~attnlab.models.llama.Llama`'s default).
 
-docs/methods.md ("The size ladder") gives every rung's width, depth, heads and parameter count.
+docs/methods.md ("The size ladder") gives every rung's width, depth, heads and parameter count, and says which of
+the rule is read from the paper's summaries and which is attnlab's choice (the list of widths).
 """
 
 from __future__ import annotations

@@ -420,3 +420,15 @@ def test_help_names_every_flag():
     assert in_process(["data", "--help"]).returncode == 0
     r = in_process(["data"])
     assert r.returncode == 2 and r.stderr.count("\n") == 1
+
+
+def test_out_inside_the_input_folder_is_not_input(tmp_path, gpt2_like):
+    (tmp_path / "corpus").mkdir()
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", make_docs(30))
+    argv = ["data", "prepare", tmp_path / "corpus", "--tokenizer", gpt2_like, "--out", tmp_path / "corpus" / "tok",
+            "--val", "3"]
+    assert in_process(argv).returncode == 0
+    before = folder_bytes(tmp_path / "corpus" / "tok")
+    again = in_process(argv)  # its own shards are not a change of the input
+    assert again.returncode == 0 and "nothing to do" in again.stderr, again.stderr
+    assert folder_bytes(tmp_path / "corpus" / "tok") == before
