@@ -79,7 +79,7 @@ def interaction_term(spec: str | Spec | None) -> Term:
     others = [t.name for t in parsed.terms if t.kind != "kernel"]
     if others:
         raise SpecError(f"the probes' interaction modules take one attention term (standard or dna(...)), not "
-                        f"{'+'.join(others)}; give e.g. --probe-attn 'dna(neg_init=1e-2)'.")
+                        f"{'+'.join(others)}; e.g. 'dna(neg_init=1e-2)'.")
     term = parsed.kernel
     if term.name not in CROSS:
         raise SpecError(f"{term.name!r} has no cross-attention form for the probes' interaction modules; use one of: "

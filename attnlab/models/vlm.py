@@ -79,8 +79,10 @@ class VisionLanguageModel(nn.Module):
         self.image_token_id, self.probe_token_id = image_token_id, probe_token_id
         self.use_visual_tokens, self.use_probes = use_visual_tokens, use_probes
         self.merge_size, self.frames_per_clip = merge_size, frames_per_clip
-        self.projector = Projector(projector, vision.embed_dim, decoder.embed_dim)
-        self.probe_projector = Projector(projector, vision.embed_dim, decoder.embed_dim)
+        weight = decoder.wte.weight
+        self.projector = Projector(projector, vision.embed_dim, decoder.embed_dim).to(weight.device, weight.dtype)
+        self.probe_projector = Projector(projector, vision.embed_dim, decoder.embed_dim).to(weight.device,
+                                                                                             weight.dtype)
         # the authors start the probe projector as a copy of the visual one (train_viscop.py)
         self.probe_projector.load_state_dict(self.projector.state_dict())
 
