@@ -56,7 +56,7 @@ def viscop_to_attnlab(state: Mapping[str, torch.Tensor], vision: VisCoPEncoder, 
                 if missing:
                     raise ConfigError(f"{source} have no {missing!r}, which {term} interaction modules need; give the "
                                       f"weights of a model with {len(vision.probes.layers)} {term} modules.")
-                pieces = [state[key] if "v_neg" in key else state[key] for key in keys]  # their minus, our plus
+                pieces = [-state[key] if "v_neg" in key else state[key] for key in keys]  # their minus, our plus
                 out[f"probes.interaction_modules.{k}.{ours}.{part}"] = torch.cat(pieces)
             out[f"probes.interaction_modules.{k}.proj.{part}"] = state.get(f"{prefix}out_proj.{part}")
         if term.name == "dna":
