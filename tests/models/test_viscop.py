@@ -73,9 +73,10 @@ def ours(W: dict, attn: str, layers, tmp_path) -> VisCoPEncoder:
 
 
 def clips(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two clips of up to 3 frames of 16 x 8 pixels (a 4 x 2 patch grid), the second with 2 real frames."""
+    """Two clips of up to 3 frames of 8 x 16 pixels (a 2 x 4 patch grid: two 2 x 2 merge blocks side by side, so
+    merge-block order is not raster order), the second with 2 real frames."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(2, 3, CHANS, 16, 8, generator=g, dtype=torch.float64), torch.tensor([3, 2])
+    return torch.randn(2, 3, CHANS, 8, 16, generator=g, dtype=torch.float64), torch.tensor([3, 2])
 
 
 @pytest.mark.parametrize("layers", ["all", [0, 2]])
@@ -205,7 +206,7 @@ def test_the_vlm_on_a_hugging_face_qwen2_gives_transformers_logits(tmp_path, flo
     with torch.no_grad():
         torch.testing.assert_close(model(text), hf(text).logits, rtol=1e-12, atol=1e-12)
     x, num_frames = clips()
-    n = model.visual_token_count(1, 16, 8)
+    n = model.visual_token_count(1, 8, 16)
     tokens = torch.randint(0, 60, (2, 6 + 3 * n + PROBES), generator=g)
     tokens[0, 2:2 + 3 * n] = 62
     tokens[1, 2:2 + 2 * n] = 62
