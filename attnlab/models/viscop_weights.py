@@ -25,6 +25,7 @@ import torch
 from ..errors import ConfigError
 from .pretrained import load_strict
 from .siglip_navit import SigLIPNaViT, navit_to_attnlab
+from .probes import VisualProbes
 from .viscop import VisCoPEncoder
 
 _PREFIX = "model.vision_encoder.vision_encoder."
@@ -32,42 +33,47 @@ _STANDARD = {"q": ("q_proj",), "kv": ("k_proj", "v_proj")}
 _DNA = {"q": ("q_pos_proj", "q_neg_proj"), "kv": ("k_proj", "v_pos_proj", "v_neg_proj")}
 
 
-def viscop_to_attnlab(state: Mapping[str, torch.Tensor], vision: VisCoPEncoder, source: str = "VisCoP weights"
+def probes_to_attnlab(state: Mapping[str, torch.Tensor], probes: VisualProbes, source: str = "VisCoP weights"
                       ) -> dict[str, torch.Tensor]:
-    """The authors' ``ViSCoP_VisionEncoderModel`` state dict under ``vision``'s names; ConfigError (one line) when
-    the interaction modules are of another kind than ``vision``'s probe term."""
-    if not isinstance(vision.encoder, SigLIPNaViT):
-        raise ConfigError(f"{source} hold a SigLIP-NaViT encoder; build the VisCoPEncoder on SigLIPNaViT.")
-    term = vision.probes.term
+    """The authors' probes and interaction modules (``encoder.visual_probes``, ``encoder.interaction_modules.*``,
+    any other key ignored) under :class:`VisualProbes`' names; ConfigError (one line) when they do not fit."""
+    term = probes.term
     if term.name == "dna" and term.resolved()["variant"] != "qv":
         raise ConfigError(f"{source} hold Q±V± interaction modules; build the probes with dna(variant=qv).")
-    names = _DNA if term.name == "dna" else _STANDARD
-    state = {k.removeprefix(_PREFIX): v for k, v in state.items()}
-    encoder = {k: v for k, v in state.items() if not k.startswith(("encoder.interaction_modules.",
-                                                                    "encoder.visual_probes"))}
-    out = {f"encoder.{k}": v for k, v in navit_to_attnlab(encoder, vision.encoder.depth, source).items()}
-    out["probes.probes"] = state.get("encoder.visual_probes")
-    for k in range(len(vision.probes.interaction_modules)):
+    names, count = _DNA if term.name == "dna" else _STANDARD, len(probes.interaction_modules)
+    fits = f"give the weights of a model with {count} {term} interaction modules and visual probes"
+    out = {"probes": state.get("encoder.visual_probes")}
+    for k in range(count):
         prefix = f"encoder.interaction_modules.{k}."
         for part in ("weight", "bias"):
             for ours, theirs in names.items():
                 keys = [f"{prefix}{n}.{part}" for n in theirs]
                 missing = next((key for key in keys if key not in state), None)
                 if missing:
-                    raise ConfigError(f"{source} have no {missing!r}, which {term} interaction modules need; give the "
-                                      f"weights of a model with {len(vision.probes.layers)} {term} modules.")
+                    raise ConfigError(f"{source} have no {missing!r}; {fits}.")
                 pieces = [-state[key] if "v_neg" in key else state[key] for key in keys]  # their minus, our plus
-                out[f"probes.interaction_modules.{k}.{ours}.{part}"] = torch.cat(pieces)
-            out[f"probes.interaction_modules.{k}.proj.{part}"] = state.get(f"{prefix}out_proj.{part}")
+                out[f"interaction_modules.{k}.{ours}.{part}"] = torch.cat(pieces)
+            out[f"interaction_modules.{k}.proj.{part}"] = state.get(f"{prefix}out_proj.{part}")
         if term.name == "dna":
-            out[f"probes.interaction_modules.{k}.alpha"] = state.get(f"{prefix}neg_scalers")
-    unused = sorted(k for k in state if k.startswith("encoder.interaction_modules.")
-                    and int(k.split(".")[2]) >= len(vision.probes.interaction_modules))
+            out[f"interaction_modules.{k}.alpha"] = state.get(f"{prefix}neg_scalers")
+    unused = sorted(k for k in state if k.startswith("encoder.interaction_modules.") and int(k.split(".")[2]) >= count)
     if unused or any(v is None for v in out.values()):
         what = unused[0] if unused else next(k for k, v in out.items() if v is None)
-        raise ConfigError(f"{source} do not fit the probes ({what!r}); give the weights of a model with "
-                          f"{len(vision.probes.layers)} {term} modules and visual probes.")
+        raise ConfigError(f"{source} do not fit the probes ({what!r}); {fits}.")
     return out
+
+
+def viscop_to_attnlab(state: Mapping[str, torch.Tensor], vision: VisCoPEncoder, source: str = "VisCoP weights"
+                      ) -> dict[str, torch.Tensor]:
+    """The authors' ``ViSCoP_VisionEncoderModel`` state dict under ``vision``'s names (``vision``: a SigLIP-NaViT
+    encoder with probes of the same kind); ConfigError (one line) when it does not fit."""
+    if not isinstance(vision.encoder, SigLIPNaViT):
+        raise ConfigError(f"{source} hold a SigLIP-NaViT encoder; build the VisCoPEncoder on SigLIPNaViT.")
+    state = {k.removeprefix(_PREFIX): v for k, v in state.items()}
+    encoder = {k: v for k, v in state.items() if not k.startswith(("encoder.interaction_modules.",
+                                                                    "encoder.visual_probes"))}
+    out = {f"encoder.{k}": v for k, v in navit_to_attnlab(encoder, vision.encoder.depth, source).items()}
+    return {**out, **{f"probes.{k}": v for k, v in probes_to_attnlab(state, vision.probes, source).items()}}
 
 
 def load_viscop_authors(vision: VisCoPEncoder, state: Mapping[str, torch.Tensor],
@@ -76,4 +82,4 @@ def load_viscop_authors(vision: VisCoPEncoder, state: Mapping[str, torch.Tensor]
     return load_strict(vision, viscop_to_attnlab(state, vision, source), source)
 
 
-__all__ = ["load_viscop_authors", "viscop_to_attnlab"]
+__all__ = ["load_viscop_authors", "probes_to_attnlab", "viscop_to_attnlab"]

@@ -20,7 +20,7 @@ from attnlab.models.llama import Llama
 from attnlab.models.probes import VisualProbes
 from attnlab.models.siglip_navit import SigLIPNaViT, navit_from_hf
 from attnlab.models.viscop import VisCoPEncoder
-from attnlab.models.viscop_weights import load_viscop_authors
+from attnlab.models.viscop_weights import load_viscop_authors, probes_to_attnlab
 from attnlab.models.vlm import VisionLanguageModel
 from tests import reference_vlm as ref
 
@@ -109,19 +109,8 @@ def test_the_probe_path_on_a_timm_vit_equals_the_reference():
                             num_heads=HEADS, num_classes=0).double().eval()
     vision = VisCoPEncoder(vit, num_probes=PROBES, layers=[1, 2], attn="dna", warm_start="none").double().eval()
     W = their_weights("dna", 2, seed=3)
+    vision.probes.load_state_dict(probes_to_attnlab({k: torch.from_numpy(v) for k, v in W.items()}, vision.probes))
     with torch.no_grad():
-        for k, m in enumerate(vision.probes.interaction_modules):
-            pre = f"encoder.interaction_modules.{k}"
-            t = {n: torch.from_numpy(W[f"{pre}.{n}"]) for n in ("q_pos_proj.weight", "q_neg_proj.weight",
-                 "k_proj.weight", "v_pos_proj.weight", "v_neg_proj.weight", "out_proj.weight", "q_pos_proj.bias",
-                 "q_neg_proj.bias", "k_proj.bias", "v_pos_proj.bias", "v_neg_proj.bias", "out_proj.bias")}
-            for part in ("weight", "bias"):
-                m.q.__getattr__(part).copy_(torch.cat([t[f"q_pos_proj.{part}"], t[f"q_neg_proj.{part}"]]))
-                m.kv.__getattr__(part).copy_(torch.cat([t[f"k_proj.{part}"], t[f"v_pos_proj.{part}"],
-                                                        -t[f"v_neg_proj.{part}"]]))
-                m.proj.__getattr__(part).copy_(t[f"out_proj.{part}"])
-            m.alpha.copy_(torch.from_numpy(W[f"{pre}.neg_scalers"]))
-        vision.probes.probes.copy_(torch.from_numpy(W["encoder.visual_probes"]))
         x, num_frames = clips(seed=4)
         x = torch.nn.functional.interpolate(x.flatten(0, 1), size=(16, 16)).view(2, 3, CHANS, 16, 16)
         _, _, probes = vision(x, num_frames)
