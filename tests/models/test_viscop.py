@@ -278,3 +278,18 @@ def test_a_navit_checkpoint_with_a_foreign_key_is_refused(tmp_path):
     write_navit(W, tmp_path / "navit")
     with pytest.raises(ConfigError, match="rel_pos"):
         navit_from_hf(tmp_path / "navit")
+
+
+@pytest.mark.parametrize("spec", ["standard", "dna(variant=v)"])
+def test_the_warm_start_reads_a_timm_vit_and_a_dna_converted_encoder(spec):
+    """timm's fused qkv (thirds) and a DnA self-attention's positive branch (Q+, K, V+; a shared Q serves both)."""
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=8, embed_dim=DIM, depth=DEPTH,
+                            num_heads=HEADS, num_classes=0)
+    attnlab.convert(vit, spec)
+    probes = VisCoPEncoder(vit, num_probes=PROBES, layers=[2], attn="standard").probes
+    src = vit.blocks[2].attn
+    q, k, v = src.qkv.weight.chunk(3) if spec == "standard" else (src.projection(n)[0] for n in ("q_pos", "k", "v_pos"))
+    module = probes.interaction_modules[0]
+    assert torch.equal(module.q.weight, q) and torch.equal(module.kv.weight, torch.cat([k, v]))
+    assert torch.equal(module.proj.weight, src.proj.weight)
