@@ -293,3 +293,26 @@ def test_the_warm_start_reads_a_timm_vit_and_a_dna_converted_encoder(spec):
     module = probes.interaction_modules[0]
     assert torch.equal(module.q.weight, q) and torch.equal(module.kv.weight, torch.cat([k, v]))
     assert torch.equal(module.proj.weight, src.proj.weight)
+
+
+@pytest.mark.parametrize("visual,probes", [(True, True), (True, False), (False, True)])
+def test_a_training_step_reaches_the_probes_projectors_and_decoder_but_not_the_frozen_encoder(visual, probes):
+    """VisCoP trains the probes, their interaction modules, the projectors in use and the LLM; the encoder stays
+    frozen. A prompt holds placeholders only for what the LLM receives."""
+    torch.manual_seed(0)
+    enc = SigLIPNaViT(embed_dim=DIM, depth=2, num_heads=HEADS, mlp_hidden=MLP, patch_size=PATCH)
+    model = VisionLanguageModel(VisCoPEncoder(enc, num_probes=2, layers=[1], attn="dna"),
+                                Llama(vocab_size=40, embed_dim=32, depth=1), image_token_id=38, probe_token_id=39,
+                                use_visual_tokens=visual, use_probes=probes, frames_per_clip=3)
+    x, num_frames = clips()
+    tokens = torch.randint(0, 30, (2, 16))
+    if visual:
+        tokens[0, 1:7], tokens[1, 1:5] = 38, 38
+    if probes:
+        tokens[:, 10:12] = 39
+    model(tokens, x.float(), num_frames).logsumexp(-1).mean().backward()
+    assert all(p.grad is None for p in enc.parameters())
+    for part, used in (("vision.probes", probes), ("projector", visual), ("probe_projector", probes),
+                       ("decoder", True)):
+        grads = [p.grad for n, p in model.named_parameters() if n.startswith(part + ".")]
+        assert grads and all((g is not None and bool(g.abs().sum() > 0)) == used for g in grads), part
