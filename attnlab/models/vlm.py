@@ -20,6 +20,7 @@ import re
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..errors import ConfigError
 from .llama import Llama
@@ -56,11 +57,13 @@ class VisionLanguageModel(nn.Module):
         use_visual_tokens, use_probes: which of the two the LLM receives (VisCoP's DnA script: both).
         merge_size: m, the encoder's tokens merged m x m per frame (VisCoP: 2 for images and videos).
         frames_per_clip: the most frames a clip may hold (VisCoP's DnA script: 40 at 1 fps); longer is refused.
+        gradient_checkpointing: recompute each decoder block in the backward pass instead of keeping its
+            activations (the authors' script turns it on); training only.
     """
 
     def __init__(self, vision: VisCoPEncoder, decoder: Llama, *, image_token_id: int, probe_token_id: int,
                  projector: str = "mlp2x_gelu", use_visual_tokens: bool = True, use_probes: bool = True,
-                 merge_size: int = 2, frames_per_clip: int = 40) -> None:
+                 merge_size: int = 2, frames_per_clip: int = 40, gradient_checkpointing: bool = False) -> None:
         super().__init__()
         if not isinstance(decoder, Llama):
             raise ConfigError(f"the video LLM's decoder is a Llama / Qwen model (a preset or Hugging Face weights), "
@@ -79,6 +82,7 @@ class VisionLanguageModel(nn.Module):
         self.image_token_id, self.probe_token_id = image_token_id, probe_token_id
         self.use_visual_tokens, self.use_probes = use_visual_tokens, use_probes
         self.merge_size, self.frames_per_clip = merge_size, frames_per_clip
+        self.gradient_checkpointing = gradient_checkpointing
         weight = decoder.wte.weight
         self.projector = Projector(projector, vision.embed_dim, decoder.embed_dim).to(weight.device, weight.dtype)
         self.probe_projector = Projector(projector, vision.embed_dim, decoder.embed_dim).to(weight.device,
@@ -125,7 +129,10 @@ class VisionLanguageModel(nn.Module):
             raise ConfigError(f"a sequence of {x.shape[1]} tokens is longer than the decoder's block_size "
                               f"{self.decoder.block_size}; use fewer frames or a larger merge size.")
         for block in self.decoder.blocks:
-            x = block(x)
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.decoder.head(self.decoder.norm(x))
 
     def visual_token_count(self, num_frames: int, height: int, width: int) -> int:

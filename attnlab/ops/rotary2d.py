@@ -28,7 +28,8 @@ def grid_positions(h: int, w: int, merge: int, device=None) -> torch.Tensor:
 class Rotary2D(nn.Module):
     """Rotates queries and keys (..., N, D) of the frames of one patch grid (module docstring); the encoder sets
     the grid with :meth:`set_grid` before its blocks run, and every block's attention shares this module (its
-    ``rotary``). No parameters: state dicts do not change.
+    ``rotary``). No parameters: state dicts do not change. The grid is state: a block recomputed later (activation
+    checkpointing) must see the grid of its own forward.
 
     The angles r f_j, c f_j are computed in float32, as VideoLLaMA3 and Hugging Face compute them; their cosines and
     the rotation run in float32 for half-precision inputs (VideoLLaMA3 rotates in float32) and in the input's own

@@ -316,3 +316,23 @@ def test_a_training_step_reaches_the_probes_projectors_and_decoder_but_not_the_f
                        ("decoder", True)):
         grads = [p.grad for n, p in model.named_parameters() if n.startswith(part + ".")]
         assert grads and all((g is not None and bool(g.abs().sum() > 0)) == used for g in grads), part
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    enc = SigLIPNaViT(embed_dim=DIM, depth=2, num_heads=HEADS, mlp_hidden=MLP, patch_size=PATCH).double()
+    model = VisionLanguageModel(VisCoPEncoder(enc, num_probes=2, attn="dna"),
+                                Llama(vocab_size=40, embed_dim=32, depth=2).double(), image_token_id=38,
+                                probe_token_id=39, frames_per_clip=3)
+    x, num_frames = clips()
+    tokens = torch.randint(0, 30, (2, 16))
+    tokens[0, 1:7], tokens[1, 1:5], tokens[:, 10:12] = 38, 38, 39
+    grads = []
+    for on in (False, True):
+        model.zero_grad()
+        model.gradient_checkpointing = on
+        model(tokens, x, num_frames).logsumexp(-1).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
