@@ -7,8 +7,8 @@ the random weights of ``test_viscop.their_weights``. Their FlashAttention path i
 modules call ``flash_attn_varlen_func`` whatever the setting); FlashAttention is not installed here, so the test
 gives the module a dense ``flash_attn_varlen_func`` of its own (:func:`dense_varlen`: each packed sequence attends
 its own keys, scale 1/sqrt(D)), and the encoder layers run their FlashAttention class on it. Their rotary rotates in
-float32 even in a float64 model, so the comparison allows float32 rounding amplified over the layers (measured: up
-to 1.3e-5 on the probes; the float64 references agree to 1e-9). The warm start is
+float32 even in a float64 model, so the comparison allows float32 rounding amplified over the layers (measured: 1.3e-7
+on the visual tokens, up to 2.1e-5 on probes of magnitude ~30; the float64 references agree to 1e-9). The warm start is
 ``train_viscop.py``'s own loop, cut out of ``train()`` and run on their encoder.
 """
 
@@ -95,8 +95,8 @@ def test_the_probe_encoder_equals_the_authors_vision_encoder(theirs, attn, layer
     with torch.no_grad():
         their_tokens, their_probes = model(pixels, grid, torch.tensor([m, m]))
         visual, valid, probes = vision(x, num_frames, merge_size=m)
-    # their q, k rounded to float32 in every layer: measured up to 1.3e-5 on the probes, 1e-6 on the tokens
-    torch.testing.assert_close(visual[valid], their_tokens, rtol=1e-5, atol=1e-5)
+    # their q, k rounded to float32 in every layer: measured 1.3e-7 on the tokens, up to 2.1e-5 on probes of size ~30
+    torch.testing.assert_close(visual[valid], their_tokens, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(probes.reshape(-1, DIM), their_probes, rtol=1e-4, atol=1e-4)
     assert (probes - probes.mean()).abs().max() > 0.1  # not a degenerate output
 
