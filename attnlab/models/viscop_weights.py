@@ -3,7 +3,7 @@
 
 Their names -> attnlab's:
 
-    embeddings.*, encoder.layers.*, post_layernorm.*       the encoder (:func:`~attnlab.models.siglip_navit.navit_to_attnlab`)
+    embeddings.*, encoder.layers.*, post_layernorm.*       encoder.* (:func:`.siglip_navit.navit_to_attnlab`)
     encoder.visual_probes (1, P, dim)                      probes.probes
     encoder.interaction_modules.{k}.q_proj / k_proj / v_proj / out_proj                     (cross_attention)
         -> probes.interaction_modules.{k}.q, .kv (rows K, V), .proj

@@ -1,5 +1,5 @@
-"""A video language model with visual probes: VisCoP (Reilly et al., arXiv:2510.13808) on VideoLLaMA3 (arXiv:2501.13106),
-the DnA paper's video LLM (Sec. 4.2, "Video LLM", Table 5(b)).
+"""A video language model with visual probes: VisCoP (Reilly et al., arXiv:2510.13808) on VideoLLaMA3
+(arXiv:2501.13106), the DnA paper's video LLM (Sec. 4.2, "Video LLM", Table 5(b)).
 
     clips --VisCoPEncoder--> visual tokens (B, T*n, d_v), probes (B, P, d_v)
           --projector (mlp2x_gelu: Linear, GELU, Linear)-->        (B, T*n, d)   into the image placeholders
