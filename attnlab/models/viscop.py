@@ -38,6 +38,10 @@ class TimmFrames(nn.Module):
     def blocks(self) -> nn.ModuleList:
         return self.vit.blocks
 
+    @property
+    def patch_size(self) -> int:
+        return self.vit.patch_embed.patch_size[0]
+
     def encode(self, frames: torch.Tensor, merge_size: int = 1) -> tuple[list[torch.Tensor], torch.Tensor]:
         vit, (H, W) = self.vit, frames.shape[-2:]
         h, w = (s // p for s, p in zip((H, W), vit.patch_embed.patch_size))

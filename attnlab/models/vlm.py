@@ -95,9 +95,14 @@ class VisionLanguageModel(nn.Module):
         """The decoder's input (B, L, d): token embeddings, the placeholders replaced by the projected visual tokens
         and probes of each sample's clip."""
         x = self.decoder.wte(tokens)
+        unused = [(i, what) for i, what, used in ((self.image_token_id, "visual tokens", self.use_visual_tokens),
+                                                  (self.probe_token_id, "probes", self.use_probes))
+                  if (clips is None or not used) and bool((tokens == i).any())]
+        if unused:
+            i, what = unused[0]
+            why = "no clips were given" if clips is None else f"the model passes no {what} to the LLM"
+            raise ConfigError(f"the tokens hold placeholders (id {i}) for {what}, but {why}; drop them from the prompt.")
         if clips is None:
-            if bool((tokens == self.image_token_id).any() | (tokens == self.probe_token_id).any()):
-                raise ConfigError("the tokens hold image or probe placeholders but no clips were given.")
             return x
         if clips.shape[1] > self.frames_per_clip:
             raise ConfigError(f"clips of {clips.shape[1]} frames are longer than frames_per_clip="
@@ -124,10 +129,10 @@ class VisionLanguageModel(nn.Module):
                 num_frames: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, L) with placeholders, clips (B, T, C, H, W), num_frames (B,) -> next-token logits
         (B, L, vocab); right padding (after each prompt) needs no mask under causal attention."""
-        x = self.embed(tokens, clips, num_frames)
-        if x.shape[1] > self.decoder.block_size:
-            raise ConfigError(f"a sequence of {x.shape[1]} tokens is longer than the decoder's block_size "
+        if tokens.shape[1] > self.decoder.block_size:
+            raise ConfigError(f"a sequence of {tokens.shape[1]} tokens is longer than the decoder's block_size "
                               f"{self.decoder.block_size}; use fewer frames or a larger merge size.")
+        x = self.embed(tokens, clips, num_frames)
         for block in self.decoder.blocks:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)
@@ -137,9 +142,8 @@ class VisionLanguageModel(nn.Module):
 
     def visual_token_count(self, num_frames: int, height: int, width: int) -> int:
         """Image placeholders a prompt needs for a clip of ``num_frames`` frames of height x width pixels."""
-        patch = self.vision.encoder.patch_size if hasattr(self.vision.encoder, "patch_size") else \
-            self.vision.encoder.vit.patch_embed.patch_size[0]
-        return num_frames * (height // patch // self.merge_size) * (width // patch // self.merge_size)
+        side = self.vision.encoder.patch_size * self.merge_size
+        return num_frames * (height // side) * (width // side)
 
 
 __all__ = ["Projector", "VisionLanguageModel"]

@@ -250,8 +250,14 @@ def test_a_prompt_whose_placeholders_do_not_fit_the_clip_is_refused(tmp_path):
     tokens[:, 10:12] = 39
     with pytest.raises(ConfigError, match=r"\[6, 6\] placeholders .* for \[6, 4\] visual tokens"):
         model(tokens, x, num_frames)
-    with pytest.raises(ConfigError, match="no clips"):
+    with pytest.raises(ConfigError, match="no clips were given"):
         model(tokens)
+    with pytest.raises(ConfigError, match="passes no probes to the LLM"):
+        VisionLanguageModel(model.vision, model.decoder, image_token_id=38, probe_token_id=39, use_probes=False,
+                            frames_per_clip=3)(tokens, x, num_frames)
+    with pytest.raises(ConfigError, match="block_size 8"):
+        VisionLanguageModel(model.vision, Llama(vocab_size=40, embed_dim=32, depth=1, block_size=8).double(),
+                            image_token_id=38, probe_token_id=39, frames_per_clip=3)(tokens, x, num_frames)
     with pytest.raises(ConfigError, match="frames_per_clip=2"):
         VisionLanguageModel(model.vision, model.decoder, image_token_id=38, probe_token_id=39,
                             frames_per_clip=2)(tokens, x, num_frames)
