@@ -69,7 +69,8 @@ class VisCoPEncoder(nn.Module):
         num_probes, layers, attn: as :class:`~attnlab.models.probes.VisualProbes` (heads: the encoder's).
         warm_start: ``block`` (default), ``position`` (the authors' rule) or ``none``
             (:meth:`VisualProbes.warm_start`).
-        freeze_encoder: the encoder's weights take no gradient (VisCoP trains probes, projectors and the LLM).
+        freeze_encoder: the encoder's weights take no gradient and it stays in eval mode (VisCoP trains the probes,
+            the projectors and the LLM).
     """
 
     def __init__(self, encoder: nn.Module, num_probes: int = 16, layers: str | Sequence[int] = "all",
@@ -89,6 +90,15 @@ class VisCoPEncoder(nn.Module):
         self.freeze_encoder = freeze_encoder
         if freeze_encoder:
             encoder.requires_grad_(False)
+            encoder.eval()
+
+    def train(self, mode: bool = True) -> "VisCoPEncoder":
+        """A frozen encoder stays in eval mode (no dropout or drop-path: it computes the features it was trained
+        to); the probes follow ``mode``."""
+        super().train(mode)
+        if self.freeze_encoder:
+            self.encoder.eval()
+        return self
 
     @property
     def embed_dim(self) -> int:

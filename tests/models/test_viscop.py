@@ -222,6 +222,8 @@ def test_the_projectors_are_mlp2x_gelu_and_the_probe_projector_starts_as_a_copy(
         assert torch.equal(a, b) and a is not b
     assert not any(p.requires_grad for p in enc.parameters())
     assert all(p.requires_grad for p in model.vision.probes.parameters())
+    model.train()
+    assert not enc.training and model.vision.probes.training and model.decoder.training
 
 
 @pytest.mark.parametrize("attn,words", [("ns", "one attention term"), ("diff", "no cross-attention form"),
