@@ -115,6 +115,14 @@ def ladder_tables(ladders: list[dict]) -> list[Table]:
     return tables
 
 
+def _plain_log_labels(axis) -> None:
+    """A log axis labelled at its major ticks only, as plain numbers (1e+06 rather than 10^6 and its minor ticks)."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def _size_colors(n: int) -> list:
     from matplotlib import colormaps
 
@@ -170,6 +178,7 @@ def ladder_figure(ladder: dict, colors: dict[str, str] | None = None):
     ax.set(xscale="log", xlabel="parameters" + (" (non-embedding)" if sources == {NON_EMBEDDING} else ""),
            ylabel="LR sensitivity")
     ax.set_title("LR sensitivity against size", fontsize=9)
+    _plain_log_labels(ax.xaxis)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="x-small", loc="best")
     for extra in axes[panels:]:
@@ -228,6 +237,7 @@ def max_logit_figure(ladder: dict, found: dict[str, dict[str, dict]]):
                 ax.plot(entry["steps"], entry["max"], color=size_color[size["model"]],
                         label=f"{_params(size['params'])}, lr {entry['lr']:.0e}")
         ax.set(yscale="log", xlabel="step")
+        _plain_log_labels(ax.yaxis)
         ax.set_title(method, fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize="xx-small", loc="best")
