@@ -51,7 +51,7 @@ def _decay_groups(members: list[dict]) -> list[tuple[str, list[dict]]]:
     if len(decays) <= 1:
         return [("", members)]
     products = [r["lr"] * r["weight_decay"] for r in members if isinstance(r["weight_decay"], (int, float))]
-    if len(products) == len(members) and max(products) - min(products) <= 1e-9 * max(abs(max(products)), 1e-300):
+    if len(products) == len(members) and max(products) - min(products) <= 1e-6 * abs(max(products)):
         return [(f"independent weight decay {statistics.fmean(products):.3g}", members)]
     by_decay: dict = {}
     for run in members:
