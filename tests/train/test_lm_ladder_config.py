@@ -41,3 +41,29 @@ def test_the_report_sees_one_sweep_per_size_and_z_loss():
         members = [{"lr": c.lr, "weight_decay": c.weight_decay} for c in runs if c.z_loss == z]
         [(label, group)] = _decay_groups(members)
         assert label == "independent weight decay 0.0001" and len(group) == 7
+
+
+@pytest.mark.slow
+def test_compare_plan_accepts_one_size_of_it(tmp_path, capsys):
+    """`attnlab compare --plan` checks every run of the file (model built, corpus read, specs parsed) and trains
+    nothing; one size (ladder_d384: its 56 runs) on a tiny nanoGPT corpus of a 32k vocabulary (~15 s)."""
+    import pickle
+
+    import numpy as np
+
+    from attnlab.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    rng.integers(0, 32000, 20000, dtype=np.uint16).tofile(data / "train.bin")
+    rng.integers(0, 32000, 5000, dtype=np.uint16).tofile(data / "val.bin")
+    with (data / "meta.pkl").open("wb") as f:
+        pickle.dump({"vocab_size": 32000}, f)
+    runs = tmp_path / "runs"
+    assert main(["compare", "--config", str(CONFIG), "--plan", "--models", "ladder_d384", "--data-dir", str(data),
+                 "--runs-dir", str(runs), "--analyze", "none"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == "56 runs: 56 to train, 0 to resume, 0 finished"
+    assert lines[0].split() == ["train", "ladder_d384-nanogpt-z_lr_3e-4-standard-s0", "(1", "epoch)"]
+    assert not runs.exists() or not any(runs.iterdir())
