@@ -25,7 +25,8 @@ bf16 peak; none on a CPU):
 
     python benchmarks/lm_throughput.py --ladder ladder_d512,ladder_d1024 --device cuda --vocab-size 32000 \
         --batch-size 16 --block-size 512 --compile only                                   # the GPU suite's rows
-    python benchmarks/lm_throughput.py --ladder ladder_d128 --vocab-size 256 --batch-size 2 --block-size 64 --compile none
+    python benchmarks/lm_throughput.py --ladder ladder_d128 --vocab-size 256 --batch-size 2 --block-size 64 \
+        --compile none                                                                   # tiny, on the CPU
 """
 
 from __future__ import annotations
@@ -280,9 +281,13 @@ def ladder(args, device) -> list[dict]:
     tokens = tokens_for(args, device)
     x, y = tokens[:, :-1], tokens[:, 1:]
     rows = []
-    for name in split_specs(args.ladder):
-        if name not in LADDER_PRESETS:
-            raise SystemExit(f"--ladder: {name!r} is no ladder preset; choose from {', '.join(LADDER_PRESETS)}")
+    names = split_specs(args.ladder)
+    for name in names:
+        if name not in LADDER_PRESETS:  # one line, exit code 2, before any model is built
+            print(f"lm_throughput.py: --ladder: {name!r} is no ladder preset; choose from "
+                  f"{', '.join(LADDER_PRESETS)}", file=sys.stderr)
+            sys.exit(2)
+    for name in names:
         for compiled in args.compiled:
             torch.manual_seed(0)
             model = build_model(name, attn=args.ladder_attn, vocab_size=args.vocab_size,

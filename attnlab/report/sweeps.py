@@ -66,12 +66,12 @@ def _rate(x: float) -> str:
 
 def lr_sweeps(runs: list[dict]) -> list[dict]:
     """The sweeps among ``runs`` (:func:`~attnlab.report.summary.scan_runs`' dicts, with ``settings``): one
-    ``{"title", "metric", "model", "dataset", "setting", "decay", "settings", "params", "rates": {warmup: [eta...] swept with it},
-    "lines": {(variant, warmup): {eta: {"final", "init", "n", "run_dirs"}}}, "mixed_warmup"}`` per sweep (``init``
-    None where a run at that rate recorded none; ``setting``: what tells it from the model's other sweeps, weight
-    decay included; ``decay``: the weight decay part of it ("" where one value); ``settings``: its runs' shared
-    settings but for the rate and weight decay; ``params``: result.json's parameter count, if any; ``mixed_warmup``: lines with and without
-    warm-up). A warm-up that was run at one rate only makes no line."""
+    ``{"title", "metric", "model", "dataset", "setting", "decay", "settings", "params", "rates": {warmup: [eta...]
+    swept with it}, "lines": {(variant, warmup): {eta: {"final", "init", "n", "run_dirs"}}}, "mixed_warmup"}`` per
+    sweep (``init`` None where a run at that rate recorded none; ``setting``: what tells it from the model's other
+    sweeps, weight decay included; ``decay``: the weight decay part of it ("" where one value); ``settings``: its
+    runs' shared settings but for the rate and weight decay; ``params``: result.json's parameter count, if any;
+    ``mixed_warmup``: lines with and without warm-up). A warm-up that was run at one rate only makes no line."""
     found = []
     for run in runs:
         settings = run.get("settings") or {}
