@@ -15,6 +15,8 @@ from attnlab.errors import AttnlabError
 from attnlab.report.page import Figure, Section, render_html, render_markdown
 from attnlab.report.summary import (NO_VALUE, accuracy_tables, find_unfinished, group_key, group_title, groups,
                                     label_settings, metric_title, scan_runs, summarize)
+from attnlab.report.ladder import (ladder_figure, ladder_max_logits, ladder_tables, ladders_json, lr_ladders,
+                                   max_logit_figure)
 from attnlab.report.sweeps import lr_sweeps, sensitivity_tables, sweep_figure, sweeps_json
 from attnlab.report.tables import (ablation_tables, analysis_figures, cost_tables, find_bench_files, latency_stats,
                                    latency_tables, read_analyses, read_bench, spectral_tables)
@@ -132,6 +134,14 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
             "training instabilities\", arXiv 2309.14322): LR sensitivity = mean over the swept rates of min(final "
             "loss, loss at initialisation) minus the best final loss; losses are means over seeds, the loss at "
             "initialisation the evaluation before the first step."], tables=sensitivity_tables(sweeps)))
+    ladders = lr_ladders(sweeps)
+    if ladders:
+        sections.append(Section("LR sensitivity across model sizes (Wortsman et al. 2023, Figure 1)", paragraphs=[
+            "The sweeps of several models on one dataset and setting: LR sensitivity per model size (rows) and "
+            "method (columns), the lowest of a row in bold. Parameters: without the embedding matrices for the "
+            "ladder presets (ladder_d*, from the preset), else every parameter (result.json's params)."],
+            tables=ladder_tables(ladders)))
+    ladder_logits = [ladder_max_logits(ladder, runs_dir) for ladder in ladders]
 
     bench_results, bench_json = [], []
     bench_paths = {p.resolve(): p for p in [*find_bench_files(runs_dir), *map(Path, bench)]}  # a file once
@@ -217,6 +227,17 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
             path = save_png(sweep_figure(sweep, colors), out / f"report_lr_{_slug(sweep['title'])}.png")
             rates.append(Figure(path, f"Final {metric_title(sweep['metric']).lower()} against the peak learning rate, "
                                       f"{sweep['title']}" + (" (dashed: no warm-up)" if sweep["mixed_warmup"] else "")))
+        sizes = []
+        for ladder, found in zip(ladders, ladder_logits):
+            slug = _slug(ladder["title"])
+            path = save_png(ladder_figure(ladder, colors), out / f"report_sizes_{slug}.png")
+            sizes.append(Figure(path, f"Final {metric_title(ladder['metric']).lower()} against the peak learning "
+                                      f"rate per model size, and LR sensitivity against size, {ladder['title']}"))
+            if found:
+                path = save_png(max_logit_figure(ladder, found), out / f"report_sizes_max_logit_{slug}.png")
+                sizes.append(Figure(path, f"Max attention logit (largest over layers) over training per model "
+                                          f"size, at each size's largest rate with probes, {ladder['title']}"))
+        rates += sizes
         plot_paths = [f.path for f in bars + curves + logits + rates]
         titles = sorted({metric_title(r["metric"]) for r in rows})
         figures.append(Section(f"{' and '.join(titles)} per variant", figures=bars))
@@ -254,6 +275,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     data = {"baseline": baseline, "provenance": about, "mismatched": mismatches, "rows": rows,
             "unfinished": unfinished, "unreadable": unreadable, "problems": problems, "latency": bench_json,
             "lr_sweeps": sweeps_json(sweeps),
+            "lr_ladders": ladders_json(ladders, ladder_logits),
             "tables": tables,
             "figures": [Path(os.path.relpath(f.path, out)).as_posix() for s in figures for f in s.figures]}
     atomic_write_text(md_path, markdown)
