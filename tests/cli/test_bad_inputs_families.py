@@ -722,3 +722,13 @@ def test_a_forced_backend_that_cannot_train_is_refused_before_the_run(spec, word
                     "--attn", spec,
                     "--runs-dir", tmp_path / "runs"], tmp_path, words)
     assert "use backend=auto for training" in line
+
+
+@pytest.mark.parametrize("spec", ["ns", "standard"])
+def test_a_model_without_attention_is_named_as_such_not_by_an_argument_the_user_did_not_give(spec, tmp_path):
+    """timm's resnet18 takes no img_size, which attnlab gives every image model; the line says why resnet18 cannot
+    be a run of attnlab (no attention module to convert), not that img_size is not its argument."""
+    line = refused(["train", "--model", "resnet18", "--attn", spec, "--epochs", "1", "--warmup-epochs", "0",
+                    "--runs-dir", tmp_path / "runs"], tmp_path,
+                   "model resnet18 (ResNet) has no attention module attnlab converts")
+    assert "img_size" not in line and "use one of vit_cifar, swin_cifar, vit_digits" in line
