@@ -138,8 +138,8 @@ def check_coco(coco, images: str | Path, name: str = "the annotation file", mask
     images and categories with valid boxes (and, with ``masks``, segmentations), at least one annotation, and
     every listed image in ``images``. A box of zero width or height, which torchvision's detection models refuse,
     is a DatasetError unless ``empty_boxes`` is "drop" (then :class:`CocoInstances` leaves it out of the targets,
-    as torchvision's detection references do). ``iscrowd`` and ``area``, which COCO's evaluation reads, default to 0 and the
-    box's area where an annotation leaves them out."""
+    as torchvision's detection references do). ``iscrowd`` and ``area``, which COCO's evaluation reads, default to 0
+    and the box's area where an annotation leaves them out."""
     data = coco.dataset
     for key in ("images", "annotations", "categories"):
         if not isinstance(data.get(key), list):

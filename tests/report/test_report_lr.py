@@ -138,7 +138,8 @@ def test_per_layer_max_logit_over_training(tmp_path):
         assert table["rows"] == [["qknorm", "10", "1.00", "—", "1.00", "1"], ["standard", "20", "5.00", "10.00",
                                                                                "10.00", "2"]]
         assert "| standard | 20 | 5.00 | 10.00 | 10.00 | 2 |" in result["markdown"]
-        assert '<td class="l">standard</td><td class="r">20</td><td class="r">5.00</td><td class="r">10.00</td>' in result["html"]
+        assert ('<td class="l">standard</td><td class="r">20</td><td class="r">5.00</td><td class="r">10.00</td>'
+                in result["html"])
 
 
 def test_max_logits_read_as_a_table():
