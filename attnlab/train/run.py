@@ -24,6 +24,8 @@ from . import distributed
 from .config import RUNTIME_KEYS, TrainConfig, config_to_dict, load_config, run_name, validate
 from .files import CONFIG, DATA, EMA_WEIGHTS, METRICS, RESULT, TB_DIR, TOKENIZER, read_jsonl  # noqa: F401 - re-exported
 
+# data.json's own entry: what its other entries are (runs before this recorded sizes and times, not compared)
+RECORD_KEY, RECORD_FORMAT = "recorded as", "content hashes"
 COMPILE_MODES = {"cuda": "reduce-overhead", "cpu": "default"}  # 'auto' per device type; measured in docs/perf.md
 
 
@@ -148,7 +150,8 @@ class Run:
         (which eval and sample then read, so that replacing the original changes nothing they print)."""
         out = {}
         if self.fingerprint is not None:  # the data is built by now: a shapes set exists
-            out[DATA] = (json.dumps(self.fingerprint, indent=1) + "\n").encode()
+            record = {**self.fingerprint, RECORD_KEY: RECORD_FORMAT}
+            out[DATA] = (json.dumps(record, indent=1) + "\n").encode()
         tokenizer = self.cfg.data_options.get("tokenizer")
         if isinstance(tokenizer, str) and tokenizer:
             out[TOKENIZER] = Path(tokenizer).read_bytes()
@@ -176,12 +179,12 @@ class Run:
         from attnlab.data.registry import data_changes
 
         recorded = self.recorded_data()
-        if recorded is None or any(", modified " in v or "stamps sha256" in v for v in recorded.values()):
+        if recorded is None or recorded.get(RECORD_KEY) != RECORD_FORMAT:  # none, or sizes and times (older)
             return ""
         current = self.fingerprint
         if current is None:
             return ""
-        keep = lambda k: (only is None or k in only) and k not in skip  # noqa: E731
+        keep = lambda k: (only is None or k in only) and k not in skip and k != RECORD_KEY  # noqa: E731
         return data_changes({k: v for k, v in recorded.items() if keep(k)}, {k: v for k, v in current.items()
                                                                              if keep(k)})
 

@@ -502,7 +502,8 @@ def test_resume_refuses_a_replaced_tokenizer_and_records_an_accepted_one(tmp_pat
     pytest.importorskip("tokenizers")
     run = _tokenizer_run(tmp_path)
     recorded = json.loads((run / "data.json").read_text())
-    assert set(recorded) == {"text corpus", "tokenizer.json"} and recorded["tokenizer.json"].startswith("sha256 ")
+    assert set(recorded) == {"text corpus", "tokenizer.json", "recorded as"} and \
+        recorded["tokenizer.json"].startswith("sha256 ") and recorded["recorded as"] == "content hashes"
     write_tokenizer(tmp_path / "tok.json", ["[UNK]", "cat", "the", "sat", "on", "mat"])  # same size, other ids
     (run / "result.json").unlink()  # as if stopped after its first evaluation
     refused(["train", "--resume", run], tmp_path, "its data differs from what it trained on, as recorded in "
@@ -732,3 +733,19 @@ def test_a_model_without_attention_is_named_as_such_not_by_an_argument_the_user_
                     "--runs-dir", tmp_path / "runs"], tmp_path,
                    "model resnet18 (ResNet) has no attention module attnlab converts")
     assert "img_size" not in line and "use one of vit_cifar, swin_cifar, vit_digits" in line
+
+
+def test_a_record_of_sizes_and_times_from_before_content_hashes_is_not_compared(lm_run, tmp_path):
+    """data.json written before content hashes (sizes and modification times, no "recorded as" entry) cannot be
+    compared with today's fingerprint: eval measures, and a resume records the data again, in the new form."""
+    import json
+
+    run = tmp_path / "runs" / "lm"
+    shutil.copytree(lm_run, run)
+    (run / "data.json").write_text(json.dumps({"corpus.txt": "4180 bytes, modified 2026-12-01T00:00:00+00:00"}))
+    proc = in_process(["eval", run], tmp_path)
+    assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
+    (run / "result.json").unlink()
+    proc = in_process(["train", "--resume", run, "--no-progress"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((run / "data.json").read_text())["recorded as"] == "content hashes"
