@@ -535,7 +535,8 @@ def _check_data(cfg: TrainConfig) -> None:
 @contextmanager
 def deferred_notes() -> Iterator[list[str]]:
     """Within the block, the notes :func:`make_config` would print go into the list yielded instead, for the caller
-    to print once every check has passed (a refused command prints its one line, and nothing else)."""
+    to print with :func:`say_notes` once every check has passed (a refused command prints its one line, and nothing
+    else)."""
     global _deferred
     outer, _deferred = _deferred, []
     try:
@@ -551,11 +552,20 @@ _noted: set[str] = set()  # each note once per process (a grid builds the same c
 def _note(note: str | None) -> None:
     if not note or note in _noted:
         return
-    _noted.add(note)
     if _deferred is not None:
-        _deferred.append(note)
+        if note not in _deferred:
+            _deferred.append(note)
     else:
-        print(note, file=sys.stderr, flush=True)
+        say_notes([note])
+
+
+def say_notes(notes: list[str]) -> None:
+    """Print each note on stderr, a note of :func:`make_config` once per process."""
+    for note in notes:
+        if note not in _noted:
+            print(note, file=sys.stderr, flush=True)
+        if note.startswith("attnlab: note:"):
+            _noted.add(note)
 
 
 def _build(base: TrainConfig | str | None, entries: list[Entry], record: bool = False) -> TrainConfig:
