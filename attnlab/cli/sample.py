@@ -49,7 +49,7 @@ def run(args) -> int:
     run_.check_data("sample", only=("tokenizer.json", "meta.pkl"),  # what encodes the prompt and decodes the sample
                     advice="give --tokenizer (or --data-dir for a meta.pkl) where the one it trained with lies, or "
                            "put it back")
-    codec = text_codec(cfg.dataset, cfg.data_dir, cfg.data_options)
+    codec = text_codec(cfg.dataset, cfg.run.data_dir, cfg.data_options)
     if args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
