@@ -81,3 +81,28 @@ def matrices_with_singular_values(shape, sigma, seed: int = 0) -> np.ndarray:
         v = np.linalg.qr(rng.standard_normal((d, sigma.size)))[0]
         out[idx] = (u * sigma) @ v.T
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Softmax cross-attention (Vaswani et al., arXiv:1706.03762, Sec. 3.2.2-3.2.3)
+# ----------------------------------------------------------------------------------------------------------
+
+def cross_attention(x, ctx, wq, bq, wk, bk, wv, bv, wo, bo, H, allowed=None) -> np.ndarray:
+    """One sample: queries from x (N, dim), keys and values from ctx (M, kv_dim), H heads, float64 loops over heads,
+    queries and keys. ``allowed`` (N, M) bool, True where query i may attend key j; a query without any allowed key
+    outputs zeros before the output projection. Returns (N, dim)."""
+    x, ctx = np.asarray(x, dtype=np.float64), np.asarray(ctx, dtype=np.float64)
+    q, k, v = x @ wq.T + bq, ctx @ wk.T + bk, ctx @ wv.T + bv
+    N, M, D = x.shape[0], ctx.shape[0], q.shape[1] // H
+    heads = np.zeros((N, H * D))
+    for h in range(H):
+        cols = slice(h * D, (h + 1) * D)
+        for i in range(N):
+            keys = [j for j in range(M) if allowed is None or allowed[i, j]]
+            if not keys:
+                continue
+            logits = np.array([q[i, cols] @ k[j, cols] / math.sqrt(D) for j in keys])
+            w = np.exp(logits - logits.max())
+            w /= w.sum()
+            heads[i, cols] = sum(wj * v[j, cols] for wj, j in zip(w, keys))
+    return heads @ wo.T + bo

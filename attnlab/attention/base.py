@@ -100,16 +100,16 @@ class Call(NamedTuple):
     compiling: bool
 
 
-def make_call(module: nn.Module, x: torch.Tensor, keys: int, mask: Mask | None, want: Want, width: int,
+def make_call(module: nn.Module, x: torch.Tensor, keys: int, mask: Mask | None, want: Want,
               masked: bool = False) -> Call:
     """The :class:`Call` of ``module``'s forward on queries x (B, N, .) and ``keys`` keys; ``masked``: a position
-    bias is to come; ``width``: the fused projection's output width."""
+    bias is to come."""
     device = x.device.type
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))
     return Call(x.device, torch.get_autocast_dtype(device) if autocast else x.dtype, needs_grad, module.training,
                 module.training and module.attn_drop.p > 0, masked or mask is not None, module.head_dim,
-                x.shape[0] * module.num_heads, x.shape[1], keys, width, want, torch.compiler.is_compiling())
+                x.shape[0] * module.num_heads, x.shape[1], keys, module.row_stride(), want, torch.compiler.is_compiling())
 
 
 def _each(fn, *ts):
@@ -166,6 +166,7 @@ class AttnlabAttention(Declares, nn.Module):
     """
 
     adopts_wide_qkv = False  # True for mechanisms that read a wider fused projection (DnA)
+    takes_context = False  # True for cross-attention: keys and values from a second sequence (``context``)
     #: every mask part honoured, the explicit backend only; a subclass that writes its own ``kernel`` without
     #: declaring a record keeps only the mask and backend fields
     capabilities = Capabilities()
@@ -276,13 +277,16 @@ class AttnlabAttention(Declares, nn.Module):
 
     def run(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False, window: torch.Tensor | None = None, *,
             want: Want = Want(), cache: LayerCache | None = None,
-            position_bias: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, Intermediates]:
-        """:meth:`forward`'s output and the :class:`Intermediates` that ``want`` (and every observer) asks for."""
+            position_bias: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            context: torch.Tensor | None = None) -> tuple[torch.Tensor, Intermediates]:
+        """:meth:`forward`'s output and the :class:`Intermediates` that ``want`` (and every observer) asks for;
+        ``context`` (B, M, .): the sequence a cross-attention module takes its keys and values from."""
         B, N, _ = x.shape
         offset = 0 if cache is None else cache.length
-        mask = Mask.resolve(attn_mask, is_causal or cache is not None, window, B=B, N=N, M=N + offset,
-                            device=x.device, bias=self.rel_pos_bias() if self.window_size is not None else None,
-                            offset=offset)
+        M = (N if context is None else context.shape[1]) + offset
+        mask = Mask.resolve(attn_mask, is_causal or cache is not None, window, B=B, N=N, M=M, device=x.device,
+                            bias=self.rel_pos_bias() if self.window_size is not None else None, offset=offset,
+                            cross=context is not None)
         if mask is not None or position_bias is not None:
             parts = None if mask is None else mask.parts
             for record in (self.capabilities, *(capabilities_of(head) for head in self.heads())):
@@ -292,9 +296,8 @@ class AttnlabAttention(Declares, nn.Module):
         observers = [o for o in self._observers.values() if self.training or not o[2]]
         for seen, _, _ in observers:
             want = want | seen
-        backend = self.choose(make_call(self, x, N + offset, mask, want, self.qkv.out_features,
-                                        masked=position_bias is not None))
-        q, k, v = self.project(x, backend if cache is None else "explicit")
+        backend = self.choose(make_call(self, x, M, mask, want, masked=position_bias is not None))
+        q, k, v = self.project(x, backend if cache is None else "explicit", *(() if context is None else (context,)))
         if self.rotary is not None:
             q, k = self.rotate(q, k, offset)
         if cache is not None:
@@ -303,7 +306,7 @@ class AttnlabAttention(Declares, nn.Module):
         if groups > 1 and backend not in self.capabilities.grouped:  # each key/value head serves its query heads
             k, v = (_each(lambda t: t.repeat_interleave(groups, dim=1), t) for t in (k, v))
         if position_bias is not None:
-            mask = (mask or Mask(AttentionMask(), B, N, N + offset, x.device)).with_bias(position_bias(_first(q)))
+            mask = (mask or Mask(AttentionMask(), B, N, M, x.device)).with_bias(position_bias(_first(q)))
         o, found = self.kernel(q, k, v, mask, want, backend)
         found.mask, found.kv = mask, None if cache is None else (k, v)
         if want.logits or want.max_logits is not None:
@@ -328,6 +331,10 @@ class AttnlabAttention(Declares, nn.Module):
         shared = q.neg is q.pos
         pos, k, *neg = self.rotary(q.pos, k, *(() if shared else (q.neg,)), offset=offset)
         return q._replace(pos=pos, neg=pos if shared else neg[0]), k
+
+    def row_stride(self) -> int:
+        """The token stride of q, k and v as :meth:`project` returns them: the fused projection's width."""
+        return self.qkv.out_features
 
     def qkv_widths(self) -> list[int]:
         """Rows per block of the fused projection ``qkv``: q, k, v."""
@@ -389,7 +396,7 @@ class AttnlabAttention(Declares, nn.Module):
         """Why a forced backend (the module's, or a head transform's) cannot run a training step on ``device`` in
         ``dtype``, or None: what a run checks before it starts."""
         call = Call(torch.device(device), dtype, True, True, self.attn_drop.p > 0, masked, self.head_dim,
-                    self.num_heads, 1, 1, self.qkv.out_features, Want(), False)
+                    self.num_heads, 1, 1, self.row_stride(), Want(), False)
         why = None if self.backend == "auto" else self.supports(self.backend, call)
         if why:
             return f"{type(self).__name__}'s {self.backend} backend cannot run a training step: {why}"
@@ -417,7 +424,7 @@ SUPPORTED_TYPES: tuple[type, ...] = (TimmAttention, TimmWindowAttention, DaViTWi
 
 
 def is_supported(module: nn.Module) -> bool:
-    return type(module) in SUPPORTED_TYPES or isinstance(module, AttnlabAttention)
+    return type(module) in SUPPORTED_TYPES or isinstance(module, AttnlabAttention) and not module.takes_context
 
 
 __all__ = ["AttentionMask", "AttnlabAttention", "Branch", "Call", "Capabilities", "Intermediates", "LayerCache", "Mask",

@@ -75,6 +75,9 @@ class DnACrossAttention(_DnAParams, Declares, nn.Module):
             self.proj.load_state_dict(proj.state_dict())
         return self
 
+    def row_stride(self) -> int:
+        return self.q.out_features
+
     def project(self, x: torch.Tensor, context: torch.Tensor) -> tuple[Queries, torch.Tensor, Pair]:
         """Queries (B, H, N, D) from x, keys and values (B, H, M, D) from context."""
         heads = [t for linear, y in ((self.q, x), (self.kv, context)) for t in
@@ -89,7 +92,7 @@ class DnACrossAttention(_DnAParams, Declares, nn.Module):
         why = self.capabilities.refusal(None if mask is None else mask.parts)
         if why:
             raise UnsupportedModelError(f"{why}.")
-        backend = self.choose(make_call(self, x, context.shape[1], mask, want, self.q.out_features))
+        backend = self.choose(make_call(self, x, context.shape[1], mask, want))
         q, k, v = self.project(x, context)
         o, found = self.kernel(q, k, v, mask, want, backend)
         if mask is not None and mask.key_padding is not None:  # a sample whose context is all padding: zeros

@@ -92,18 +92,19 @@ class Mask:
     ``parts``: the caller's :class:`AttentionMask` (an empty one when nothing is masked); ``B, N, M``: the call's
     batch, queries and keys; ``bias``: a position bias in every branch's logit (Swin's table, ViTDet's relative
     positions), broadcastable to (B, H, N, M), or None; ``offset``: keys before the first query (a KV cache's), so
-    causal order is j <= i + offset; ``from_queries``: part of the bias is a function of the queries (ViTDet's).
+    causal order is j <= i + offset; ``from_queries``: part of the bias is a function of the queries (ViTDet's);
+    ``cross``: the keys are another sequence's (cross-attention), so key padding pads no query.
     """
 
     def __init__(self, parts: AttentionMask, B: int, N: int, M: int, device, bias: torch.Tensor | None = None,
-                 offset: int = 0, from_queries: bool = False) -> None:
+                 offset: int = 0, from_queries: bool = False, cross: bool = False) -> None:
         self.parts, self.B, self.N, self.M, self.device, self.bias, self.offset = parts, B, N, M, device, bias, offset
-        self.from_queries = from_queries
+        self.from_queries, self.cross = from_queries, cross
         self._forms: dict = {}
 
     @classmethod
     def resolve(cls, attn_mask=None, is_causal: bool = False, window=None, *, B: int, N: int, M: int, device,
-                bias: torch.Tensor | None = None, offset: int = 0) -> "Mask | None":
+                bias: torch.Tensor | None = None, offset: int = 0, cross: bool = False) -> "Mask | None":
         """The call's Mask from a forward's arguments (None when nothing is masked and no bias is added);
         ConfigError when key padding does not fit the call."""
         parts = AttentionMask.of(attn_mask, is_causal, window)
@@ -115,12 +116,12 @@ class Mask:
             parts = None  # one new token after a KV cache's keys sees every key
         if parts is None and bias is None:
             return None
-        return cls(parts or AttentionMask(), B, N, M, device, bias, offset)
+        return cls(parts or AttentionMask(), B, N, M, device, bias, offset, cross=cross)
 
     def with_bias(self, bias: torch.Tensor) -> "Mask":
         """This mask with ``bias``, computed from the queries (ViTDet's), added to its position bias."""
         return Mask(self.parts, self.B, self.N, self.M, self.device, bias if self.bias is None else self.bias + bias,
-                    self.offset, from_queries=True)
+                    self.offset, from_queries=True, cross=self.cross)
 
     @property
     def is_causal(self) -> bool:
@@ -210,11 +211,12 @@ class Mask:
 
     def zero_padded_queries(self, o: torch.Tensor) -> torch.Tensor:
         """Output (B, H, N, D) with every padded query's row exactly zero (the queries are the last N of the M keys;
-        after a KV cache's, the new tokens)."""
+        after a KV cache's, the new tokens); cross-attention: every row of a sample whose keys are all padding."""
         kp = self.parts.key_padding
         if kp is None:
             return o
-        return torch.where(kp[:, None, -o.shape[-2]:, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+        real = kp.any(dim=-1)[:, None, None, None] if self.cross else kp[:, None, -o.shape[-2]:, None]
+        return torch.where(real, o, torch.zeros((), dtype=o.dtype, device=o.device))
 
     # ---- one sample, one head: the Jacobian instrument -----------------------------------------------------------
     def for_sample(self, index: int) -> "Mask":

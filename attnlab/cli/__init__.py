@@ -1,4 +1,4 @@
-"""``attnlab`` command line: train | compare | report | analyze | bench | variants | export | eval.
+"""``attnlab`` command line: train | compare | report | analyze | bench | variants | export | eval | sample | data.
 
 Each subcommand lives in its own module with ``configure(parser)`` and ``run(args) -> int``; ``configure`` imports
 nothing heavy (no torch), so that ``--help`` and argument errors answer at once. Errors a user can cause
@@ -34,6 +34,7 @@ COMMANDS = {
               "runs in Hugging Face's layout)",
     "eval": "top-1, top-5, loss and the DnA paper's robustness metrics of a run or of given weights, as JSON",
     "sample": "generate text from a trained language-model run",
+    "data": "prepare a text corpus once: tokenized .bin shards with a manifest (attnlab data prepare)",
 }
 
 

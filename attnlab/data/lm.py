@@ -353,6 +353,9 @@ def check_token_ids(tokens: np.ndarray, vocab: int, path: Path, dtype: str) -> N
 def nanogpt_vocab(data_dir, vocab_size: int = 0, dtype: str = "uint16") -> tuple[int, dict]:
     """(vocabulary, meta.pkl) of nanoGPT's .bin corpus at ``data_dir`` (both files checked to exist)."""
     folder = Path(data_dir)
+    prepared = _prepared(folder, dtype)
+    if prepared is not None:  # attnlab data prepare's shards: vocabulary and dtype from its manifest
+        return vocab_size or prepared["vocab_size"], {}
     for split in SPLITS:
         _bin(folder, split, dtype)
     meta = read_meta(folder)
@@ -384,10 +387,34 @@ def build_nanogpt(train: bool, *, data_dir="data", download: bool = False, augme
     no_augment("nanogpt", augment)
     vocab, meta = nanogpt_vocab(data_dir, vocab_size, dtype)
     split = "train" if train else "val"
+    prepared = _prepared(Path(data_dir), dtype)
+    if prepared is not None:
+        return _build_prepared(Path(data_dir), prepared, split, vocab)
     tokens = _bin(Path(data_dir), split, dtype)
     check_token_ids(tokens, vocab, Path(data_dir) / f"{split}.bin", dtype)
     return TokenStream(f"nanoGPT corpus {data_dir}", split, tokens, vocab,
                        _bytes_per_token(meta, _bin(Path(data_dir), "val", dtype)))
+
+
+def _prepared(folder: Path, dtype: str) -> dict | None:
+    """The manifest of a corpus ``attnlab data prepare`` wrote in ``folder`` (None: nanoGPT's train.bin / val.bin);
+    its dtype wins over the option's default, a different one given is refused."""
+    from attnlab.data.shards import read_manifest
+
+    manifest = read_manifest(folder)
+    if manifest is not None and dtype not in ("uint16", manifest["dtype"]):
+        raise DatasetError(f"{folder} holds {manifest['dtype']} shards (its manifest.json), not {dtype}; leave the "
+                           f"dtype option out.")
+    return manifest
+
+
+def _build_prepared(folder: Path, manifest: dict, split: str, vocab: int) -> TokenStream:
+    """One split of a prepared corpus: its shards as one memory-mapped array, every shard's ids checked."""
+    from attnlab.data.shards import split_files, split_tokens
+
+    for path in split_files(folder, manifest, split):
+        check_token_ids(np.memmap(path, dtype=manifest["dtype"], mode="r"), vocab, path, manifest["dtype"])
+    return TokenStream(f"prepared corpus {folder}", split, split_tokens(folder, manifest, split), vocab, None)
 
 
 def _utf8(text: str) -> str:
@@ -432,6 +459,11 @@ def nanogpt_fingerprint(data_dir="data", *, vocab_size: int = 0, dtype: str = "u
     from attnlab.data.registry import file_sha256, file_stamp
 
     folder = Path(data_dir)
+    prepared = _prepared(folder, dtype)
+    if prepared is not None:
+        from attnlab.data.shards import fingerprint
+
+        return fingerprint(prepared)
     out = {f"{split}.bin": file_stamp(folder / f"{split}.bin") for split in SPLITS}
     if (folder / "meta.pkl").is_file():
         out["meta.pkl"] = file_sha256(folder / "meta.pkl")

@@ -21,6 +21,7 @@ from .convert import convert
 from .gpt import GPT, GPT_PRESETS
 from .gpt_loaders import load_gpt_file
 from .hf_decoder import load_hf_decoder
+from .ladder import LADDER_PRESETS, LadderLlama
 from .llama import LLAMA_PRESETS, Llama
 from .pretrained import create_pretrained, load_strict, read_state_dict
 from .sequence import SequenceClassifier
@@ -117,6 +118,8 @@ PRESETS.update({name: Preset(GPT, kwargs, None, doc, load_file=load_gpt_file)
                 for name, (kwargs, doc) in GPT_PRESETS.items()})
 PRESETS.update({name: Preset(Llama, kwargs, None, doc, load_file=load_hf_decoder)
                 for name, (kwargs, doc) in LLAMA_PRESETS.items()})
+PRESETS.update({name: Preset(LadderLlama, kwargs, None, doc, load_file=load_hf_decoder)
+                for name, (kwargs, doc) in LADDER_PRESETS.items()})
 
 
 def _fix_drop_path(model: nn.Module, rate: float) -> None:

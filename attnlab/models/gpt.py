@@ -14,6 +14,7 @@ docs/methods.md (Language models) gives the details.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from functools import partial
 
 import torch
@@ -25,6 +26,7 @@ from ..attention.base import LayerCache
 from ..attention.capabilities import capabilities_of
 from ..errors import ConfigError
 from .convert import attention_modules
+from .options import divisors, finite_above, flag, is_int, positive_int, real, refuse
 
 GELU = ("exact", "tanh")  # nanoGPT's nn.GELU(), or Hugging Face GPT-2's tanh approximation ("gelu_new")
 
@@ -62,50 +64,27 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class GPT(nn.Module):
-    """GPT-2-shaped decoder-only language model (module docstring).
-
-    Args:
-        vocab_size: token ids 0 .. vocab_size - 1 (the logits' width).
-        block_size: the longest sequence (learned positions).
-        embed_dim, depth, num_heads, mlp_ratio: the blocks' geometry (GPT-2: MLP 4x).
-        bias: biases in every Linear and LayerNorm (GPT-2: yes; nanoGPT's ``bias=False`` drops them).
-        drop_rate, attn_drop_rate: dropout on the embeddings and after each residual projection (nanoGPT's
-            ``dropout``), on the attention weights.
-        gelu: ``exact`` (nanoGPT's ``nn.GELU()``) or ``tanh`` (Hugging Face GPT-2's ``gelu_new``).
-        norm_layer: the normalisation (default LayerNorm, eps 1e-5; ``nn.Identity``: none).
-    """
+class DecoderLM(nn.Module):
+    """What GPT and Llama share: a causal decoder over token ids whose ``forward_features`` runs ``embed``, the
+    blocks (each with an optional :class:`LayerCache`) and the final norm, and whose logits are ``head`` of that.
+    A subclass builds ``wte``, ``blocks`` and ``norm`` and defines ``embed`` (its positions) and ``head``; the
+    language-model task, :func:`generate` and the KV cache take any subclass. Holds no parameters of its own, so
+    the subclasses' state-dict names are theirs."""
 
     #: every attention is causal: :func:`attnlab.convert` refuses a term without a causal form when it is built
     causal = True
 
-    def __init__(self, vocab_size: int = 256, block_size: int = 256, embed_dim: int = 128, depth: int = 4,
-                 num_heads: int = 4, mlp_ratio: float = 4.0, bias: bool = True, drop_rate: float = 0.0,
-                 attn_drop_rate: float = 0.0, gelu: str = "exact", norm_layer: type[nn.Module] | None = None) -> None:
+    def __init__(self, vocab_size: int, block_size: int, embed_dim: int) -> None:
         super().__init__()
-        for key, value in (("vocab_size", vocab_size), ("block_size", block_size), ("embed_dim", embed_dim),
-                           ("depth", depth), ("num_heads", num_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"GPT's {key} must be a positive integer, not {value!r}.")
-        if embed_dim % num_heads:
-            raise ConfigError(f"GPT's embed_dim {embed_dim} is not divisible by num_heads {num_heads}; give a "
-                              f"multiple of num_heads.")
-        if gelu not in GELU:
-            raise ConfigError(f"GPT's gelu must be one of {', '.join(GELU)}, not {gelu!r}.")
-        norm_layer = norm_layer or partial(nn.LayerNorm, eps=1e-5, bias=bias)
         self.vocab_size, self.block_size, self.embed_dim = vocab_size, block_size, embed_dim
-        self.wte = nn.Embedding(vocab_size, embed_dim)
-        self.wpe = nn.Embedding(block_size, embed_dim)
-        self.drop = nn.Dropout(drop_rate)
-        act = partial(nn.GELU, approximate="none" if gelu == "exact" else "tanh")
-        self.blocks = nn.ModuleList([
-            Block(embed_dim, num_heads, mlp_ratio, bias, drop_rate, attn_drop_rate, act, norm_layer)
-            for _ in range(depth)])
-        self.norm = norm_layer(embed_dim)
-        self.apply(_init_weights)
-        for block in self.blocks:  # GPT-2's scaled init of the projections that write to the residual stream
-            for proj in (block.attn.proj, block.mlp.fc2):
-                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * depth))
+
+    def embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """The blocks' input for tokens (B, N) at positions start, start + 1, ..."""
+        raise NotImplementedError
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (..., vocab) of hidden states (..., embed_dim)."""
+        raise NotImplementedError
 
     def forward_features(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """tokens (B, N) int -> hidden states after the final norm (B, N, embed_dim). With ``cache``, the tokens
@@ -123,15 +102,6 @@ class GPT(nn.Module):
             cache.length += N
         return self.norm(x)
 
-    def embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """The blocks' input for tokens (B, N) at positions start, start + 1, ...: token and learned positions."""
-        return self.drop(self.wte(tokens) + self.wpe(torch.arange(start, start + tokens.shape[-1],
-                                                                  device=tokens.device)))
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits (..., vocab) of hidden states (..., embed_dim): the tied head, h wte^T."""
-        return F.linear(h, self.wte.weight)
-
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens int (B, N), N <= block_size -> next-token logits (B, N, vocab_size); position i sees tokens 0..i."""
         return self.head(self.forward_features(tokens))
@@ -142,6 +112,91 @@ class GPT(nn.Module):
     def example_input(self, batch: int = 1, device=None) -> torch.Tensor:
         """Token ids (batch, block_size), zeros (operation counts, shape checks)."""
         return torch.zeros(batch, self.block_size, dtype=torch.long, device=device)
+
+
+def gpt_options(values: Mapping[str, object], owner: str = "GPT", names: Mapping[str, str] | None = None) -> dict:
+    """:class:`GPT`'s keyword arguments checked value by value (the one check of every value it reads, from the
+    constructor, ``build_model``'s options or a checkpoint's recorded geometry; ``names``: attnlab's key -> the
+    key the user wrote, e.g. nanoGPT's ``n_head``): ConfigError in one sentence naming the key, the value and a
+    right one. Sizes are positive integers, ``num_heads`` divides ``embed_dim``, ``mlp_ratio`` a finite number above
+    0 giving at least one hidden unit, dropout rates in [0, 1), ``bias`` True or False, ``gelu`` exact or tanh."""
+    def name(key: str) -> str:
+        return (names or {}).get(key, key)
+
+    g = {key: positive_int(owner, name(key), values.get(key), example)
+         for key, example in (("vocab_size", 256), ("block_size", 256), ("embed_dim", 128), ("depth", 4))}
+    dim, heads = g["embed_dim"], values.get("num_heads")
+    if not (is_int(heads) and heads >= 1 and dim % heads == 0):
+        best = min(divisors(dim), key=lambda h: abs(dim // h - 64))
+        raise refuse(owner, name("num_heads"), heads, f"a positive integer dividing {name('embed_dim')} {dim}",
+                     f"one such as {best} (head_dim {dim // best})")
+    ratio = finite_above(owner, name("mlp_ratio"), values.get("mlp_ratio"), 0.0, "one such as 4.0 (GPT-2)")
+    if int(dim * ratio) < 1:
+        raise refuse(owner, name("mlp_ratio"), values.get("mlp_ratio"), f"a ratio giving {name('embed_dim')} {dim} "
+                     f"at least one hidden unit", "one such as 4.0 (GPT-2)")
+    for key in ("drop_rate", "attn_drop_rate"):
+        rate = real(values.get(key))
+        if rate is None or not 0.0 <= rate < 1.0:
+            raise refuse(owner, name(key), values.get(key), "a probability in [0, 1)", "one such as 0.0 or 0.1")
+        g[key] = rate
+    gelu = values.get("gelu")
+    if not isinstance(gelu, str) or gelu not in GELU:
+        raise refuse(owner, name("gelu"), gelu, f"one of {', '.join(GELU)}", "exact (nanoGPT) or tanh (Hugging Face "
+                     "GPT-2's gelu_new)")
+    norm = values.get("norm_layer")
+    if norm is not None and not callable(norm):
+        raise refuse(owner, name("norm_layer"), norm, "a module class", "None for LayerNorm (norm='none' for none)")
+    return dict(g, num_heads=heads, mlp_ratio=ratio, bias=flag(owner, name("bias"), values.get("bias")), gelu=gelu,
+                norm_layer=norm)
+
+
+class GPT(DecoderLM):
+    """GPT-2-shaped decoder-only language model (module docstring).
+
+    Args:
+        vocab_size: token ids 0 .. vocab_size - 1 (the logits' width).
+        block_size: the longest sequence (learned positions).
+        embed_dim, depth, num_heads, mlp_ratio: the blocks' geometry (GPT-2: MLP 4x).
+        bias: biases in every Linear and LayerNorm (GPT-2: yes; nanoGPT's ``bias=False`` drops them).
+        drop_rate, attn_drop_rate: dropout on the embeddings and after each residual projection (nanoGPT's
+            ``dropout``), on the attention weights.
+        gelu: ``exact`` (nanoGPT's ``nn.GELU()``) or ``tanh`` (Hugging Face GPT-2's ``gelu_new``).
+        norm_layer: the normalisation (default LayerNorm, eps 1e-5; ``nn.Identity``: none).
+
+    Every value is checked by :func:`gpt_options`.
+    """
+
+    def __init__(self, vocab_size: int = 256, block_size: int = 256, embed_dim: int = 128, depth: int = 4,
+                 num_heads: int = 4, mlp_ratio: float = 4.0, bias: bool = True, drop_rate: float = 0.0,
+                 attn_drop_rate: float = 0.0, gelu: str = "exact", norm_layer: type[nn.Module] | None = None) -> None:
+        o = gpt_options(dict(vocab_size=vocab_size, block_size=block_size, embed_dim=embed_dim, depth=depth,
+                             num_heads=num_heads, mlp_ratio=mlp_ratio, bias=bias, drop_rate=drop_rate,
+                             attn_drop_rate=attn_drop_rate, gelu=gelu, norm_layer=norm_layer))
+        super().__init__(o["vocab_size"], o["block_size"], o["embed_dim"])
+        bias, depth, embed_dim = o["bias"], o["depth"], o["embed_dim"]
+        norm_layer = o["norm_layer"] or partial(nn.LayerNorm, eps=1e-5, bias=bias)
+        self.wte = nn.Embedding(o["vocab_size"], embed_dim)
+        self.wpe = nn.Embedding(o["block_size"], embed_dim)
+        self.drop = nn.Dropout(o["drop_rate"])
+        act = partial(nn.GELU, approximate="none" if o["gelu"] == "exact" else "tanh")
+        self.blocks = nn.ModuleList([
+            Block(embed_dim, o["num_heads"], o["mlp_ratio"], bias, o["drop_rate"], o["attn_drop_rate"], act,
+                  norm_layer)
+            for _ in range(depth)])
+        self.norm = norm_layer(embed_dim)
+        self.apply(_init_weights)
+        for block in self.blocks:  # GPT-2's scaled init of the projections that write to the residual stream
+            for proj in (block.attn.proj, block.mlp.fc2):
+                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * depth))
+
+    def embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """The blocks' input for tokens (B, N) at positions start, start + 1, ...: token and learned positions."""
+        return self.drop(self.wte(tokens) + self.wpe(torch.arange(start, start + tokens.shape[-1],
+                                                                  device=tokens.device)))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (..., vocab) of hidden states (..., embed_dim): the tied head, h wte^T."""
+        return F.linear(h, self.wte.weight)
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -178,7 +233,7 @@ def supports_kv_cache(model: nn.Module) -> bool:
 
 
 # ---- sampling -------------------------------------------------------------------------------------------------------
-def _prompt(model: GPT, tokens) -> torch.Tensor:
+def _prompt(model: DecoderLM, tokens) -> torch.Tensor:
     """The prompt as int64 (B, T) on the model's device; ConfigError for an empty one or ids outside the vocabulary."""
     t = torch.as_tensor(tokens)
     if t.numel() == 0:
@@ -219,7 +274,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 
 
 @torch.no_grad()
-def generate(model: GPT, tokens, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+def generate(model: DecoderLM, tokens, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              generator: torch.Generator | None = None, kv_cache: bool | None = None) -> torch.Tensor:
     """The prompt ``tokens`` ((T,) or (B, T) ids) followed by ``max_new_tokens`` sampled tokens, int64 (B, T + new).
 
@@ -227,9 +282,9 @@ def generate(model: GPT, tokens, max_new_tokens: int, temperature: float = 1.0, 
     makes the draws reproducible. ``kv_cache``: None uses the cache where :func:`supports_kv_cache`, False always
     recomputes, True insists (ConfigError where the attention cannot). Runs in eval mode and restores the mode.
     """
-    if not isinstance(model, GPT):
-        raise ConfigError(f"generate takes an attnlab GPT model (build_model('gpt_tiny', ...)), not "
-                          f"{type(model).__name__}.")
+    if not isinstance(model, DecoderLM):
+        raise ConfigError(f"generate takes an attnlab language model (build_model('gpt_tiny') or 'llama_tiny'), "
+                          f"not {type(model).__name__}.")
     _check_sampling(max_new_tokens, temperature, top_k)
     idx = _prompt(model, tokens)
     can_cache = supports_kv_cache(model)
@@ -252,5 +307,6 @@ def generate(model: GPT, tokens, max_new_tokens: int, temperature: float = 1.0, 
     return idx
 
 
-__all__ = ["GELU", "GPT", "GPT_PRESETS", "Block", "KVCache", "LayerCache", "check_block_size", "generate",
+__all__ = ["GELU", "GPT", "DecoderLM", "gpt_options", "GPT_PRESETS", "Block", "KVCache", "LayerCache",
+           "check_block_size", "generate",
            "sample_next", "supports_kv_cache"]

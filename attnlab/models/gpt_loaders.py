@@ -11,6 +11,7 @@ let ``build_model(name, attn="dna(init=copy)", pretrained_file=path)`` do both i
 
 from __future__ import annotations
 
+import inspect
 import json
 import pickle
 import re
@@ -20,8 +21,9 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ..errors import ConfigError
-from .gpt import GPT
+from ..errors import ConfigError, did_you_mean
+from .gpt import GPT, gpt_options
+from .options import positive_int
 from .pretrained import load_strict, read_state_dict
 
 #: (source name, attnlab name) with {i} a block index and {p} weight or bias
@@ -112,9 +114,9 @@ def _check_geometry(model: nn.Module, args: Mapping, source: str) -> None:
            "vocab_size": ("vocab_size", model.vocab_size)}
     for key, (option, value) in own.items():
         theirs = args.get(key)
-        if theirs is not None and int(theirs) != value:
-            raise ConfigError(f"the model recorded with {source} has {key}={int(theirs)} where this one has {value}; "
-                              f"build it with {option}={int(theirs)}.")
+        if theirs is not None and positive_int(f"the geometry recorded with {source}", key, theirs, value) != value:
+            raise ConfigError(f"the model recorded with {source} has {key}={theirs} where this one has {value}; "
+                              f"build it with {option}={theirs}.")
 
 
 def _load(model: nn.Module, converted: tuple[dict[str, torch.Tensor], dict[str, str]], source: str) -> nn.Module:
@@ -165,7 +167,7 @@ def _check_hf_config(model: nn.Module, config: Mapping, source: str) -> None:
             raise ConfigError(f"{source} come with {key}={config[key]!r}, but attnlab's GPT computes {what} "
                               f"({key}={value!r}); these weights would give other logits here.")
     act = config.get("activation_function", "gelu_new")
-    if act not in _HF_GELU:
+    if not isinstance(act, str) or act not in _HF_GELU:
         raise ConfigError(f"{source} come with activation_function={act!r}; attnlab's GPT computes GELU exactly or "
                           f"by its tanh approximation (gelu, gelu_new, gelu_pytorch_tanh).")
     have = "tanh" if model.blocks[0].mlp.act.approximate == "tanh" else "exact"
@@ -230,12 +232,23 @@ def load_gpt_file(model: nn.Module, path: str | Path) -> nn.Module:
     return load_strict(model, {_strip_wrappers(k): v for k, v in state.items()}, f"pretrained file {path}")
 
 
+#: GPT's option -> nanoGPT's model_args key and Hugging Face GPT-2's config.json key
+_ARGS = {"vocab_size": ("vocab_size", "vocab_size"), "block_size": ("block_size", "n_positions"),
+         "embed_dim": ("n_embd", "n_embd"), "depth": ("n_layer", "n_layer"), "num_heads": ("n_head", "n_head")}
+
+
 def gpt_from_file(path: str | Path, **overrides) -> GPT:
     """A :class:`GPT` of the file's own geometry with its weights, from nanoGPT's checkpoint (``model_args``) or
     Hugging Face GPT-2 weights with their ``config.json`` beside them (its ``gelu_new`` read as ``gelu="tanh"``);
     ``overrides`` go to the constructor (``drop_rate=0.1``). Convert it afterwards for a variant. For attnlab's own
-    files, which do not record the head count, use ``build_model(preset, pretrained_file=path)``."""
+    files, which do not record the head count, use ``build_model(preset, pretrained_file=path)``. The recorded
+    geometry is checked by :func:`~attnlab.models.gpt.gpt_options` under the file's own key names."""
     path = Path(path)
+    valid = inspect.signature(GPT).parameters
+    unknown = next((key for key in overrides if key not in valid), None)
+    if unknown is not None:
+        raise ConfigError(f"{unknown!r} is not an argument of GPT{did_you_mean(unknown, valid)}; give one of "
+                          f"{', '.join(valid)}.")
     state = read_state_dict(path)
     layout = gpt_layout(state)
     if layout == "nanogpt":
@@ -243,21 +256,30 @@ def gpt_from_file(path: str | Path, **overrides) -> GPT:
         if "n_head" not in args:
             raise ConfigError(f"{path} records no model_args (n_head); build the model with build_model(preset, "
                               f"num_heads=..., pretrained_file=...).")
-        geo = dict(vocab_size=args["vocab_size"], block_size=args["block_size"], embed_dim=args["n_embd"],
-                   depth=args["n_layer"], num_heads=args["n_head"], bias=bool(args.get("bias", True)))
+        owner, names = f"{path}'s model_args", {k: v[0] for k, v in _ARGS.items()}
+        missing = next((v for v in names.values() if args.get(v) is None), None)
+        if missing:
+            raise ConfigError(f"{owner} record no {missing}; give a checkpoint written by nanoGPT's train.py, or "
+                              f"build the model with build_model(preset, pretrained_file=...).")
+        geo = {key: args[name] for key, name in names.items()}
+        geo["bias"] = args.get("bias", True)
     elif layout == "hf":
         config = _hf_config(path)
         if "n_head" not in config:
             raise ConfigError(f"Hugging Face GPT-2 weights {path} come without a config.json beside them (the head "
                               f"count); put it there, or build the model with build_model(preset, num_heads=...).")
+        owner, names = f"{path.parent / 'config.json'}", {k: v[1] for k, v in _ARGS.items()}
         wte = next(v for k, v in state.items() if _strip(str(k)) == "wte.weight")
+        act = config.get("activation_function", "gelu_new")
         geo = dict(vocab_size=config.get("vocab_size", wte.shape[0]), block_size=config.get("n_positions", 1024),
                    embed_dim=config.get("n_embd", wte.shape[1]), depth=config.get("n_layer", 12),
                    num_heads=config["n_head"], bias=True,
-                   gelu=_HF_GELU.get(config.get("activation_function", "gelu_new"), "exact"))
+                   gelu=_HF_GELU.get(act, "exact") if isinstance(act, str) else "exact")
     else:
         raise ConfigError(f"{path} is neither a nanoGPT checkpoint nor Hugging Face GPT-2 weights; for attnlab's own "
                           f"weights use build_model(preset, pretrained_file=...).")
+    defaults = {k: v.default for k, v in valid.items()}
+    gpt_options({**defaults, **geo}, owner, {**names, "bias": "bias"})  # the file's values, under its key names
     return load_gpt_file(GPT(**{**geo, **overrides}), path)
 
 

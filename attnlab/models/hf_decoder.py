@@ -12,6 +12,7 @@ layout) back, so that ``transformers`` loads it.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import tempfile
@@ -23,13 +24,12 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..attention.standard import StandardAttention
-from ..errors import ConfigError
-from .llama import Llama
-from .pretrained import load_strict, read_state_dict
+from ..errors import ConfigError, did_you_mean
+from .llama import Llama, default_mlp_hidden, llama_geometry
+from .options import flag, is_int, refuse
+from .pretrained import load_strict, open_safetensors, read_state_dict, safetensors_header
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-#: the geometry a config must state (everything else has Hugging Face's default)
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 #: per layer: Hugging Face's name -> attnlab's (the q, k, v projections are fused apart)
 _LAYER = {"input_layernorm.weight": "norm1.weight", "post_attention_layernorm.weight": "norm2.weight",
           "self_attn.o_proj.weight": "attn.proj.weight", "self_attn.o_proj.bias": "attn.proj.bias",
@@ -60,39 +60,95 @@ def read_config(path: str | Path) -> dict:
     return config
 
 
-def hf_geometry(config: Mapping, source: str) -> dict:
-    """:class:`Llama`'s keyword arguments for a Hugging Face config; ConfigError (one line) for what does not fit."""
+#: attnlab's option -> the config.json key it comes from (attention_bias: qkv_bias and, but for Qwen2, proj_bias)
+_NAMES = dict(vocab_size="vocab_size", block_size="max_position_embeddings", embed_dim="hidden_size",
+              depth="num_hidden_layers", num_heads="num_attention_heads", num_kv_heads="num_key_value_heads",
+              head_dim="head_dim", mlp_hidden="intermediate_size", rope_theta="rope_theta", norm_eps="rms_norm_eps",
+              tie_embeddings="tie_word_embeddings", qkv_bias="attention_bias", proj_bias="attention_bias")
+
+
+def weight_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """name -> shape of the checkpoint's tensors, read from the safetensors header alone ({} where it cannot be read:
+    reading the weights reports that)."""
+    try:
+        with open_safetensors(_files(path)[1]) as f:
+            return {k: shape for k, (_, shape) in safetensors_header(f).items()}
+    except Exception:  # noqa: BLE001 - read_state_dict names what is wrong with the file
+        return {}
+
+
+def _hints(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
+    """The sizes the weights show (attnlab's keys), to name as the right values of a config that lacks them."""
+    hints = {}
+    embed = shapes.get("model.embed_tokens.weight")
+    if embed is not None and len(embed) == 2:
+        hints.update(vocab_size=embed[0], embed_dim=embed[1])
+    up = shapes.get("model.layers.0.mlp.up_proj.weight")
+    if up is not None and len(up) == 2:
+        hints["mlp_hidden"] = up[0]
+    layers = {int(k.split(".")[2]) for k in shapes if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
+    if layers:
+        hints["depth"] = max(layers) + 1
+    return hints
+
+
+def hf_geometry(config: Mapping, source: str, shapes: Mapping[str, tuple[int, ...]] | None = None,
+                owner: str | None = None) -> dict:
+    """:class:`Llama`'s keyword arguments for a Hugging Face config, every value checked (by
+    :func:`~attnlab.models.llama.llama_geometry`, under the config's own key names): ConfigError (one line) for
+    what does not fit, naming the key, its value and a right one (``shapes``: the weights' shapes, which show the
+    right sizes). ``owner``: how the sentence names the config (default ``source``'s config.json)."""
+    owner = owner or f"{source}'s config.json"
     kind = config.get("model_type")
     if kind not in MODEL_TYPES:
         raise ConfigError(f"{source} is a {kind!r} model; attnlab reads model_type {', '.join(MODEL_TYPES)}.")
+    for key in ("rope_scaling", "rope_parameters"):
+        if config.get(key) is not None and not isinstance(config[key], Mapping):
+            raise refuse(owner, key, config[key], "a JSON object", 'one such as {"rope_type": "default"}, or null')
     # transformers 5 keeps the rotary settings in rope_parameters, older releases in rope_theta / rope_scaling
     rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    for key in ("use_sliding_window", "mlp_bias", "attention_bias", "tie_word_embeddings"):
+        if config.get(key) is not None:
+            flag(owner, key, config[key])
+    layer_types = config.get("layer_types") or []
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+        raise refuse(owner, "layer_types", config.get("layer_types"), "a list of layer kinds",
+                     'a list of "full_attention", one per layer, or null')
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
     for failed, why in (
-            (rope.get("rope_type", rope.get("type", "default")) != "default",
-             f"uses {rope.get('rope_type', rope.get('type'))!r} rope scaling, which attnlab's rotary positions do not "
-             f"compute"),
-            (config.get("hidden_act", "silu") != "silu", f"uses hidden_act {config.get('hidden_act')!r}, not SwiGLU's silu"),
-            (bool(config.get("mlp_bias")), "has MLP biases, which attnlab's SwiGLU does not hold"),
-            (bool(config.get("use_sliding_window"))
-             or any(layer != "full_attention" for layer in config.get("layer_types") or ()),
+            (rope_type != "default",
+             f"uses {rope_type!r} rope scaling, which attnlab's rotary positions do not compute"),
+            (config.get("hidden_act", "silu") != "silu",
+             f"uses hidden_act {config.get('hidden_act')!r}, not SwiGLU's silu"),
+            (config.get("mlp_bias") is True, "has MLP biases, which attnlab's SwiGLU does not hold"),
+            (config.get("use_sliding_window") is True or any(t != "full_attention" for t in layer_types),
              "uses sliding-window attention, which attnlab's model does not")):
         if failed:
             raise ConfigError(f"{source} {why}; give a model without it.")
-    missing = [k for k in _REQUIRED if not isinstance(config.get(k), int) or isinstance(config.get(k), bool)]
-    if missing:
-        raise ConfigError(f"{source}'s config.json has no integer {', '.join(missing)}; give the config.json "
-                          f"save_pretrained wrote.")
-    heads = config["num_attention_heads"]
-    attention_bias = bool(config.get("attention_bias", False))
-    return dict(vocab_size=config["vocab_size"], block_size=config.get("max_position_embeddings", 2048),
-                embed_dim=config["hidden_size"], depth=config["num_hidden_layers"], num_heads=heads,
-                num_kv_heads=config.get("num_key_value_heads") or heads,
-                head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-                mlp_hidden=config["intermediate_size"], rope_theta=theta,
-                norm_eps=float(config.get("rms_norm_eps", 1e-6)), qkv_bias=kind == "qwen2" or attention_bias,
-                proj_bias=kind != "qwen2" and attention_bias, qk_norm=kind == "qwen3",
-                tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+    hints = _hints(shapes or {})
+    if is_int(config.get("hidden_size")) and config["hidden_size"] > 0:  # a config.json states intermediate_size
+        hints.setdefault("mlp_hidden", default_mlp_hidden(config["hidden_size"]))
+    for key in ("vocab_size", "embed_dim", "depth", "num_heads", "mlp_hidden"):
+        if config.get(_NAMES[key]) is None:
+            raise ConfigError(f"{owner} has no {_NAMES[key]}; give it as a positive integer"
+                              + (f" ({hints[key]}, as the weights show)" if key in hints else "")
+                              + ", as save_pretrained writes it.")
+    theta_key = next((f"{outer}.rope_theta" for outer in ("rope_parameters", "rope_scaling")
+                      if "rope_theta" in (config.get(outer) or {})), "rope_theta")
+    attention_bias = config.get("attention_bias") is True
+
+    def given(key: str, default: object) -> object:
+        return default if config.get(key) is None else config[key]
+
+    values = dict(vocab_size=config["vocab_size"], block_size=given("max_position_embeddings", 2048),
+                  embed_dim=config["hidden_size"], depth=config["num_hidden_layers"],
+                  num_heads=config["num_attention_heads"], num_kv_heads=config.get("num_key_value_heads"),
+                  head_dim=config.get("head_dim"), mlp_hidden=config["intermediate_size"],
+                  rope_theta=rope.get("rope_theta", given("rope_theta", 10000.0)),
+                  norm_eps=given("rms_norm_eps", 1e-6), qkv_bias=kind == "qwen2" or attention_bias,
+                  proj_bias=kind != "qwen2" and attention_bias, qk_norm=kind == "qwen3",
+                  tie_embeddings=given("tie_word_embeddings", False))
+    return llama_geometry(values, owner, {**_NAMES, "rope_theta": theta_key}, hints, unset="leave it out")
 
 
 def to_attnlab(state: Mapping[str, torch.Tensor], geometry: dict, source: str) -> dict[str, torch.Tensor]:
@@ -104,7 +160,7 @@ def to_attnlab(state: Mapping[str, torch.Tensor], geometry: dict, source: str) -
             if key == "lm_head.weight" and geometry["tie_embeddings"]:
                 continue  # the embedding itself
             out[{"embed_tokens.weight": "wte.weight"}.get(key, key)] = tensor
-        elif key.startswith("layers."):
+        elif key.startswith("layers.") and key.count(".") >= 2:
             _, index, rest = key.split(".", 2)
             if rest.startswith(("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.")):
                 continue
@@ -117,8 +173,17 @@ def to_attnlab(state: Mapping[str, torch.Tensor], geometry: dict, source: str) -
     for i in range(geometry["depth"]):
         for part in ("weight", "bias"):
             names = [f"model.layers.{i}.self_attn.{p}_proj.{part}" for p in "qkv"]
-            if all(n in state for n in names):
-                out[f"blocks.{i}.attn.qkv.{part}"] = torch.cat([state[n] for n in names])
+            have = [n for n in names if n in state]
+            if have and len(have) < 3:
+                raise ConfigError(f"{source} holds {have[0]!r} but not {next(n for n in names if n not in state)!r}; "
+                                  f"give the q, k and v projections of every layer.")
+            if have:
+                parts = [state[n] for n in names]
+                if len({t.shape[1:] for t in parts}) > 1:
+                    raise ConfigError(f"{source} holds q, k, v projections of layer {i} whose shapes "
+                                      f"{', '.join(str(tuple(t.shape)) for t in parts)} differ past the first "
+                                      f"dimension; give weights of one geometry, as transformers writes them.")
+                out[f"blocks.{i}.attn.qkv.{part}"] = torch.cat(parts)
     return out
 
 
@@ -126,26 +191,45 @@ def load_hf_decoder(model: nn.Module, path: str | Path) -> nn.Module:
     """Load Hugging Face Llama / Qwen2 / Qwen3 weights into ``model`` (a :class:`Llama` of the same geometry):
     what ``build_model("llama_tiny", pretrained_file=path, ...)`` uses. ConfigError naming the first difference."""
     source = f"Hugging Face checkpoint {path}"
-    geometry = hf_geometry(read_config(path), source)
+    geometry = hf_geometry(read_config(path), source, weight_shapes(path), owner=str(_files(path)[0]))
     if not isinstance(model, Llama):
         raise ConfigError(f"{source} holds Llama-shaped weights; load them into a Llama preset, not "
                           f"{type(model).__name__}.")
+    ours = model.geometry
+    if geometry["vocab_size"] != ours["vocab_size"]:  # in a run, the data's vocabulary sizes the model
+        theirs, have = geometry["vocab_size"], ours["vocab_size"]
+        fix = (f"build it with vocab_size={theirs} (in a run: --model-options '{{vocab_size: {theirs}}}'), which "
+               f"takes every id below {have} too" if have < theirs else
+               f"the checkpoint has no embedding for ids {theirs}..{have - 1}, so give data (a tokenizer) of at most "
+               f"{theirs} tokens or a checkpoint of at least {have} (outside a run: build the model with "
+               f"vocab_size={theirs})")
+        raise ConfigError(f"{source} embeds {theirs} tokens (its vocab_size) but the model has {have} (in a run, "
+                          f"the data's vocabulary, e.g. its tokenizer's): the two disagree; {fix}.")
     for key, value in geometry.items():
-        if key != "block_size" and model.geometry[key] != value:
-            raise ConfigError(f"{source} has {key}={value} where the model has {model.geometry[key]}; build it with "
+        if key != "block_size" and ours[key] != value:
+            raise ConfigError(f"{source} has {key}={value} where the model has {ours[key]}; build it with "
                               f"{key}={value} (or use llama_from_hf).")
     return load_strict(model, to_attnlab(read_state_dict(_files(path)[1]), geometry, source), source)
 
 
 def llama_from_hf(path: str | Path, **overrides) -> Llama:
     """A :class:`Llama` of the checkpoint's own geometry, in its weights' dtype, with its weights (convert it
-    afterwards for a variant)."""
+    afterwards for a variant). ``overrides``: :class:`Llama`'s keyword arguments to set apart from the config's."""
     source = f"Hugging Face checkpoint {path}"
-    geometry = hf_geometry(read_config(path), source)
+    valid = inspect.signature(Llama).parameters
+    unknown = next((key for key in overrides if key not in valid), None)
+    if unknown is not None:
+        raise ConfigError(f"{unknown!r} is not an argument of Llama{did_you_mean(unknown, valid)}; give one of "
+                          f"{', '.join(valid)}.")
+    geometry = hf_geometry(read_config(path), source, weight_shapes(path), owner=str(_files(path)[0]))
     model = Llama(**{**geometry, **overrides})
     model.attnlab_model = "llama"
     state = read_state_dict(_files(path)[1])
-    model.to(next(t.dtype for t in state.values() if t.is_floating_point()))
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), None)
+    if dtype is None:
+        raise ConfigError(f"{source} holds no floating-point tensor ({next(iter(state.values())).dtype} and the "
+                          f"like); give float32, float16 or bfloat16 weights (dequantise a quantised checkpoint).")
+    model.to(dtype)
     return load_strict(model, to_attnlab(state, geometry, source), source)
 
 

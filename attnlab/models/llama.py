@@ -17,6 +17,7 @@ export through :mod:`attnlab.models.hf_decoder`. Initialisation is theirs: N(0, 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 
 import torch
@@ -25,9 +26,9 @@ from torch import nn
 
 from ..attention.base import LayerCache
 from ..attention.standard import StandardAttention
-from ..errors import ConfigError
-from ..ops.rotary import Rotary
-from .gpt import GPT
+from ..ops.rotary import THETA_MAX, THETA_MIN, Rotary
+from .gpt import GPT, DecoderLM
+from .options import divisors, finite_above, flag, is_int, listed, positive_int, refuse
 
 #: the presets: kwargs of :class:`Llama` and a line of documentation
 LLAMA_PRESETS: dict[str, tuple[dict, str]] = {
@@ -83,53 +84,106 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class Llama(GPT):
-    """Llama- and Qwen-shaped decoder-only language model (module docstring); the interface of :class:`GPT` (its
-    training task, sampling and KV cache take either).
+def default_mlp_hidden(embed_dim: int) -> int:
+    """SwiGLU's default hidden width: 8/3 embed_dim rounded up to a multiple of 32 (Llama's rule)."""
+    return -(-8 * embed_dim // 3 // 32) * 32
+
+
+def llama_geometry(values: Mapping[str, object], owner: str = "Llama", names: Mapping[str, str] | None = None,
+                   hints: Mapping[str, object] | None = None, unset: str = "leave it unset") -> dict:
+    """:class:`Llama`'s keyword arguments checked value by value and completed (the one check of every value the
+    decoder reads, from the constructor, ``build_model``'s options or a Hugging Face ``config.json``): ConfigError in
+    one sentence naming the key (``names``: attnlab's key -> the user's, e.g. ``num_attention_heads``), the value and
+    a right one (``hints``: attnlab's key -> a right value known from elsewhere, e.g. the weights' shapes).
+
+    Sizes are positive integers; ``None`` (``unset``: how the user gets it) leaves ``num_kv_heads`` (num_heads),
+    ``head_dim`` (embed_dim / num_heads, which must then be an even integer) and ``mlp_hidden`` at their defaults,
+    and zero is refused rather than read as one. ``head_dim`` is even (rotary positions pair features);
+    ``num_kv_heads`` divides ``num_heads``; ``rope_theta`` is a finite number above 1 that float32 holds
+    (:mod:`attnlab.ops.rotary`); ``norm_eps`` a finite number above 0; the four flags True or False."""
+    def name(key: str) -> str:
+        return (names or {}).get(key, key)
+
+    def hint(key: str, example: object) -> object:
+        return (hints or {}).get(key, example)
+
+    g = {key: positive_int(owner, name(key), values.get(key), hint(key, example))
+         for key, example in (("vocab_size", 256), ("block_size", 256), ("embed_dim", 128), ("depth", 4))}
+    dim, heads, head_dim = g["embed_dim"], values.get("num_heads"), values.get("head_dim")
+    if head_dim is None:  # the default head_dim dim / heads must be an even integer
+        fits = [h for h in divisors(dim) if dim // h % 2 == 0]
+        if not (is_int(heads) and heads in fits):
+            near = (lambda h: abs(h - heads)) if is_int(heads) and heads > 0 else (lambda h: abs(dim // h - 64))
+            best = min(fits, key=near, default=None)
+            right = (f"one such as {best} (head_dim {dim // best}), or set {name('head_dim')}" if best else
+                     f"one such as 4 and set {name('head_dim')}, as {name('embed_dim')} {dim} is odd")
+            raise refuse(owner, name("num_heads"), heads, f"a positive integer dividing {name('embed_dim')} {dim} into "
+                         f"even head_dims (rotary positions pair features)", right)
+        head_dim = dim // heads
+    else:
+        per = head_dim if is_int(head_dim) and head_dim > 0 and dim % head_dim == 0 else dim
+        heads = positive_int(owner, name("num_heads"), heads, f"{dim // per} ({name('embed_dim')} / {name('head_dim')})"
+                             if per != dim else 4)
+        if not (is_int(head_dim) and head_dim >= 2 and head_dim % 2 == 0):
+            raise refuse(owner, name("head_dim"), head_dim, "a positive even integer (rotary positions pair features)",
+                         f"one such as {max(2, dim // heads // 2 * 2)} (or {unset} for {name('embed_dim')} / "
+                         f"{name('num_heads')})")
+    kv = values.get("num_kv_heads")
+    if kv is None:
+        kv = heads
+    elif not (is_int(kv) and kv >= 1 and heads % kv == 0):
+        raise refuse(owner, name("num_kv_heads"), kv, f"a positive integer dividing {name('num_heads')} {heads}",
+                     f"{listed(divisors(heads))} (or {unset} for {heads})")
+    mlp = values.get("mlp_hidden")
+    mlp = default_mlp_hidden(dim) if mlp is None else positive_int(
+        owner, name("mlp_hidden"), mlp, hint("mlp_hidden", f"{default_mlp_hidden(dim)} (or {unset} for that default)"))
+    theta = finite_above(owner, name("rope_theta"), values.get("rope_theta"), THETA_MIN,
+                         "one such as 10000.0 (Llama 2; Llama 3: 500000.0, Qwen: 1000000.0)", high=THETA_MAX)
+    eps = finite_above(owner, name("norm_eps"), values.get("norm_eps"), 0.0, "one such as 1.0e-06 (Llama: 1.0e-05)")
+    flags = {key: flag(owner, name(key), values.get(key))
+             for key in ("qkv_bias", "proj_bias", "qk_norm", "tie_embeddings")}
+    return dict(g, num_heads=heads, num_kv_heads=kv, head_dim=head_dim, mlp_hidden=mlp, rope_theta=theta,
+                norm_eps=eps, **flags)
+
+
+class Llama(GPT):  # a DecoderLM; GPT stays its base while train/run.py's model_family tests for GPT
+    """Llama- and Qwen-shaped decoder-only language model (module docstring); the interface of
+    :class:`~attnlab.models.gpt.DecoderLM`, as GPT's (its training task, sampling and KV cache take either).
 
     Args:
         vocab_size, block_size, embed_dim, depth, num_heads: as :class:`GPT` (``block_size``: the longest sequence;
             rotary positions have no table, but training and sampling keep to it).
-        num_kv_heads: key/value heads, a divisor of num_heads (grouped-query attention; num_heads: multi-head).
-        head_dim: features per head (default embed_dim // num_heads; Qwen3 sets it apart).
-        mlp_hidden: SwiGLU's hidden width (default 8/3 embed_dim rounded up to a multiple of 32).
-        rope_theta: the rotary base (Llama 2: 1e4, Llama 3: 5e5, Qwen: 1e6).
-        norm_eps: RMSNorm's epsilon (every norm, QK-norm included).
+        num_kv_heads: key/value heads, a divisor of num_heads (grouped-query attention; None: num_heads, multi-head).
+        head_dim: features per head, even (None: embed_dim // num_heads, which must divide evenly; Qwen3 sets it
+            apart).
+        mlp_hidden: SwiGLU's hidden width (None: 8/3 embed_dim rounded up to a multiple of 32).
+        rope_theta: the rotary base, finite and above 1 (Llama 2: 1e4, Llama 3: 5e5, Qwen: 1e6).
+        norm_eps: RMSNorm's epsilon, finite and above 0 (every norm, QK-norm included).
         qkv_bias, proj_bias: biases of the q, k, v and of the output projection (Qwen2: q, k, v only).
         qk_norm: Qwen3's QK-norm, RMSNorm over head_dim on each head's query and key before the rotation.
         tie_embeddings: the head is the embedding matrix (True) or a Linear of its own.
-    """
 
-    causal = True
+    Every value is checked by :func:`llama_geometry` (zero is no default; flags are True or False).
+    """
 
     def __init__(self, vocab_size: int = 256, block_size: int = 256, embed_dim: int = 128, depth: int = 4,
                  num_heads: int = 4, num_kv_heads: int | None = None, head_dim: int | None = None,
                  mlp_hidden: int | None = None, rope_theta: float = 10000.0, norm_eps: float = 1e-6,
                  qkv_bias: bool = False, proj_bias: bool = False, qk_norm: bool = False,
                  tie_embeddings: bool = True) -> None:
-        nn.Module.__init__(self)
-        num_kv_heads = num_kv_heads or num_heads
-        for key, value in (("vocab_size", vocab_size), ("block_size", block_size), ("embed_dim", embed_dim),
-                           ("depth", depth), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"Llama's {key} must be a positive integer, not {value!r}.")
-        if num_heads % num_kv_heads:
-            raise ConfigError(f"Llama's num_kv_heads {num_kv_heads} must divide num_heads {num_heads}.")
-        head_dim = head_dim or embed_dim // num_heads
-        if head_dim % 2:
-            raise ConfigError(f"Llama's head_dim must be even (rotary positions pair features), not {head_dim}.")
-        mlp_hidden = mlp_hidden or -(-8 * embed_dim // 3 // 32) * 32
-        self.vocab_size, self.block_size, self.embed_dim = vocab_size, block_size, embed_dim
-        self.geometry = dict(vocab_size=vocab_size, block_size=block_size, embed_dim=embed_dim, depth=depth,
-                             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, mlp_hidden=mlp_hidden,
-                             rope_theta=float(rope_theta), norm_eps=norm_eps, qkv_bias=qkv_bias, proj_bias=proj_bias,
-                             qk_norm=qk_norm, tie_embeddings=tie_embeddings)
-        self.wte = nn.Embedding(vocab_size, embed_dim)
+        g = llama_geometry(dict(vocab_size=vocab_size, block_size=block_size, embed_dim=embed_dim, depth=depth,
+                                num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                mlp_hidden=mlp_hidden, rope_theta=rope_theta, norm_eps=norm_eps, qkv_bias=qkv_bias,
+                                proj_bias=proj_bias, qk_norm=qk_norm, tie_embeddings=tie_embeddings))
+        DecoderLM.__init__(self, g["vocab_size"], g["block_size"], g["embed_dim"])  # not GPT-2's layers
+        self.geometry = g
+        self.wte = nn.Embedding(g["vocab_size"], g["embed_dim"])
         self.blocks = nn.ModuleList(
-            LlamaBlock(embed_dim, num_heads, num_kv_heads, head_dim, mlp_hidden, rope_theta, norm_eps, qkv_bias,
-                       proj_bias, qk_norm, i, depth) for i in range(depth))
-        self.norm = nn.RMSNorm(embed_dim, eps=norm_eps)
-        self.lm_head = None if tie_embeddings else nn.Linear(embed_dim, vocab_size, bias=False)
+            LlamaBlock(g["embed_dim"], g["num_heads"], g["num_kv_heads"], g["head_dim"], g["mlp_hidden"],
+                       g["rope_theta"], g["norm_eps"], g["qkv_bias"], g["proj_bias"], g["qk_norm"], i, g["depth"])
+            for i in range(g["depth"]))
+        self.norm = nn.RMSNorm(g["embed_dim"], eps=g["norm_eps"])
+        self.lm_head = None if g["tie_embeddings"] else nn.Linear(g["embed_dim"], g["vocab_size"], bias=False)
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -145,4 +199,4 @@ class Llama(GPT):
         return F.linear(h, self.wte.weight if self.lm_head is None else self.lm_head.weight)
 
 
-__all__ = ["LLAMA_PRESETS", "Llama", "LlamaBlock", "SwiGLU"]
+__all__ = ["LLAMA_PRESETS", "Llama", "LlamaBlock", "SwiGLU", "default_mlp_hidden", "llama_geometry"]

@@ -107,12 +107,37 @@ def read_state_dict(path: str | Path, model: nn.Module | None = None) -> dict[st
     return {re.sub(r"^module\.", "", str(k)): v for k, v in state.items()}
 
 
+def kind_mismatch(own: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor], model: str) -> str | None:
+    """How the dtypes ``given`` differ in kind from ``model``'s own tensors, or None: a floating-point parameter
+    takes a floating-point tensor of any precision (Hugging Face checkpoints are commonly bfloat16 or float16; the
+    copy rounds them to the model's dtype), an integer or boolean buffer a tensor of neither floating nor complex
+    kind. An integer (quantised) or boolean tensor would be cast to floats silently, a complex one lose its
+    imaginary part: both are refused."""
+    for name, tensor in own.items():
+        theirs = given.get(name)
+        if theirs is None:
+            continue
+        if tensor.is_floating_point() and not theirs.is_floating_point():
+            return (f"holds {name!r} as {theirs.dtype} where {model} has a floating-point {tensor.dtype} tensor; give "
+                    f"floating-point weights (float32, float16 or bfloat16; dequantise a quantised checkpoint)")
+        if not tensor.is_floating_point() and not tensor.is_complex() and (theirs.is_floating_point()
+                                                                            or theirs.is_complex()):
+            return (f"holds {name!r} as {theirs.dtype} where {model} has a {tensor.dtype} tensor; give that "
+                    f"{tensor.dtype} buffer as saved from model.state_dict()")
+    return None
+
+
 def load_strict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], source: str) -> nn.Module:
-    """``model.load_state_dict(state_dict)`` that names the first missing, unexpected or mismatching key in a
-    ConfigError (a state dict for another model) instead of torch's multi-line RuntimeError."""
-    why = mismatch(shapes(model.state_dict()), shapes(state_dict), _model_name(model))
+    """``model.load_state_dict(state_dict)`` that names the first missing, unexpected or mismatching key (shape, or
+    dtype kind: :func:`kind_mismatch`) in a ConfigError (a state dict for another model) instead of torch's
+    multi-line RuntimeError or a silent cast."""
+    own = model.state_dict()
+    why = mismatch(shapes(own), shapes(state_dict), _model_name(model))
     if why:
         raise ConfigError(f"{source} {why}; give weights of the same architecture.")
+    why = kind_mismatch(own, state_dict, _model_name(model))
+    if why:
+        raise ConfigError(f"{source} {why}.")
     model.load_state_dict(state_dict)
     return model
 
@@ -258,5 +283,5 @@ def load_dna_authors(model: nn.Module, source: str | Path | Mapping[str, torch.T
     return load_strict(model, dna_authors_state_dict(model, state, layout, sign), name)
 
 
-__all__ = ["DNA_LAYOUTS", "MAX_HEADER_BYTES", "create_pretrained", "dna_authors_state_dict", "load_dna_authors",
-           "load_strict", "mismatch", "open_safetensors", "read_state_dict", "safetensors_header"]
+__all__ = ["DNA_LAYOUTS", "MAX_HEADER_BYTES", "create_pretrained", "dna_authors_state_dict", "kind_mismatch",
+           "load_dna_authors", "load_strict", "mismatch", "open_safetensors", "read_state_dict", "safetensors_header"]

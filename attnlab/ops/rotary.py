@@ -4,14 +4,31 @@ arXiv:2104.09864), in the rotate-half layout of Llama and Qwen: feature i is pai
     q_m = q * cos(m theta_i) + rotate_half(q) * sin(m theta_i),   theta_i = base^(-2i / D),  rotate_half(x) = [-x2, x1]
 
 for the token at position m; q k^T then depends on positions only through their difference.
+
+The base must be a finite number above 1 that float32 holds (``THETA_MIN < base <= THETA_MAX``): then the D/2
+frequencies fall geometrically from 1 to about 1/base, each pair turning at its own rate. At 1 every pair turns at
+the same rate, below 1 the pairs turn faster than one radian per token (aliased), 0 and negative bases give infinite
+or NaN angles, and a base float32 rounds to infinity (the angles are computed in float32) leaves one pair turning.
 """
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 
 import torch
 from torch import nn
+
+from ..errors import ConfigError
+
+#: the open lower and the closed upper bound of the base (float32's largest finite number: the angles are float32)
+THETA_MIN, THETA_MAX = 1.0, float(torch.finfo(torch.float32).max)
+
+
+def theta_ok(theta: object) -> bool:
+    """Whether ``theta`` is a real number (not a boolean) with THETA_MIN < theta <= THETA_MAX (module docstring)."""
+    return (isinstance(theta, (int, float)) and not isinstance(theta, bool) and math.isfinite(theta)
+            and THETA_MIN < theta <= THETA_MAX)
 
 
 class Rotary(nn.Module):
@@ -21,7 +38,10 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
         super().__init__()
         if head_dim % 2:
-            raise ValueError(f"rotary embeddings pair features, so the head dimension must be even, not {head_dim}")
+            raise ConfigError(f"rotary embeddings pair features, so the head dimension must be even, not {head_dim}.")
+        if not theta_ok(theta):
+            raise ConfigError(f"the rotary base theta is {theta!r}, not a finite number above {THETA_MIN:g} and at "
+                              f"most {THETA_MAX:.4g}; give one such as 10000.0.")
         self.head_dim, self.theta = head_dim, float(theta)
         # in float32 arithmetic, as Hugging Face's Llama and Qwen compute it
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -48,4 +68,4 @@ def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-__all__ = ["Rotary"]
+__all__ = ["THETA_MAX", "THETA_MIN", "Rotary", "theta_ok"]

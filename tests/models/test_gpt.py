@@ -160,7 +160,7 @@ def test_errors_are_one_sentence():
         model(tokens(N=17))
     with pytest.raises(ConfigError, match="takes no num_classes"):
         attnlab.build_model("gpt_tiny", num_classes=10)
-    with pytest.raises(ConfigError, match="not divisible"):
+    with pytest.raises(ConfigError, match="num_heads is 4, not a positive integer dividing embed_dim 30; give one"):
         attnlab.build_model("gpt_tiny", embed_dim=30, num_heads=4)
     with pytest.raises(ConfigError, match="gelu"):
         attnlab.build_model("gpt_tiny", gelu="fast")

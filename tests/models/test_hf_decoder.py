@@ -131,7 +131,7 @@ def test_the_kv_cache_of_a_loaded_model_gives_the_recomputed_logits_and_transfor
     ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, "sliding-window attention"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window attention"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn' rope scaling"),
-    ({"num_attention_heads": None}, "no integer num_attention_heads"),
+    ({"num_attention_heads": None}, "has no num_attention_heads; give it as a positive integer"),
 ])
 def test_a_qwen2_config_that_does_not_fit_is_refused_in_one_line(change, words, tmp_path):
     _hf_model("qwen2", tie=True).save_pretrained(tmp_path / "hf")
