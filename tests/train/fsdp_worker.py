@@ -1,7 +1,8 @@
 """Run by tests/train/test_fsdp.py on CPU ranks (gloo), not collected on its own: trains ``llama_tiny`` for STEPS
 AdamW steps on a fixed global batch, each rank on its 1/N share, with the model sharded by attnlab.train.fsdp
-(FSDP2); writes the gathered weights to OUT/weights-N.pt. With LOAD, the sharded state saved by a run of another
-world size is loaded first; with SAVE, the state is saved at the end (torch.distributed.checkpoint).
+(FSDP2); writes the gathered weights to OUT/weights-TAG.pt. With SAVE, the state is saved at the end as the trainer
+saves it (gathered weights, the optimizer's shards through torch.distributed.checkpoint); with LOAD, such a state,
+saved at another world size, is loaded first.
 
     python fsdp_worker.py OUT WORLD STEPS [--bf16] [--checkpoint] [--save DIR] [--load DIR] [--tag TAG]
 """
@@ -33,8 +34,11 @@ def rank_main(rank: int, a) -> None:
     model = build_model("llama_tiny", attn=a.attn)
     fsdp.shard(model, device=torch.device("cpu"), bf16=a.bf16, checkpoint=a.checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    if a.load:
-        fsdp.load(a.load, model, opt)
+    if a.load:  # as the trainer resumes: the gathered weights into the model, the optimizer's shards resharded
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, torch.load(f"{a.load}/weights.pt"), options=StateDictOptions(full_state_dict=True))
+        fsdp.load_optimizer(a.load, {"dcp": "optimizer-0"}, model, opt)
     per = BATCH // a.world
     for step in range(a.first, a.first + a.steps):
         x, y = batch(step)
@@ -43,9 +47,14 @@ def rank_main(rank: int, a) -> None:
         F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    if a.save:
-        fsdp.save(a.save, model, opt)
     weights = fsdp.full_weights(model)
+    if a.save:  # as the trainer saves: the gathered weights (rank 0) and the optimizer's shards (every rank)
+        import os
+
+        os.makedirs(a.save, exist_ok=True)
+        fsdp.save_optimizer(a.save, "0", model, opt)
+        if rank == 0:
+            torch.save(weights, f"{a.save}/weights.pt")
     if rank == 0:
         torch.save(weights, f"{a.out}/weights-{a.tag}.pt")
     dist.destroy_process_group()

@@ -1,9 +1,8 @@
 """Sharded training (attnlab.train.fsdp, FSDP2 on gloo CPU ranks) against one process.
 
-What must hold: with the global batch split by rank, N sharded ranks train the weights one process trains (the
-gradient reduce-scatter averages as the one-process mean does; float32 sums in another order: 1e-5 after a few
-AdamW steps); a sharded checkpoint saved at one world size loads at another and training continues to the weights
-of an uninterrupted run; activation checkpointing changes no number; bf16 compute stays near fp32.
+What must hold here (the trainer's sharded runs: tests/train/test_train_ddp.py): a sharded checkpoint saved at one
+world size loads at another and training continues to the weights of an uninterrupted run (float32 sums in another
+order: 2e-5 after a few AdamW steps); the blocks are the FSDP units; a sharded run refuses what it cannot do.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ def _run(tmp_path, world: int, steps: int, *extra: str, tag: str) -> dict[str, t
     return torch.load(tmp_path / f"weights-{tag}.pt")
 
 
-def _close(a: dict, b: dict, atol: float) -> float:
+def _close(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
@@ -44,16 +43,22 @@ def test_blocks_are_the_units():
 
 
 @pytest.mark.slow
-def test_sharded_training_equals_one_process_and_resumes_at_another_world_size(tmp_path):
+def test_a_sharded_checkpoint_resumes_at_another_world_size(tmp_path):
+    """2 steps on 2 sharded ranks, saved (torch.distributed.checkpoint), then 2 steps in one process from that
+    checkpoint: the weights of 4 uninterrupted steps in one process (float32 sums in another order)."""
     one = _run(tmp_path, 1, 4, tag="one")
-    two = _run(tmp_path, 2, 4, tag="two")
-    assert _close(one, two, 0) < 2e-5  # the same weights, up to the order of float32 sums
-    first = {k: v for k, v in one.items()}
-    # 2 steps at world 2, saved; 2 more at world 1 from that checkpoint = 4 steps uninterrupted
     _run(tmp_path, 2, 2, "--save", str(tmp_path / "ck"), tag="half")
     resumed = _run(tmp_path, 1, 2, "--first", "2", "--load", str(tmp_path / "ck"), tag="resumed")
-    assert _close(first, resumed, 0) < 2e-5
-    checkpointed = _run(tmp_path, 2, 4, "--checkpoint", tag="ac")
-    assert _close(two, checkpointed, 0) == 0.0  # recomputation gives the same numbers
-    bf16 = _run(tmp_path, 2, 4, "--bf16", tag="bf16")
-    assert 0 < _close(two, bf16, 0) < 5e-2
+    assert _close(one, resumed) < 2e-5
+    assert _close(one, _run(tmp_path, 1, 2, tag="two_steps")) > 1e-3  # the check can tell 2 steps from 4
+
+
+def test_a_sharded_run_refuses_what_it_cannot_do_before_it_starts():
+    from attnlab.errors import ConfigError
+    from attnlab.train.config import make_config
+    from attnlab.train.loop import _check_sharded
+
+    for key, value, flag in (("ema", True, "--ema"), ("probe_every", 5, "--probe-every")):
+        with pytest.raises(ConfigError, match=f"^{flag} .* not available with --parallel fsdp; drop it or use "
+                                              f"--parallel ddp"):
+            _check_sharded(make_config("demo", **{key: value}))
