@@ -210,15 +210,24 @@ def _weights_digest(meta: Mapping[str, str], weights: Mapping[str, torch.Tensor]
     return content_sha256([{k: meta.get(k) for k in ("epoch", "save_id")}, dict(weights)])
 
 
+def new_save_id(epoch: int) -> str:
+    """The id that ties a checkpoint's files together: the epoch and 16 random hex digits."""
+    return f"{epoch}-{secrets.token_hex(8)}"
+
+
 def save_checkpoint(run_dir: str | Path, model: nn.Module, state: dict[str, Any],
-                    previous: tuple[str, str] | None = (WEIGHTS, STATE)) -> None:
+                    previous: tuple[str, str] | None = (WEIGHTS, STATE), *, save_id: str | None = None,
+                    weights: Mapping[str, torch.Tensor] | None = None) -> None:
     """Write the checkpoint of epoch ``state["epoch"]`` as the latest pair, keeping ``previous`` as the previous pair:
     the files (weights, state) of the intact pair to keep (default: the latest pair; missing files are skipped;
-    ``None`` keeps none), renamed before the new files are written (why that order: docs/training.md)."""
+    ``None`` keeps none), renamed before the new files are written (why that order: docs/training.md). ``save_id``:
+    one already written elsewhere (a sharded run's optimizer directory); ``weights``: the model's, gathered (a
+    sharded model's own state dict holds its shards)."""
     run_dir = Path(run_dir)
     epoch = int(state["epoch"])
-    save_id = f"{epoch}-{secrets.token_hex(8)}"
-    weights = weights_of(model)
+    save_id = save_id or new_save_id(epoch)
+    weights = weights_of(model) if weights is None else \
+        {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()}
     meta = {"epoch": str(epoch), "save_id": save_id}
     data = safetensors_bytes(weights, metadata={**meta, "sha256": _weights_digest(meta, weights)})
     state = {**state, "save_id": save_id}

@@ -98,6 +98,12 @@ class RunConfig(Section):
                                              "file replaced on purpose), recording the new data")
     log: str = option("none", "'tensorboard' also writes metrics as TensorBoard scalars into RUN_DIR/tensorboard "
                               "(pip install attnlab[tensorboard]), or 'none'", choices=("none", "tensorboard"))
+    parallel: str = option("ddp", "several processes (torchrun): 'ddp' (each rank holds the whole model, gradients "
+                                  "all-reduced) or 'fsdp' (parameters, gradients and optimizer state sharded over "
+                                  "the ranks, FSDP2's fully_shard per block, for models that outgrow one device)",
+                           choices=("ddp", "fsdp"))
+    activation_checkpointing: bool = option(False, "recompute each transformer block's activations in the backward "
+                                                   "(less memory for about a third more compute)")
     world_size: int = option(1, "processes the run trains with (recorded from torchrun's WORLD_SIZE; a value given "
                                 "here is replaced)", at_least(1))
 

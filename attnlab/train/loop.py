@@ -10,7 +10,7 @@ import json
 import math
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import numpy as np
@@ -29,6 +29,7 @@ from .checkpoint import (
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
+    new_save_id,
     create_dir_with,
     get_rng_state,
     resume_point,
@@ -78,6 +79,26 @@ def _read_stats(sums: dict[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(sums, (float(v) for v in distributed.reduce_sums(*sums.values()))))
 
 
+def _no_sync(model):
+    """The context in which a micro-batch's backward skips the gradient reduction: DDP's ``no_sync``, FSDP2's
+    ``set_requires_gradient_sync(False)``, or None for one process."""
+    if hasattr(model, "no_sync"):
+        return model.no_sync
+    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    if not hasattr(inner, "set_requires_gradient_sync"):
+        return None
+
+    @contextmanager
+    def unsynced():
+        inner.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            inner.set_requires_gradient_sync(True)
+
+    return unsynced
+
+
 def train_one_epoch(model, batches: Iterator[Any], optimizer, scheduler, step_loss, *, steps: int, device,
                     amp_dtype, epoch: int, epochs: int, num_updates: int, clip_grad: float | None, log_every: int,
                     progress: bool, on_step=None, cudagraphs: bool = False, accum: int = 1,
@@ -91,7 +112,7 @@ def train_one_epoch(model, batches: Iterator[Any], optimizer, scheduler, step_lo
     No step waits for the device (docs/training.md, "One epoch"): the sums and a non-finite flag are read every
     ``log_every`` steps (on CUDA at least 100) and at the end, where a non-finite loss raises NonFiniteLossError.
     ``cudagraphs``: mark each forward's start for torch.compile's CUDA graphs, whose outputs the next replay
-    overwrites. Under DDP, all but the last micro-batch of a step skip the gradient all-reduce (``no_sync``).
+    overwrites. Under DDP and FSDP, all but the last micro-batch of a step skip the gradient reduction.
     """
     model.train()
     autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
@@ -99,7 +120,7 @@ def train_one_epoch(model, batches: Iterator[Any], optimizer, scheduler, step_lo
     sums: dict[str, torch.Tensor] = {"loss": zero(torch.float64), "seen": zero(torch.int64), "bad": zero(torch.int64)}
     bad_step, bad_loss = zero(torch.int64), zero(torch.float32)
     checked, stats = 0, {}
-    no_sync = getattr(model, "no_sync", None) if accum > 1 else None
+    no_sync = _no_sync(model) if accum > 1 else None
     every = max(log_every, 100) if device.type == "cuda" else log_every  # a CUDA read stalls the queued steps
     start = time.perf_counter()
     batches = iter(batches)
@@ -202,6 +223,9 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     micro_batch = distributed.rank_batch_size(cfg.batch_size, ranks) // cfg.grad_accum
     main = ranks.is_main  # rank 0 alone writes files, prints and logs
     require(cfg.run.log)
+    sharded = cfg.run.parallel == "fsdp" and ranks.distributed  # one process trains the same model unsharded
+    if sharded:
+        _check_sharded(cfg)
 
     plan: Plan = run.plan(check=False)
     if plan.action == "skip":
@@ -244,6 +268,16 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     total = cfg.max_steps or cfg.epochs * per_epoch
     epochs = math.ceil(total / per_epoch)
 
+    if found is not None:
+        model.load_state_dict(found.weights)
+    if cfg.run.activation_checkpointing:
+        from .fsdp import checkpoint_blocks
+
+        checkpoint_blocks(model)
+    if sharded:
+        from . import fsdp
+
+        fsdp.shard(model, device=device, bf16=amp_dtype == torch.bfloat16)
     optim, sched = cfg.optim, cfg.sched
     optimizer = build_optimizer(model, optim.lr, optim.weight_decay, optim.optimizer, optim.momentum, optim.beta2,
                                 optim.layer_decay)
@@ -258,9 +292,8 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     previous = None  # the checkpoint pair the first new checkpoint keeps as the previous one
     init_eval = None  # the evaluation before the first step (tasks with eval_at_init), kept in the checkpoint
     if found is not None:
-        weights, state, previous = found.weights, found.state, found.files
-        model.load_state_dict(weights)
-        optimizer.load_state_dict(state["optimizer"])
+        state, previous = found.state, found.files
+        _load_optimizer(run, model, optimizer, state["optimizer"], sharded)
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, num_updates, history = int(state["epoch"]), int(state["num_updates"]), list(state["history"])
         init_eval = state.get("init_eval")
@@ -290,7 +323,7 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     distributed.agree(None)  # set-up done on every rank (or every rank stops with the first rank's error)
 
     trained = model
-    if ranks.distributed:
+    if ranks.distributed and not sharded:
         from torch.nn.parallel import DistributedDataParallel
 
         trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -300,8 +333,9 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     # static shapes (dynamic=False): the train batches are full, evaluation pads its last batch
     compiled = (lambda m: torch.compile(m, mode=mode, dynamic=False)) if cfg.run.compile else (lambda m: m)  # noqa: E731
     forward = compiled(trained)
-    # evaluation runs on rank 0 alone, outside DDP, whose forward would wait for the other ranks
-    evaluate_with = forward if not ranks.distributed else compiled(model)
+    # evaluation runs on rank 0 alone, outside DDP, whose forward would wait for the other ranks; a sharded model
+    # needs every rank for each forward, so under FSDP every rank evaluates (the same batches)
+    evaluate_with = forward if not ranks.distributed or sharded else compiled(model)
     cudagraphs = mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
     params = sum(p.numel() for p in model.parameters())
     progress = cfg.run.progress and main
@@ -338,11 +372,20 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
                 amp_dtype=amp_dtype, epoch=epoch, epochs=epochs, num_updates=num_updates, clip_grad=optim.clip_grad,
                 log_every=cfg.run.log_every, progress=progress, cudagraphs=cudagraphs, accum=cfg.grad_accum,
                 on_step=on_step if ema is not None or probe_inputs is not None else None, describe=task.train_stats)
+        if sharded:  # collectives: every rank evaluates, gathers the weights and writes its optimizer shard
+            evaluation = task.evaluate(evaluate_with, device=device, amp_dtype=amp_dtype,
+                                       static_shapes=cfg.run.compile)
+            save_id = distributed.from_main(new_save_id(epoch))
+            full = fsdp.full_weights(model)
+            optimizer_state = fsdp.save_optimizer(run.dir, save_id, model, optimizer)
         if not main:
             distributed.agree(None)  # while rank 0 evaluates and writes the epoch
             continue
         stats = task.train_stats(sums, sums["seconds"])
-        evaluation = task.evaluate(evaluate_with, device=device, amp_dtype=amp_dtype, static_shapes=cfg.run.compile)
+        if not sharded:
+            evaluation = task.evaluate(evaluate_with, device=device, amp_dtype=amp_dtype,
+                                       static_shapes=cfg.run.compile)
+            save_id, full, optimizer_state = new_save_id(epoch), None, optimizer.state_dict()
         record = {"epoch": epoch, **{k: v for k, v in stats.items() if k != "train_seconds"}, **evaluation,
                   "lr": optimizer.param_groups[0]["lr"], "epoch_seconds": time.perf_counter() - epoch_start}
         if cfg.max_steps or cfg.eval_every:
@@ -359,11 +402,13 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
             tqdm.write(f"epoch {epoch}/{epochs}  {task.line(record)}")
         atomic_write_text(run.dir / METRICS, "".join(json.dumps(h) + "\n" for h in history))
         save_checkpoint(run.dir, model, {
-            "epoch": epoch, "num_updates": num_updates, "optimizer": optimizer.state_dict(),
+            "epoch": epoch, "num_updates": num_updates, "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict(), "sampler": {"seed": cfg.seed, "next_epoch": epoch + 1},
             "rng": get_rng_state(), "history": history, **({"init_eval": init_eval} if init_eval else {}),
             **({"ema": weights_of(ema.module)} if ema is not None else {}),
-        }, previous=previous)
+        }, previous=previous, save_id=save_id, weights=full)
+        if sharded:
+            fsdp.keep_optimizers(run.dir)
         if ema is not None:  # the EMA weights for use, beside the raw ones (the resumable copy is in the state)
             atomic_write_bytes(run.dir / EMA_WEIGHTS, safetensors_bytes(weights_of(ema.module),
                                                                         metadata={"epoch": str(epoch)}))
@@ -389,6 +434,28 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     atomic_write_json(run.dir / RESULT, result)
     distributed.agree(None)
     return distributed.from_main(result)
+
+
+def _check_sharded(cfg: TrainConfig) -> None:
+    """ConfigError for what a sharded run cannot do yet (each works with --parallel ddp)."""
+    for given, what in ((cfg.ema, "--ema (an averaged copy of a sharded model)"),
+                        (cfg.run.probe_every > 0, "--probe-every (the probe runs on rank 0 alone)")):
+        if given:
+            raise ConfigError(f"{what} is not available with --parallel fsdp; drop it or use --parallel ddp.")
+
+
+def _load_optimizer(run: Run, model: nn.Module, optimizer, state: Any, sharded: bool) -> None:
+    """The optimizer's state from a checkpoint: a plain state dict (one process, DDP) or, from a sharded run, a
+    torch.distributed.checkpoint directory (resharded to this world size, one process included)."""
+    if isinstance(state, dict) and "dcp" in state:
+        from . import fsdp
+
+        fsdp.load_optimizer(run.dir, state, model, optimizer)
+    elif sharded:
+        raise ConfigError(f"run {run.name} was saved by one process or under --parallel ddp, whose optimizer state "
+                          f"does not shard; resume it with --parallel ddp.")
+    else:
+        optimizer.load_state_dict(state)
 
 
 __all__ = ["check_run", "epoch_seed", "train", "train_one_epoch"]

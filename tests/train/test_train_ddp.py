@@ -146,13 +146,18 @@ def _errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("attnlab train")]
 
 
+# FSDP2 (attnlab.train.fsdp): the parameters, gradients and optimizer state sharded over the ranks, each block its
+# own unit, activations recomputed in the backward; the same weights, within the same tolerance
+SHARDED = ["--parallel", "fsdp", "--activation-checkpointing"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("repeated_aug", [1, 3])
-def test_two_ranks_train_the_one_process_model(tmp_path, repeated_aug):
+@pytest.mark.parametrize(("repeated_aug", "parallel"), [(1, []), (3, []), (1, SHARDED)], ids=["ddp", "ddp-ra3", "fsdp"])
+def test_two_ranks_train_the_one_process_model(tmp_path, repeated_aug, parallel):
     args = [*DEMO, "--epochs", "1", "--repeated-aug", str(repeated_aug), "--threads", "1"]
     one = _single([*args, "--runs-dir", str(tmp_path / "one")])
     assert one.returncode == 0, one.stderr
-    two = _torchrun([*args, "--runs-dir", str(tmp_path / "two")])
+    two = _torchrun([*args, *parallel, "--runs-dir", str(tmp_path / "two")])
     assert two.returncode == 0, two.stderr
     [run_one] = (tmp_path / "one").iterdir()
     [run_two] = (tmp_path / "two").iterdir()
@@ -192,8 +197,9 @@ def _rank_pid(torchrun: subprocess.Popen, rank: int) -> int:
 
 
 @pytest.mark.slow
-def test_resume_after_a_rank_is_killed_equals_an_uninterrupted_run(tmp_path):
-    args = [*DEMO, "--epochs", "3", "--threads", "1"]
+@pytest.mark.parametrize("parallel", [[], SHARDED], ids=["ddp", "fsdp"])
+def test_resume_after_a_rank_is_killed_equals_an_uninterrupted_run(tmp_path, parallel):
+    args = [*DEMO, "--epochs", "3", "--threads", "1", *parallel]
     full = _torchrun([*args, "--runs-dir", str(tmp_path / "full")])
     assert full.returncode == 0, full.stderr
 
@@ -217,6 +223,9 @@ def test_resume_after_a_rank_is_killed_equals_an_uninterrupted_run(tmp_path):
         assert torch.equal(w_resumed[key], w_full[key]), key
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [m["epoch"] for m in lines] == [1, 2, 3]
+    if parallel:  # the sharded optimizer state of the two kept checkpoints, and nothing else
+        kept = sorted(p.name for p in metrics.parent.glob("*optimizer-*"))
+        assert len(kept) == 2 and not any(name.startswith(".") for name in kept), kept
 
 
 @pytest.mark.slow

@@ -59,7 +59,8 @@ class LanguageModelling(Task):
     metrics = ("val_loss", "perplexity", "accuracy", "bits_per_byte")
     headline = "val_loss"
     higher_is_better = False
-    report_columns = ("perplexity", "bits_per_byte", "accuracy")
+    # tokens_per_s: the last evaluation period's training throughput (all ranks); mfu where the device's peak is known
+    report_columns = ("perplexity", "bits_per_byte", "accuracy", "tokens_per_s", "mfu")
     percent = False
     eval_at_init = True  # the loss at initialisation, for the learning-rate sensitivity
     labelled_inputs = False  # instruments read validation blocks (token ids), no labels
@@ -98,6 +99,9 @@ class LanguageModelling(Task):
                               f"{self.cfg.model}.")
         check_vocab(self.run.info.num_classes, vocab, f"dataset {self.cfg.dataset}")
         check_block_size(model, self.block_size)
+        from attnlab.ops.model_flops import model_flops_per_token
+
+        self.flops_per_token = model_flops_per_token(model, self.block_size)
         return model
 
     def check(self, cache: dict) -> None:
@@ -129,8 +133,28 @@ class LanguageModelling(Task):
         return loss, {"seen": (y != IGNORE).sum()}
 
     def train_stats(self, sums, seconds):
-        return {**super().train_stats(sums, seconds),
-                "tokens_per_s": sums.get("seen", 0.0) / seconds if seconds > 0 else 0.0}
+        """Adds tokens per second over all ranks, the model FLOP/s they take (PaLM's count,
+        :mod:`attnlab.ops.model_flops`) and, on a device whose peak is known, the MFU."""
+        from attnlab.ops.model_flops import mfu, peak_bf16
+
+        rate = sums.get("seen", 0.0) / seconds if seconds > 0 else 0.0
+        stats = {**super().train_stats(sums, seconds), "tokens_per_s": rate}
+        flops = getattr(self, "flops_per_token", None)
+        if flops:
+            stats["model_tflops"] = rate * flops / 1e12
+            device = self.run.device
+            if device.type == "cuda":
+                import torch
+
+                peak = peak_bf16(torch.cuda.get_device_name(device))
+                used = mfu(rate, flops, peak * self.run.ranks.world_size if peak else None)
+                if used is not None:
+                    stats["mfu"] = used
+        return stats
+
+    def result(self, record):
+        return {**super().result(record), **{k: record[k] for k in ("tokens_per_s", "model_tflops", "mfu")
+                                            if k in record}}
 
     def evaluate(self, model, *, device, amp_dtype, static_shapes: bool = False) -> dict[str, float]:
         from attnlab.data.lm_metrics import evaluate_lm
@@ -152,7 +176,8 @@ class LanguageModelling(Task):
     def line(self, record) -> str:
         bpb = f"  bpb {record['bits_per_byte']:.3f}" if "bits_per_byte" in record else ""
         return (f"train_loss {record['train_loss']:.4f}  val_loss {record['val_loss']:.4f}  ppl "
-                f"{record['perplexity']:.2f}  acc {record['accuracy']:.3f}{bpb}  {record['tokens_per_s']:.0f} tok/s")
+                f"{record['perplexity']:.2f}  acc {record['accuracy']:.3f}{bpb}  {record['tokens_per_s']:.0f} tok/s"
+                + (f"  MFU {record['mfu']:.1%}" if "mfu" in record else ""))
 
 
 __all__ = ["LMConfig", "LanguageModelling"]
