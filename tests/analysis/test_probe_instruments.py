@@ -27,6 +27,8 @@ BRANCHES = {"standard": ("attn",), "dna": ("neg", "pos")}
 def _navit(attn, layers, tmp_path, seed=0):
     module_layers = list(range(DEPTH)) if layers == "all" else layers
     W = their_weights(attn, len(module_layers), seed=seed)
+    if attn == "dna":  # one head adds its softmin branch: the relevance's sign follows alpha_h (c_h M_h)
+        W["encoder.interaction_modules.0.neg_scalers"][0] = -0.7
     write_navit(W, tmp_path / "navit")
     return ours(W, attn, layers, tmp_path), W, module_layers
 
@@ -70,6 +72,8 @@ def test_probe_relevance_equals_the_float64_loops_on_the_frames_grids(attn, laye
                     np.testing.assert_allclose(got_maps[li, :, t, rows, cols].numpy(), w[:, t * N:(t + 1) * N].numpy(),
                                                rtol=1e-9, atol=1e-12)
             assert float(torch.stack(want).abs().sum()) > 0  # a test that sees nonzero relevance
+        if attn == "dna":
+            assert float(r.tokens["neg"][b, 0].min()) < 0 < float(r.tokens["neg"][b, 0].max())
 
 
 def test_probe_relevance_on_a_timm_vit_keeps_the_class_token_apart():
