@@ -8,7 +8,8 @@ branch outputs O+, O- (P probes x D, before alpha) and values V+, V- (the clip's
 - alpha's mean, max, min and SD over heads per module.
 
 The measures are :mod:`attnlab.analysis.dna`'s functions; only the forward differs (clips through a
-:class:`VisCoPEncoder`, the interaction modules read by :func:`attnlab.analysis.probe_relevance.interaction_intermediates`).
+:class:`VisCoPEncoder`, the interaction modules read by
+:func:`attnlab.analysis.probe_relevance.interaction_intermediates`).
 """
 
 from __future__ import annotations
