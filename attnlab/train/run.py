@@ -369,6 +369,9 @@ class Run:
             return err
         from attnlab.models import attention_modules, build_model
 
+        from .tasks import task_class
+
+        images = ", ".join(task_class("image").presets())
         try:
             with torch.device("meta"), torch.random.fork_rng(devices=[]):
                 bare = build_model(self.cfg.model, attn=None)
@@ -378,9 +381,9 @@ class Run:
             return UnsupportedModelError(
                 f"model {self.cfg.model} ({type(bare).__name__}) has no attention module attnlab converts (supported "
                 f"are timm's Attention: ViT, DeiT and models built from it; WindowAttention: Swin; XCA: XCiT; "
-                f"DaViT's), so --attn {self.cfg.attn} cannot act on it; use one of {', '.join(models_of('image'))}.")
+                f"DaViT's), so --attn {self.cfg.attn} cannot act on it; use one of {images}.")
         return ConfigError(f"model {self.cfg.model} takes no {bad[1]}, which attnlab gives an image model to fit "
-                           f"dataset {self.cfg.dataset}'s images; use one of {', '.join(models_of('image'))}.")
+                           f"dataset {self.cfg.dataset}'s images; use one of {images}.")
 
     def _cannot_build(self, err: Exception, why: str, check: str) -> ConfigError:
         """One line for a model that the run's options (or data) make fail, naming the options given."""
