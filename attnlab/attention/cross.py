@@ -45,7 +45,7 @@ class CrossAttention:
     def row_stride(self) -> int:
         return self.q.out_features
 
-    def project(self, x: torch.Tensor, backend: str = "explicit", context: torch.Tensor | None = None) -> tuple:
+    def project(self, x: torch.Tensor, context: torch.Tensor) -> tuple:
         """Queries (B, H * q_blocks, N, D) from x; keys (B, H, M, D) and values (B, H * (kv_blocks - 1), M, D) from
         the context: each block's heads one after the other, views of the two projections."""
         q, kv = (linear(t).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for linear, t in ((self.q, x),
