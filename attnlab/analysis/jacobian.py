@@ -86,8 +86,7 @@ def head_function(module: nn.Module, head: int, mask=None, sequence: int | None 
     own = copy.deepcopy(module)
     own.qkv = nn.Linear(own.dim, len(own.qkv.weight), bias=own.qkv.bias is not None)  # plain: the rows given are
     own.use_backend("explicit")  # the effective weight's (parametrisations applied)
-    D, A, g = own.head_dim, own.attn_dim, head // (own.num_heads // own.num_kv_heads)
-    starts = (head * D, A + g * D, A + own.kv_dim + g * D)  # its q rows, its key and value head's rows
+    D, starts = own.head_dim, [r.start for r in head_rows(own, head)]
     with torch.no_grad():
         weight, bias = module.qkv.weight.detach(), None if module.qkv.bias is None else module.qkv.bias.detach()
     seen = []
@@ -102,6 +101,12 @@ def head_function(module: nn.Module, head: int, mask=None, sequence: int | None 
         functional_call(own, params, (x[None] if sequence is None else x,), {"attn_mask": mask})
         return seen.pop()[0 if sequence is None else sequence, head]
     return f
+
+
+def head_rows(module: nn.Module, head: int) -> list[slice]:
+    """The rows of ``head``'s query and of its key and value head (grouped-query attention) in the fused ``qkv``."""
+    D, A, g = module.head_dim, module.attn_dim, head // (module.num_heads // module.num_kv_heads)
+    return [slice(start, start + D) for start in (head * D, A + g * D, A + module.kv_dim + g * D)]
 
 
 def _check(module: nn.Module, name: str) -> None:
@@ -144,15 +149,13 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
                 raise ConfigError(f"sequences={sequences} is out of range for {name}, whose input holds {B} "
                                   f"sequences (images for ViT, windows of the batch for Swin); use 0 to {B - 1}.")
             head_list = [h for h in (range(module.num_heads) if heads is None else heads) if h < module.num_heads]
-            D, A, groups = module.head_dim, module.attn_dim, module.num_heads // module.num_kv_heads
             with torch.no_grad():
                 weight = module.qkv.weight.to(dtype)  # effective weight (parametrisations applied)
                 bias = None if module.qkv.bias is None else module.qkv.bias.to(dtype)
             own = copy.deepcopy(module).to(dtype)  # its norms, kernel and head transform in the Jacobian's dtype
             kappas = []
             for h, s in itertools.product(head_list, sequences):
-                g = h // groups  # its key and value head
-                rows = [slice(start, start + D) for start in (h * D, A + g * D, A + module.kv_dim + g * D)]  # q, k, v
+                rows = head_rows(module, h)
                 b_q, b_k, b_v = (None,) * 3 if bias is None else (bias[r] for r in rows)
                 real = None if mask is None or mask.key_padding is None else mask.key_padding[s]
                 j = attention_jacobian(x_all.to(dtype), *(weight[r] for r in rows), head_function(own, h, mask, s),
