@@ -65,27 +65,26 @@ def _collect(model: nn.Module, images: torch.Tensor, *, want_entropy: bool, incl
     def make_observer(record):
         def seen(module, found):
             qk, mask = found.logits, found.mask
-            logits = qk if mask is None else mask.add_to(qk)
-            B, H, N, M = qk.shape
-            measured = logits if include_bias else qk
+            logits = None if qk is None else qk if mask is None else mask.add_to(qk)
             rows = None if mask is None else mask.key_padding  # (B, N): padded queries are not measured
-            if mask is not None:
-                keep = mask.keep()
-                if keep is not None:
-                    measured = measured.masked_fill(~keep, float("-inf"))
-                if rows is not None:
-                    measured = measured.masked_fill(~rows[:, None, :, None], float("-inf"))
-            m = measured.amax(dim=(0, 2, 3)).double()
+            if include_bias:  # bias and mask added (Swin's -100 included), over the real queries
+                m = (logits if rows is None else logits.masked_fill(~rows[:, None, :, None], float("-inf")))
+                m = m.amax(dim=(0, 2, 3))
+            else:
+                m = found.max_logits  # the forward's own, over the positions its mask allows
+            m = m.double()
             record["max_logit"] = m if record["max_logit"] is None else torch.maximum(record["max_logit"], m)
-            record["num_keys"] = M
             if want_entropy:
+                B, H, N, M = qk.shape
+                record["num_keys"] = M
                 ent = torch.special.entr(logits.softmax(dim=-1)).sum(dim=-1)  # (B, H, N); entr(0) = 0
                 ent = ent.transpose(0, 1)  # (H, B, N)
                 ent = ent.reshape(H, -1) if rows is None else ent[:, rows]
                 record["entropies"].append(ent.double().cpu())
         return seen
 
-    handles = [m.observe(Want(logits=True), make_observer(r)) for (_, m), r in zip(modules, records)]
+    want = Want(logits=want_entropy or include_bias, max_logits=None if include_bias else float("-inf"))
+    handles = [m.observe(want, make_observer(r)) for (_, m), r in zip(modules, records)]
     forward_batches(model, images, batch_size, handles, watch=modules)  # modes restored after: a caller may mix them
     return records
 
@@ -136,7 +135,7 @@ def qk_spectral_norms(model: nn.Module) -> list[dict]:
     """
     out = []
     for name, module in attention_modules(model):
-        if hasattr(module, "qk_head_dim"):
+        if capabilities_of(module).qk_split != 1:
             raise UnsupportedModelError(
                 f"attention module {name!r} is {type(module).__name__}, whose logits use half-heads; the per-head "
                 f"spectral norm of W_q W_k^T is defined for kernels whose logits are q_h k_h^T.")
@@ -183,7 +182,7 @@ def training_probe(model: nn.Module, images: torch.Tensor, topk_percent: float =
         out.update({"entropy/mean": float(means.mean()), "entropy/min_head": float(means.min()),
                     "entropy/low": float(lows.mean()), "max_logit/max": float(maxima.max()),
                     "max_logit/mean": float(maxima.mean())})
-    if found and not any(hasattr(m, "qk_head_dim") for _, m in found):
+    if found and all(capabilities_of(m).qk_split == 1 for _, m in found):
         norms = torch.cat([r["norm"] for r in qk_spectral_norms(model)])
         out.update({"qk_spectral_norm/max": float(norms.max()), "qk_spectral_norm/mean": float(norms.mean())})
     return out

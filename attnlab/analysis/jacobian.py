@@ -7,12 +7,13 @@ fused qkv weight (under ``sigma`` gamma W / sigma(W), under ``speccond`` W + lam
     J = d vec(O_h) / d [vec(W_Q), vec(W_K), vec(W_V)]        (N * D rows, 3 * D * C columns; row-major vec)
     kappa(J) = sigma_max / sigma_min over its min(N * D, 3 * D * C) singular values
 
-with key padding, only the n real tokens' outputs are rows of J (n * D rows). XCiT's and DaViT's channel attentions,
-Nyström and FAVOR+: O_h from the module's own kernel on that one head (:func:`head_function`). J comes from
-``torch.func.jacrev`` (reverse mode: N * D outputs are fewer than 3 * D * C inputs), kappa from
-``torch.linalg.svdvals``, in float64 by default: the paper reports kappa up to 1e10, beyond float32's reach. Cost:
-one (N D) x (3 D C) SVD per head, block and sequence, for ``vit_cifar`` (N 65, D 16, C 192) 1040 x 9216, about a
-second on two CPU cores: pass a few images and, if need be, a subset of blocks and heads.
+with key padding, only the n real tokens' outputs are rows of J (n * D rows). For every mechanism (XCiT's and
+DaViT's channel attentions, Nyström and FAVOR+ alike) O_h is the module's own forward on the block's captured
+input, read from its per-head output intermediate (:func:`head_function`). J comes from ``torch.func.jacrev``
+(reverse mode: N * D outputs are fewer than 3 * D * C inputs), kappa from ``torch.linalg.svdvals``, in float64 by
+default: the paper reports kappa up to 1e10, beyond float32's reach. Cost: one (N D) x (3 D C) SVD per head, block
+and sequence, for ``vit_cifar`` (N 65, D 16, C 192) 1040 x 9216, about a second on two CPU cores, and a backward
+through the block's whole input per Jacobian: pass a few images and, if need be, a subset of blocks and heads.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
-from torch.func import jacrev
+from torch.func import functional_call, jacrev
 
 from ..attention.base import Want
 from ..attention.capabilities import capabilities_of
@@ -76,20 +77,36 @@ class JacobianConditioning:
                 "sigma_max": self.sigma_max.tolist(), "sigma_min": self.sigma_min.tolist()}
 
 
-def head_function(module: nn.Module, head: int, mask=None) -> Callable[..., torch.Tensor]:
-    """One head of ``module`` (an attention module in the Jacobian's dtype) as a function of x (N, C) and its
-    weights (D, C) and biases (D,): the module's own per-head steps and kernel on that head alone (its record's
-    ``head`` intermediate), padded queries' rows zeroed and the head transform applied, as in its forward."""
+def head_function(module: nn.Module, head: int, mask=None, sequence: int | None = None) -> Callable[..., torch.Tensor]:
+    """One head of ``module`` (an attention module in the Jacobian's dtype) as a function of x (N, C) and that head's
+    rows of the effective fused projection, weights (D, C) and biases (D,): the module's own forward (explicit
+    backend, ``mask`` its resolved :class:`~attnlab.attention.mask.Mask`) read from its per-head output intermediate
+    (``Want(heads=True)``: padded queries' rows zeroed, the head transform applied). With ``sequence``, x is the
+    batch (B, N, C) the mask was resolved for and that row of it is measured."""
+    own = copy.deepcopy(module)
+    own.qkv = nn.Linear(own.dim, len(own.qkv.weight), bias=own.qkv.bias is not None)  # plain: the rows given are
+    own.use_backend("explicit")  # the effective weight's (parametrisations applied)
+    D, starts = own.head_dim, [r.start for r in head_rows(own, head)]
+    with torch.no_grad():
+        weight, bias = module.qkv.weight.detach(), None if module.qkv.bias is None else module.qkv.bias.detach()
+    seen = []
+    own.observe(Want(heads=True), lambda mod, found: seen.append(found.heads))
+
     def f(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None):
-        q, k, v = ((x @ w.T + (0 if b is None else b))[None, None] for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
-        q, k, v = module.normed(q, k, v)
-        if module.rotary is not None:
-            q, k = module.rotary(q, k)
-        o = module.kernel(q, k, v, mask, Want(head=head), "explicit")[0]
-        if mask is not None:
-            o = mask.zero_padded_queries(o)
-        return module.head_transform(o)[0, 0]
+        w, b = weight, bias if bias is not None or b_q is None else weight.new_zeros(len(weight))
+        for start, w_h, b_h in zip(starts, (w_q, w_k, w_v), (b_q, b_k, b_v)):
+            w = torch.cat([w[:start], w_h, w[start + D:]])
+            b = b if b is None else torch.cat([b[:start], b.new_zeros(D) if b_h is None else b_h, b[start + D:]])
+        params = {"qkv.weight": w} if b is None else {"qkv.weight": w, "qkv.bias": b}
+        functional_call(own, params, (x[None] if sequence is None else x,), {"attn_mask": mask})
+        return seen.pop()[0 if sequence is None else sequence, head]
     return f
+
+
+def head_rows(module: nn.Module, head: int) -> list[slice]:
+    """The rows of ``head``'s query and of its key and value head (grouped-query attention) in the fused ``qkv``."""
+    D, A, g = module.head_dim, module.attn_dim, head // (module.num_heads // module.num_kv_heads)
+    return [slice(start, start + D) for start in (head * D, A + g * D, A + module.kv_dim + g * D)]
 
 
 def _check(module: nn.Module, name: str) -> None:
@@ -132,19 +149,16 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
                 raise ConfigError(f"sequences={sequences} is out of range for {name}, whose input holds {B} "
                                   f"sequences (images for ViT, windows of the batch for Swin); use 0 to {B - 1}.")
             head_list = [h for h in (range(module.num_heads) if heads is None else heads) if h < module.num_heads]
-            D, A, groups = module.head_dim, module.attn_dim, module.num_heads // module.num_kv_heads
             with torch.no_grad():
                 weight = module.qkv.weight.to(dtype)  # effective weight (parametrisations applied)
                 bias = None if module.qkv.bias is None else module.qkv.bias.to(dtype)
             own = copy.deepcopy(module).to(dtype)  # its norms, kernel and head transform in the Jacobian's dtype
             kappas = []
             for h, s in itertools.product(head_list, sequences):
-                g = h // groups  # its key and value head
-                rows = [slice(start, start + D) for start in (h * D, A + g * D, A + module.kv_dim + g * D)]  # q, k, v
+                rows = head_rows(module, h)
                 b_q, b_k, b_v = (None,) * 3 if bias is None else (bias[r] for r in rows)
-                one = None if mask is None else mask.for_sample(s).for_head(h)
-                real = None if one is None or one.key_padding is None else one.key_padding[0]
-                j = attention_jacobian(x_all[s].to(dtype), *(weight[r] for r in rows), head_function(own, h, one),
+                real = None if mask is None or mask.key_padding is None else mask.key_padding[s]
+                j = attention_jacobian(x_all.to(dtype), *(weight[r] for r in rows), head_function(own, h, mask, s),
                                        rows=real, b_q=b_q, b_k=b_k, b_v=b_v)
                 kappas.append(torch.stack(condition_number(j)))
             results.append((head_list, torch.stack(kappas).view(len(head_list), len(sequences), 3)))

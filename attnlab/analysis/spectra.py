@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..attention.base import AttnlabAttention
+from ..attention.base import AttnlabAttention, Want
 from ..errors import UnsupportedModelError
 from ..ops.spectra import effective_rank, gram_spectrum, leading_fraction
 from .figures import agg_figure, save_png
@@ -68,14 +68,12 @@ def head_output_spectra(model: nn.Module, images: torch.Tensor, batch_size: int 
     result = HeadSpectra(layers=[name for name, _ in modules])
     chunks: list[list[torch.Tensor]] = [[] for _ in modules]
 
-    def hook(index):
-        def record(_module, _inputs, output):  # output: (B, H, N, D), the tensor head merge receives
-            chunks[index].append(gram_spectrum(output.detach().mT).cpu())
-        return record
+    def record(index, found):  # found.heads: (B, H, N, D), the tensor head merge receives
+        chunks[index].append(gram_spectrum(found.heads.detach().mT).cpu())
 
     with torch.inference_mode():
-        forward_batches(model, images, batch_size,
-                        [m.head_transform.register_forward_hook(hook(i)) for i, (_, m) in enumerate(modules)])
+        forward_batches(model, images, batch_size, [m.observe(Want(heads=True), lambda _, found, i=i: record(i, found))
+                                                    for i, (_, m) in enumerate(modules)], watch=modules)
     for parts in chunks:
         p = torch.cat(parts)  # (matrices, H, D)
         result.spectra.append(p)

@@ -1,16 +1,16 @@
 """The one attention contract every attnlab mechanism follows (docs/methods.md, "Adding a method"):
 
-    forward(x, attn_mask, is_causal, mask, *, cache, position_bias)
+    forward(x, attn_mask, is_causal, mask, *, cache, position_bias)      (cross-attention: forward(x, context, ...))
       -> Mask.resolve(...)        every mask argument, Swin's and ViTDet's position bias, a KV cache's offset: one
                                   value; the record refuses, in one line, what the mechanism cannot honour
       -> choose(Call)             each declared backend's supports(call), in the record's order (``backend=`` forces)
-      -> project(x, backend)      q, k, v per head (B, H, N, D), QK-norm and rotary applied; a KV cache extends k, v
+      -> project(x, context)      q, k, v per head (B, H, N, D), QK-norm and rotary applied; a KV cache extends k, v
       -> kernel(q, k, v, mask, want, backend) -> (o, Intermediates)    the formula, once
       -> finish(o, mask, x)       padded queries' rows zeroed, head transform (``ns``), head merge, projection
 
 :meth:`AttnlabAttention.run` returns the :class:`Intermediates` with the output; instruments, QK-clip and the KV cache
 read them, directly or through :meth:`AttnlabAttention.observe`. A new method is one file: a subclass that writes
-``kernel`` (and ``project`` for other projections) and declares its
+``kernel`` (and ``project`` for other projections: cross-attention overrides only that) and declares its
 :class:`~attnlab.attention.capabilities.Capabilities`. The constructor keeps timm's parameter names, so a converted
 model loads the original state dict.
 """
@@ -52,26 +52,26 @@ class Want(NamedTuple):
     """What a forward computes besides its output, each only when asked: each branch's weight map (the explicit
     backend); each branch's output and values before its coefficient; float32 logits q k^T / sqrt(D) (plain
     softmax); per-head max logits over the allowed positions, exact for every head whose Cauchy-Schwarz bound
-    exceeds ``max_logits`` and that bound for the others (QK-clip passes tau); ``head``: q, k, v are that one head's
-    (the attention Jacobian)."""
+    exceeds ``max_logits`` and that bound for the others (QK-clip passes tau, ``-inf``: every head exact);
+    ``heads``: the per-head outputs head merge receives (the head-output spectra, the attention Jacobian)."""
 
     weights: bool = False
     branches: bool = False
     logits: bool = False
     max_logits: float | None = None
-    head: int | None = None
+    heads: bool = False
 
     def __or__(self, other: "Want") -> "Want":
         cap = [m for m in (self.max_logits, other.max_logits) if m is not None]
         return Want(self.weights or other.weights, self.branches or other.branches, self.logits or other.logits,
-                    min(cap) if cap else None, self.head if other.head is None else other.head)
+                    min(cap) if cap else None, self.heads or other.heads)
 
 
 @dataclass
 class Intermediates:
     """The resolved ``mask``, and what ``want`` asked for: ``weights`` {branch: :class:`Branch`}, ``branches``
     (o_pos, o_neg) and ``values`` (v_pos, v_neg) each (B, H, N, D), ``logits`` (B, H, N, M) and ``max_logits`` (H,)
-    float32, and ``kv`` the keys and values of a cached call."""
+    float32, ``heads`` (B, H, N, D) the per-head outputs after padded queries' zeroing and the head transform."""
 
     mask: Mask | None = None
     weights: dict[str, Branch] | None = None
@@ -79,7 +79,7 @@ class Intermediates:
     values: tuple[torch.Tensor, torch.Tensor] | None = None
     logits: torch.Tensor | None = None
     max_logits: torch.Tensor | None = None
-    kv: tuple | None = None
+    heads: torch.Tensor | None = None
 
 
 class Call(NamedTuple):
@@ -109,19 +109,8 @@ def make_call(module: nn.Module, x: torch.Tensor, keys: int, mask: Mask | None, 
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))
     return Call(x.device, torch.get_autocast_dtype(device) if autocast else x.dtype, needs_grad, module.training,
                 module.training and module.attn_drop.p > 0, masked or mask is not None, module.head_dim,
-                x.shape[0] * module.num_heads, x.shape[1], keys, module.row_stride(), want, torch.compiler.is_compiling())
-
-
-def _each(fn, *ts):
-    """``fn`` on tensors; on DnA's query or value pairs slot by slot, a shared tensor (both slots) staying one."""
-    if not isinstance(ts[-1], tuple):
-        return fn(*ts)
-    pos = fn(*(t[0] for t in ts))
-    return ts[-1]._replace(pos=pos, neg=pos if ts[-1][1] is ts[-1][0] else fn(*(t[1] for t in ts)))
-
-
-def _first(t):
-    return t[0] if isinstance(t, tuple) else t
+                x.shape[0] * module.num_heads, x.shape[1], keys, module.row_stride(), want,
+                torch.compiler.is_compiling())
 
 
 class LayerCache:
@@ -133,12 +122,12 @@ class LayerCache:
 
     @property
     def length(self) -> int:
-        return 0 if self.k is None else _first(self.k).shape[-2]
+        return 0 if self.k is None else self.k.shape[-2]
 
-    def extend(self, k, v):
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached keys and values followed by ``k``, ``v`` (kept for the next call)."""
         if self.k is not None:
-            k, v = (_each(lambda a, b: torch.cat([a, b], dim=-2), old, new) for old, new in ((self.k, k), (self.v, v)))
+            k, v = torch.cat([self.k, k], dim=-2), torch.cat([self.v, v], dim=-2)
         self.k, self.v = k, v
         return k, v
 
@@ -297,40 +286,33 @@ class AttnlabAttention(Declares, nn.Module):
         for seen, _, _ in observers:
             want = want | seen
         backend = self.choose(make_call(self, x, M, mask, want, masked=position_bias is not None))
-        q, k, v = self.project(x, backend if cache is None else "explicit", *(() if context is None else (context,)))
+        q, k, v = self.project(x, context)
         if self.rotary is not None:
-            q, k = self.rotate(q, k, offset)
+            q, k = self.rotary(q, k, offset=offset)
         if cache is not None:
             k, v = cache.extend(k, v)
         groups = self.num_heads // self.num_kv_heads
         if groups > 1 and backend not in self.capabilities.grouped:  # each key/value head serves its query heads
-            k, v = (_each(lambda t: t.repeat_interleave(groups, dim=1), t) for t in (k, v))
-        if position_bias is not None:
-            mask = (mask or Mask(AttentionMask(), B, N, M, x.device)).with_bias(position_bias(_first(q)))
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if position_bias is not None:  # from the first H query heads (a second query branch's follow them)
+            mask = (mask or Mask(AttentionMask(), B, N, M, x.device)).with_bias(position_bias(q[:, :self.num_heads]))
         o, found = self.kernel(q, k, v, mask, want, backend)
-        found.mask, found.kv = mask, None if cache is None else (k, v)
+        found.mask = mask
         if want.logits or want.max_logits is not None:
             self.logit_intermediates(q, k, mask, want, found)
-        out = self.finish(o, mask, x)
+        out = self.finish(o, mask, x, found if want.heads else None)
         for _, fn, _ in observers:
             fn(self, found)
         return out, found
 
-    def project(self, x: torch.Tensor, backend: str = "explicit") -> tuple:
-        """q (B, H, N, D), k and v (B, num_kv_heads, N, D), normalised (:meth:`normed`), for ``backend``."""
+    def project(self, x: torch.Tensor, context: torch.Tensor | None = None) -> tuple:
+        """q (B, H, N, D), k and v (B, num_kv_heads, N, D), normalised (:meth:`normed`); a mechanism with more
+        query or value blocks stacks each block's heads after the first's (cross-attention: k, v from ``context``)."""
         B, N, _ = x.shape
         H, H_kv = self.num_heads, self.num_kv_heads
         if H == H_kv:
             return self.normed(*self.qkv(x).reshape(B, N, 3, H, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0))
         return self.normed(*self.qkv(x).view(B, N, -1, self.head_dim).transpose(1, 2).split([H, H_kv, H_kv], dim=1))
-
-    def rotate(self, q, k: torch.Tensor, offset: int):
-        """Queries and keys (B, ., N, D) rotated by their positions (from ``offset``); DnA's query pairs each."""
-        if not isinstance(q, tuple):
-            return self.rotary(q, k, offset=offset)
-        shared = q.neg is q.pos
-        pos, k, *neg = self.rotary(q.pos, k, *(() if shared else (q.neg,)), offset=offset)
-        return q._replace(pos=pos, neg=pos if shared else neg[0]), k
 
     def row_stride(self) -> int:
         """The token stride of q, k and v as :meth:`project` returns them: the fused projection's width."""
@@ -378,9 +360,13 @@ class AttnlabAttention(Declares, nn.Module):
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
         return bias.view(self.window_area, self.window_area, -1).permute(2, 0, 1).contiguous().unsqueeze(0)
 
-    def finish(self, o: torch.Tensor, mask: Mask | None, x: torch.Tensor) -> torch.Tensor:
-        """Padded queries' rows zeroed, the head transform, head merge and projection: (B, H, N, D) -> (B, N, dim)."""
+    def finish(self, o: torch.Tensor, mask: Mask | None, x: torch.Tensor, found: Intermediates | None = None
+               ) -> torch.Tensor:
+        """Padded queries' rows zeroed, the head transform (the result kept as ``found.heads``), head merge and
+        projection: (B, H, N, D) -> (B, N, dim)."""
         o = self.head_transform(o if mask is None else mask.zero_padded_queries(o))
+        if found is not None:
+            found.heads = o
         B, _, N, _ = o.shape
         out = self.norm(o.transpose(1, 2).reshape(B, N, self.attn_dim))
         if self.gate is not None:
@@ -394,14 +380,18 @@ class AttnlabAttention(Declares, nn.Module):
 
     def training_refusal(self, device: torch.device, dtype: torch.dtype, masked: bool = False) -> str | None:
         """Why a forced backend (the module's, or a head transform's) cannot run a training step on ``device`` in
-        ``dtype``, or None: what a run checks before it starts."""
+        ``dtype``, or None: each one's :meth:`choose` asked with a training step's :class:`Call` (what a run checks
+        before it starts)."""
         call = Call(torch.device(device), dtype, True, True, self.attn_drop.p > 0, masked, self.head_dim,
                     self.num_heads, 1, 1, self.row_stride(), Want(), False)
-        why = None if self.backend == "auto" else self.supports(self.backend, call)
-        if why:
-            return f"{type(self).__name__}'s {self.backend} backend cannot run a training step: {why}"
-        head = next((type(h).__name__ for h in self.heads() if getattr(h, "backend", "auto") == "kernel"), None)
-        return head and f"{head}'s kernel backend is forward-only; training needs a gradient"
+        for module in (self, *self.heads()):
+            try:
+                module.choose(call)
+            except ConfigError:  # a head transform's only such backend is a forward-only kernel
+                why = f"cannot run a training step: {module.supports(module.backend, call)}" if module is self else \
+                    "is forward-only; training needs a gradient"
+                return f"{type(module).__name__}'s {module.backend} backend {why}"
+        return None
 
     def observe(self, want: Want, fn: Callable[["AttnlabAttention", Intermediates], None],
                 training_only: bool = False) -> RemovableHandle:

@@ -16,7 +16,8 @@ from ..errors import ConfigError
 from ..ops.sdpa import explicit_is_faster
 
 #: what a kernel can return besides its output (:class:`~attnlab.attention.base.Want`): each branch's weight map,
-#: each branch's output and values before its coefficient (DnA, diff), one head computed alone (the Jacobian's)
+#: each branch's output and values before its coefficient (DnA, diff); ``head``: each head's output is a function of
+#: that head's rows of ``qkv`` alone, its per-head output (``Want.heads``) what the attention Jacobian differentiates
 INTERMEDIATES = ("weights", "branches", "head")
 
 
@@ -36,6 +37,9 @@ class Capabilities:
     #: forward can return its logits and per-head max logits (entropy, QK-clip, the attention Jacobian)
     plain_softmax: bool = False
     intermediates: tuple[str, ...] = ()  # what the kernel returns when asked (:data:`INTERMEDIATES`)
+    #: a head's logits come from this many equal parts of its q and k, each of width head_dim / qk_split (diff: two
+    #: halves): QK-norm normalises each part; the per-head spectral norm of W_q W_k^T needs one
+    qk_split: int = 1
     #: the backends that take grouped keys and values (fewer heads than the queries) as they are; for the others
     #: the forward repeats each key/value head for its group of query heads
     grouped: tuple[str, ...] = ()
@@ -97,15 +101,8 @@ class Declares:
 
     def supports(self, backend: str, call) -> str | None:
         """Why ``backend`` cannot compute ``call``, or None when it can: ``explicit`` computes everything; the others
-        return no weight maps and (unless the record declares ``head``) no single head. A mechanism with a kernel of
-        its own extends this."""
-        if backend == "explicit":
-            return None
-        if call.want.weights:
-            return "it returns no attention weights"
-        if call.want.head is not None and "head" not in self.capabilities.intermediates:
-            return "it computes no single head"
-        return None
+        return no weight maps. A mechanism with a kernel of its own extends this."""
+        return "it returns no attention weights" if backend != "explicit" and call.want.weights else None
 
 
 def capabilities_of(module) -> Capabilities:

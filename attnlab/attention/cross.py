@@ -1,15 +1,12 @@
-"""Cross-attention: queries from one sequence x, keys and values from another, the context (Vaswani et al., 2017,
-"Attention Is All You Need", arXiv:1706.03762, Sec. 3.2.3, encoder-decoder attention; the visual probes of DnA's
-Sec. 3.3 and of video language models).
+"""Cross-attention: queries from a sequence x, keys and values from another, the context (Vaswani et al., 2017,
+"Attention Is All You Need", arXiv:1706.03762, Sec. 3.2.3; the visual probes of DnA's Sec. 3.3).
 
     o_h = softmax((x W_q,h) (c W_k,h)^T / sqrt(D) + mask) (c W_v,h),     out = [o_1 ... o_H] W_o
 
-A cross-attention module is a mechanism's self-attention with its projection overridden (:class:`CrossAttention`):
-``forward(x, context, attn_mask)`` is ``run(x, attn_mask, context=context)``, so masks, the backend dispatcher and
-the intermediates are the self-attention contract's. ``q`` projects x to the mechanism's query blocks, ``kv`` the
-context to its key and value blocks. ``attn_mask`` is over the context's M tokens (key padding as an
-:class:`~attnlab.attention.mask.AttentionMask`: a sample whose context is all padding outputs zeros before the
-output projection); no causal order relates two sequences, so a causal mask is refused.
+A mechanism's cross-attention is its self-attention with the projection overridden (:class:`CrossAttention`):
+``forward(x, context, attn_mask)`` is ``run(x, attn_mask, context=context)``, masks, dispatcher and intermediates
+as the contract's. ``attn_mask`` is over the context's M tokens; a sample whose context is all padding outputs zeros
+before the output projection; no order relates two sequences, so a causal mask is refused.
 """
 
 from __future__ import annotations
@@ -22,22 +19,17 @@ from .standard import StandardAttention
 
 
 def cross_causal(name: str) -> str:
-    """The causal refusal of a cross-attention module."""
-    return (f"{name} takes no causal mask: its queries and keys are different sequences, so no order relates "
-            f"them")
+    return f"{name} takes no causal mask: its queries and keys are different sequences, so no order relates them"
 
 
 class CrossAttention:
-    """The projection of cross-attention, for a mechanism class (``class X(CrossAttention, Mechanism)``): ``q`` on
-    x (the mechanism's query blocks), ``kv`` on the context (its key block, then its value blocks); the forward is
-    the mechanism's."""
+    """The cross-attention projection of a mechanism (``class X(CrossAttention, Mechanism)``): ``q`` (dim -> the
+    query blocks) on x, ``kv`` (kv_dim -> the key block, then the value blocks) on the context."""
 
     takes_context = True
 
     def cross_projections(self, kv_dim: int | None, q_blocks: int, kv_blocks: int, bias: bool) -> None:
-        """Replace the fused self-attention projection by ``q`` (dim -> q_blocks heads) and ``kv`` (kv_dim ->
-        kv_blocks heads), ``kv_dim`` the context's width (default dim)."""
-        del self.qkv  # the self-attention projection; x and the context have their own
+        del self.qkv  # the self-attention projection
         self.context_dim = kv_dim or self.dim
         self.q = nn.Linear(self.dim, q_blocks * self.attn_dim, bias=bias)
         self.kv = nn.Linear(self.context_dim, kv_blocks * self.attn_dim, bias=bias)
@@ -45,16 +37,14 @@ class CrossAttention:
     def row_stride(self) -> int:
         return self.q.out_features
 
-    def project(self, x: torch.Tensor, backend: str = "explicit", context: torch.Tensor | None = None) -> tuple:
-        """Queries (B, H * q_blocks, N, D) from x; keys (B, H, M, D) and values (B, H * (kv_blocks - 1), M, D) from
-        the context: each block's heads one after the other, views of the two projections."""
-        q, kv = (linear(t).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for linear, t in ((self.q, x),
-                                                                                              (self.kv, context)))
+    def project(self, x: torch.Tensor, context: torch.Tensor) -> tuple:
+        """q (B, H * query blocks, N, D) from x; k (B, H, M, D) and v (B, H * value blocks, M, D) from context."""
+        q, kv = (f(t).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for f, t in ((self.q, x), (self.kv, context)))
         return q, *kv.split([self.num_heads, kv.shape[1] - self.num_heads], dim=1)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, attn_mask=None) -> torch.Tensor:
-        """x: (B, N, dim) queries, context: (B, M, kv_dim); ``attn_mask`` broadcastable to (B, H, N, M), bool (True =
-        attend) or additive, or an :class:`AttentionMask` (key padding over the context). Returns (B, N, dim)."""
+        """x: (B, N, dim), context: (B, M, kv_dim) -> (B, N, dim); ``attn_mask`` broadcastable to (B, H, N, M), bool
+        (True = attend) or additive, or an :class:`AttentionMask` (key padding over the context)."""
         return self.run(x, attn_mask, context=context)[0]
 
     def extra_repr(self) -> str:
@@ -62,17 +52,10 @@ class CrossAttention:
 
 
 class StandardCrossAttention(CrossAttention, StandardAttention):
-    """Softmax cross-attention (module docstring); the constructor mirrors :class:`DnACrossAttention
-    <attnlab.attention.dna_cross.DnACrossAttention>`.
-
-    Args:
-        dim: query token width (and output width).
-        num_heads: heads H.
-        kv_dim: context token width (default ``dim``).
-        head_dim: features per head D (default ``dim // num_heads``).
-        qkv_bias: bias in ``q`` and ``kv``.
-        proj_bias, attn_drop, proj_drop, backend: as :class:`~attnlab.attention.base.AttnlabAttention`.
-    """
+    """Softmax cross-attention (module docstring); arguments as :class:`DnACrossAttention
+    <attnlab.attention.dna_cross.DnACrossAttention>`: ``dim`` (queries and output), ``num_heads``, ``kv_dim`` (the
+    context's width, default dim), ``head_dim``, ``qkv_bias`` (in ``q`` and ``kv``), ``proj_bias``, ``attn_drop``,
+    ``proj_drop``, ``backend``."""
 
     capabilities = Capabilities(causal=cross_causal("StandardCrossAttention"), intermediates=("weights",),
                                 backends=("sdpa", "explicit"))
@@ -87,14 +70,12 @@ class StandardCrossAttention(CrossAttention, StandardAttention):
     @torch.no_grad()
     def copy_from(self, q: nn.Linear, k: nn.Linear, v: nn.Linear, proj: nn.Linear | None = None
                   ) -> "StandardCrossAttention":
-        """Warm start from a pretrained softmax cross-attention's separate q, k, v (and output) projections.
-        Returns self."""
-        self.q.weight.copy_(q.weight)
-        self.kv.weight.copy_(torch.cat([k.weight, v.weight]))
-        if self.q.bias is not None:
-            for dst, srcs in ((self.q.bias, (q,)), (self.kv.bias, (k, v))):
-                dst.copy_(torch.cat([s.bias if s.bias is not None else s.weight.new_zeros(len(s.weight))
-                                     for s in srcs]))
+        """Warm start from a softmax cross-attention's q, k, v (and output) projections; returns self."""
+        for dst, srcs in ((self.q, (q,)), (self.kv, (k, v))):
+            dst.weight.copy_(torch.cat([s.weight for s in srcs]))
+            if dst.bias is not None:
+                dst.bias.copy_(torch.cat([s.weight.new_zeros(len(s.weight)) if s.bias is None else s.bias
+                                          for s in srcs]))
         if proj is not None:
             self.proj.load_state_dict(proj.state_dict())
         return self

@@ -39,7 +39,8 @@ class DiffAttention(AttnlabAttention):
     is ``d ** -0.5`` as in timm. ``layer_index`` is timm's ``depth``.
     """
 
-    capabilities = Capabilities(kv_cache=True, intermediates=("weights", "branches"), backends=("sdpa", "explicit"))
+    capabilities = Capabilities(kv_cache=True, intermediates=("weights", "branches"), qk_split=2,
+                                backends=("sdpa", "explicit"))
     _OWN = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "lambda_a", "lambda_b")
 
     def __init__(self, dim: int, num_heads: int = 8, *, dual_lambda: bool = False, qk_norm: bool = False,
@@ -49,7 +50,7 @@ class DiffAttention(AttnlabAttention):
             raise UnsupportedModelError(
                 f"diff splits each head's query and key in two halves, so it needs an even head dimension; this "
                 f"module has head_dim={self.head_dim}.")
-        self.qk_head_dim = self.head_dim // 2
+        self.qk_head_dim = self.head_dim // self.capabilities.qk_split
         self.scale = self.qk_head_dim ** -0.5
         if qk_norm:  # timm's DiffAttention normalises each half (default RmsNorm)
             norm_layer = norm_layer or RmsNorm
@@ -113,7 +114,8 @@ class DiffAttention(AttnlabAttention):
                       for qh, kh in halves)
         else:
             w1, w2 = (self.softmax((qh * self.scale) @ kh.transpose(-2, -1), mask) for qh, kh in halves)
-            o1, o2 = self.attn_drop(w1) @ v, self.attn_drop(w2) @ v
+            o1 = self.attn_drop(w1) @ v
+            o2 = self.attn_drop(w2) @ v if want.branches or not want.weights else None
             if want.weights:  # the output from the very maps reported, so gradients reach them (relevance)
                 e2 = -self.lambda_full().to(w2.dtype) * w2
                 found.weights = {"pos": Branch(w1, w1), "neg": Branch(w2, e2)}

@@ -77,9 +77,9 @@ def combine(o_pos: torch.Tensor, o_neg: torch.Tensor, alpha: torch.Tensor | None
 
 
 class Queries(NamedTuple):
-    """DnA's queries (B, H, N, D) per branch (a shared query: the same tensor twice); ``input_bias``: the fused
-    projection's bias still to be added, five (H, D) tensors for q+, q-, k, v+, v- (the ``kernel`` backend adds it as
-    it reads each head), or None."""
+    """DnA's queries (B, H, N, D) per branch, as a caller hands them to :meth:`DnAAttention.kernel` (a shared query:
+    the same tensor twice); ``input_bias``: the fused projection's bias still to be added, five (H, D) tensors for
+    q+, q-, k, v+, v- (the ``kernel`` backend adds it as it reads each head), or None."""
 
     pos: torch.Tensor
     neg: torch.Tensor
@@ -87,17 +87,56 @@ class Queries(NamedTuple):
 
 
 class Pair(NamedTuple):
-    """DnA's values (B, H, M, D) per branch (a shared value: the same tensor twice)."""
+    """DnA's values (B, H, M, D) per branch, as a caller hands them to :meth:`DnAAttention.kernel` (a shared value:
+    the same tensor twice)."""
 
     pos: torch.Tensor
     neg: torch.Tensor
 
 
-class _DnAParams:
-    """Options, alpha, the kernel and the row bookkeeping common to :class:`DnAAttention` and
-    :class:`attnlab.attention.dna_cross.DnACrossAttention`."""
+def _branch(name: str) -> str:
+    """A block's name by its branch: a shared "q" or "v" serves as q_pos or v_pos."""
+    return {"q": "q_pos", "v": "v_pos"}.get(name, name)
 
-    def _setup_dna(self, variant: str, alpha_init: float, scale: str, init: str, neg_init: float) -> None:
+
+def block_rows(linear: nn.Linear, names: tuple[str, ...], widths) -> dict[str, tuple]:
+    """Views (weight rows, bias entries) of each named block of a fused Linear (``widths``: one per block), a shared
+    block also under its branch's name (``q`` as ``q_pos``, ``v`` as ``v_pos``)."""
+    ends = list(accumulate(widths))
+    rows = {name: (linear.weight.data[end - w:end], None if linear.bias is None else linear.bias.data[end - w:end])
+            for name, w, end in zip(names, widths, ends)}
+    return {**rows, **{_branch(name): rows[name] for name in names}}
+
+
+def _slots(names: tuple[str, ...], items) -> tuple:
+    """(q_pos, q_neg, k, v_pos, v_neg) from one item per named block; a shared query or value (the same object) fills
+    both of its slots."""
+    named = {_branch(name): item for name, item in zip(names, items)}
+    q_pos, v_pos = named["q_pos"], named["v_pos"]
+    return q_pos, named.get("q_neg", q_pos), named["k"], v_pos, named.get("v_neg", v_pos)
+
+
+class DnAAttention(AttnlabAttention):
+    """DnA self-attention for ViT global attention and Swin window attention (Sec. 3.2, Table 12).
+
+    Arguments as :class:`AttnlabAttention` plus:
+
+    Args:
+        variant: ``qv`` (Q±V±, default), ``q`` (Q±V), ``v`` (QV±), ``shared`` (Â±) or ``sum`` (A±, alpha = 1).
+        alpha_init: initial alpha_h of every head (0.5, as the authors).
+        scale: ``both`` (1/sqrt(d) on both branches, main text) or ``neg_only`` (Algorithm 1 as written).
+        init: how :meth:`from_module` fills Q- and V-: ``random`` (timm's init) or ``copy`` (warm start:
+            Q- = |neg_init| Q, V- = neg_init V, so a converted pretrained model starts next to the original).
+        neg_init: the warm-start factor (1e-4, paper Sec. 4.2 and Table 13).
+    """
+
+    capabilities = Capabilities(kv_cache=True, intermediates=("weights", "branches"),
+                                backends=("kernel", "triton", "sdpa", "explicit"))
+    adopts_wide_qkv = True  # reads Q+, K, V+ (and Q-, V-) out of another DnA module's fused projection
+
+    def __init__(self, dim: int, num_heads: int = 8, *, variant: str = "qv", alpha_init: float = 0.5,
+                 scale: str = "both", init: str = "random", neg_init: float = 1e-4, **kwargs) -> None:
+        super().__init__(dim, num_heads, **kwargs)
         _check_options(variant, alpha_init, scale, init, neg_init)
         self.variant, self.alpha_init, self.scale_mode = variant, alpha_init, scale
         self.init, self.neg_init = init, neg_init
@@ -106,6 +145,11 @@ class _DnAParams:
         self.alpha = None if variant == "sum" else nn.Parameter(torch.full((self.num_heads,), float(alpha_init)))
         self.scale_neg = self.head_dim ** -0.5
         self.scale_pos = self.scale_neg if scale == "both" else 1.0
+        self.qkv = nn.Linear(dim, self.head_dim * sum(self.block_heads()), bias=self.qkv.bias is not None)
+        if init == "copy":
+            with torch.no_grad():
+                self._init_negative(self.rows())
+        self._register_load_state_dict_pre_hook(self._fuse_separate_projections)
 
     def alpha_values(self) -> torch.Tensor:
         """alpha_h per head, (H,): the learned values, or ones for ``variant=sum``."""
@@ -115,6 +159,108 @@ class _DnAParams:
         """("alpha", alpha_h per head (H,)): the negative branch's coefficient."""
         return "alpha", self.alpha_values()
 
+    # ---- the projection ----------------------------------------------------------------------------------------
+    def adopt(self, module: nn.Module) -> None:
+        """Take over ``module``'s projections as Q+, K, V+ (and, from a DnA module, its own Q-, V- and alpha);
+        fill what is new according to ``init``."""
+        fused = self.qkv
+        super().adopt(module)  # takes module.qkv (and proj, norms, position bias) as the base class does
+        src, ours = module.qkv, isinstance(module, DnAAttention)
+        fused = fused.to(device=src.weight.device, dtype=src.weight.dtype)
+        src_rows = module.rows() if ours else block_rows(src, ("q", "k", "v"), super().qkv_widths())
+        dst_rows = block_rows(fused, self.qkv_blocks, self.qkv_widths())
+        with torch.no_grad():
+            for (w, b), (sw, sb) in ((dst_rows[n], src_rows[_branch(n)]) for n in self.qkv_blocks
+                                     if _branch(n) in src_rows):  # not a negative branch the source lacks
+                w.copy_(sw)
+                if b is not None:
+                    b.copy_(sb) if sb is not None else b.zero_()
+            self._init_negative(dst_rows, only=tuple(n for n in ("q_neg", "v_neg") if n not in src_rows))
+        self.qkv = fused
+        alpha = getattr(module, "alpha", None)
+        if self.alpha is not None:
+            same = isinstance(alpha, nn.Parameter) and alpha.shape == self.alpha.shape
+            self.alpha = alpha if same else nn.Parameter(self.alpha.detach().to(src.weight.device, src.weight.dtype))
+
+    def _init_negative(self, rows: dict, only: tuple[str, ...] = ("q_neg", "v_neg")) -> None:
+        """Fill the q_neg / v_neg rows (those in ``only``) in place: ``init=copy`` gives Q- = |neg_init| * Q+ and
+        V- = neg_init * V+ (a negative neg_init flips only V-, as the authors' video code does); ``init=random``
+        draws timm's init (trunc normal, std 0.02, zero bias)."""
+        for neg, pos, factor in (("q_neg", "q_pos", abs(self.neg_init)), ("v_neg", "v_pos", self.neg_init)):
+            if neg in rows and neg in only:
+                (w, b), (pw, pb) = rows[neg], rows[pos]
+                if self.init == "copy":
+                    w.copy_(pw * factor)
+                else:
+                    trunc_normal_(w, std=0.02)
+                if b is not None:
+                    b.copy_(pb * factor) if self.init == "copy" else b.zero_()
+
+    def _fuse_separate_projections(self, state_dict, prefix, *args) -> None:
+        """Load-time hook: a checkpoint with a 3-block ``qkv`` (Q+, K, V+) and separate ``q_neg`` / ``v_neg``
+        Linears becomes this module's fused ``qkv``."""
+        sep = [n for n in ("q_neg", "v_neg") if prefix + f"{n}.weight" in state_dict]
+        if not sep or prefix + "qkv.weight" not in state_dict:
+            return
+        for kind in ("weight", "bias"):
+            qkv = state_dict.get(prefix + f"qkv.{kind}")
+            if qkv is None:
+                continue
+            parts = dict(zip(("q_pos", "k", "v_pos"), qkv.split([self.attn_dim, self.kv_dim, self.kv_dim])))
+            parts.update((n, t) for n in sep if (t := state_dict.pop(prefix + f"{n}.{kind}", None)) is not None)
+            missing = [n for n in self.qkv_blocks if _branch(n) not in parts]
+            if missing:
+                raise SpecError(f"checkpoint at {prefix!r} lacks {missing[0]}.{kind} that dna(variant={self.variant}) "
+                                f"needs.")
+            state_dict[prefix + f"qkv.{kind}"] = torch.cat([parts[_branch(n)] for n in self.qkv_blocks])
+
+    def block_heads(self) -> list[int]:
+        """Heads per block of the fused projection: queries num_heads, keys and values num_kv_heads."""
+        return [self.num_heads if name.startswith("q") else self.num_kv_heads for name in self.qkv_blocks]
+
+    def qkv_widths(self) -> list[int]:
+        """Rows per block of the fused projection."""
+        return [h * self.head_dim for h in self.block_heads()]
+
+    def rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) views of every block of the projection by name (:func:`block_rows`)."""
+        return block_rows(self.qkv, self.qkv_blocks, self.qkv_widths())
+
+    def projection(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) views of one block of the projection: ``q_pos``, ``q_neg``, ``k``, ``v_pos``, ``v_neg``
+        (or ``q`` / ``v`` when shared)."""
+        rows = self.rows()
+        if name not in rows:
+            raise KeyError(f"dna(variant={self.variant}) has no {name!r} projection; it has "
+                           f"{', '.join(self.qkv_blocks)}.")
+        return rows[name]
+
+    def deferred_bias(self) -> torch.Tensor | None:
+        """The fused projection's bias where :meth:`project` leaves it to the kernel, else None: a float32 CPU
+        forward without gradient or autocast, the C kernel allowed (``auto`` or ``kernel``), and nothing between the
+        projection and the kernel that needs it biased (QK-norm, rotary, grouped keys)."""
+        qkv = None if self.takes_context else self.qkv
+        if qkv is None or qkv.bias is None or self.backend not in ("auto", "kernel") or torch.is_grad_enabled():
+            return None
+        if qkv.weight.device.type != "cpu" or qkv.weight.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
+            return None
+        plain = isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
+        return qkv.bias if plain and self.rotary is None and self.num_kv_heads == self.num_heads else None
+
+    def project(self, x: torch.Tensor, context: torch.Tensor | None = None) -> tuple:
+        """q (B, H or 2H, N, D): the Q+ heads, then the Q- heads; k (B, H_kv, N, D); v (B, H_kv or 2 H_kv, N, D):
+        the V+ heads, then the V- heads; a shared query or value once; views of the one fused projection, QK-norm on
+        q and k. Where :meth:`deferred_bias` holds (the C kernel's forwards) the projection is one bias-free GEMM
+        and the bias is left to the kernel (one pass fewer over the (B, N, 5 dim) output; forward hooks on ``qkv``
+        do not see that GEMM). ``qkv.weight`` is read once (a parametrisation runs on each read)."""
+        B, N, _ = x.shape
+        y = self.qkv(x) if self.deferred_bias() is None else F.linear(x, self.qkv.weight)
+        q_heads = self.num_heads * (1 + ("q_neg" in self.qkv_blocks))
+        q, k, v = y.view(B, N, -1, self.head_dim).transpose(1, 2).split(
+            [q_heads, self.num_kv_heads, self.num_kv_heads * (1 + ("v_neg" in self.qkv_blocks))], dim=1)
+        return self.normed(q, k, v)
+
+    # ---- the mechanism -----------------------------------------------------------------------------------------
     def supports(self, backend: str, call) -> str | None:
         """The fused backends return the combined output only and take no attention dropout; the C kernel runs
         float32 forward passes on the CPU (:func:`attnlab.ops.dna_cpu.call_error`), Triton CUDA calls without a mask
@@ -132,14 +278,31 @@ class _DnAParams:
             torch.float16, torch.bfloat16, torch.float32), bias=call.masked, needs_grad=call.needs_grad,
             head_dim=call.head_dim, batch_heads=call.batch_heads, queries=call.queries, row_stride=call.row_stride)
 
-    def kernel(self, q: Queries, k: torch.Tensor, v: Pair, mask: Mask | None, want: Want, backend: str
+    def branches(self, q, k: torch.Tensor, v, backend: str) -> tuple:
+        """(:class:`Queries`, k, :class:`Pair`) from :meth:`project`'s heads, the deferred bias added here unless the
+        C kernel adds it (K's too: a constant per query row, yet cached keys must hold it); a caller's Queries and
+        Pair as they are."""
+        if isinstance(q, Queries):
+            return q, k, v
+        bias = self.deferred_bias()
+        if bias is not None and backend != "kernel":
+            b = bias.view(-1, 1, self.head_dim).split([q.shape[1], k.shape[1], v.shape[1]])
+            q, k, v, bias = q + b[0], k + b[1], v + b[2], None
+        (q_pos, q_neg), (v_pos, v_neg) = ((t.chunk(2, dim=1) if neg in self.qkv_blocks else (t, t))
+                                          for t, neg in ((q, "q_neg"), (v, "v_neg")))
+        input_bias = None if bias is None else _slots(self.qkv_blocks, bias.view(-1, self.head_dim).split(
+            self.block_heads()))
+        return Queries(q_pos, q_neg, input_bias), k, Pair(v_pos, v_neg)
+
+    def kernel(self, q, k: torch.Tensor, v, mask: Mask | None, want: Want, backend: str
                ) -> tuple[torch.Tensor, Intermediates]:
-        """A_h = softmax(s^+) V^+ + alpha_h softmin(s^-) V^-, (B, H, N, D), on ``backend``; the branches (before
-        alpha) and the weight maps when ``want`` asks. The explicit path with a shared V (variants q, shared, sum)
-        forms [softmax(s^+) + alpha softmin(s^-)] V, one product with V, as Table 12 writes it; a shared query's
-        q k^T is computed once, as in the paper's operation count."""
-        (q_pos, q_neg, input_bias), (v_pos, v_neg), found = q, v, Intermediates()
-        dtype, p = q_pos.dtype, self.attn_drop.p if self.training else 0.0
+        """A_h = softmax(s^+) V^+ + alpha_h softmin(s^-) V^-, (B, H, N, D), on ``backend``, from :meth:`project`'s
+        heads or a :class:`Queries` and :class:`Pair`; the branches (before alpha) and the weight maps when ``want``
+        asks. The explicit path with a shared V (variants q, shared, sum) forms [softmax(s^+) + alpha softmin(s^-)]
+        V, one product with V, as Table 12 writes it; a shared query's q k^T is computed once, as in the paper's
+        operation count."""
+        (q_pos, q_neg, input_bias), k, (v_pos, v_neg) = self.branches(q, k, v, backend)
+        dtype, p, found = q_pos.dtype, self.attn_drop.p if self.training else 0.0, Intermediates()
         if backend == "kernel":
             return dna_cpu.dna_attention(q_pos, q_neg, k, v_pos, v_neg, self.alpha, scale_pos=self.scale_pos,
                                          scale_neg=self.scale_neg, bias_pos=None if mask is None else
@@ -178,151 +341,8 @@ class _DnAParams:
             found.branches, found.values = (o_pos, o_neg), (v_pos, v_neg)
         return combine(o_pos, o_neg, self.alpha), found
 
-    def _init_negative(self, rows: dict, only: tuple[str, ...] = ("q_neg", "v_neg")) -> None:
-        """Fill the q_neg / v_neg rows (those in ``only``) in place: ``init=copy`` gives Q- = |neg_init| * Q+ and
-        V- = neg_init * V+ (a negative neg_init flips only V-, as the authors' video code does); ``init=random``
-        draws timm's init (trunc normal, std 0.02, zero bias)."""
-        for neg, pos, factor in (("q_neg", "q_pos", abs(self.neg_init)), ("v_neg", "v_pos", self.neg_init)):
-            if neg in rows and neg in only:
-                (w, b), (pw, pb) = rows[neg], rows[pos]
-                if self.init == "copy":
-                    w.copy_(pw * factor)
-                else:
-                    trunc_normal_(w, std=0.02)
-                if b is not None:
-                    b.copy_(pb * factor) if self.init == "copy" else b.zero_()
-
-
-def _branch(name: str) -> str:
-    """A block's name by its branch: a shared "q" or "v" serves as q_pos or v_pos."""
-    return {"q": "q_pos", "v": "v_pos"}.get(name, name)
-
-
-def _rows(linear: nn.Linear, names: tuple[str, ...], widths) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """Views (weight rows, bias entries) of each named block of a fused Linear (``widths``: one per block), a shared
-    block also under its branch's name (:func:`_branch`)."""
-    ends = list(accumulate(widths))
-    rows = {name: (linear.weight.data[end - w:end], None if linear.bias is None else linear.bias.data[end - w:end])
-            for name, w, end in zip(names, widths, ends)}
-    return {**rows, **{_branch(name): rows[name] for name in names}}
-
-
-def _slots(names: tuple[str, ...], items) -> tuple:
-    """(q_pos, q_neg, k, v_pos, v_neg) from one item per named block; a shared query or value (the same object) fills
-    both of its slots."""
-    named = {_branch(name): item for name, item in zip(names, items)}
-    q_pos, v_pos = named["q_pos"], named["v_pos"]
-    return q_pos, named.get("q_neg", q_pos), named["k"], v_pos, named.get("v_neg", v_pos)
-
-
-class DnAAttention(_DnAParams, AttnlabAttention):
-    """DnA self-attention for ViT global attention and Swin window attention (Sec. 3.2, Table 12).
-
-    Arguments as :class:`AttnlabAttention` plus:
-
-    Args:
-        variant: ``qv`` (Q±V±, default), ``q`` (Q±V), ``v`` (QV±), ``shared`` (Â±) or ``sum`` (A±, alpha = 1).
-        alpha_init: initial alpha_h of every head (0.5, as the authors).
-        scale: ``both`` (1/sqrt(d) on both branches, main text) or ``neg_only`` (Algorithm 1 as written).
-        init: how :meth:`from_module` fills Q- and V-: ``random`` (timm's init) or ``copy`` (warm start:
-            Q- = |neg_init| Q, V- = neg_init V, so a converted pretrained model starts next to the original).
-        neg_init: the warm-start factor (1e-4, paper Sec. 4.2 and Table 13).
-    """
-
-    capabilities = Capabilities(kv_cache=True, intermediates=("weights", "branches"),
-                                backends=("kernel", "triton", "sdpa", "explicit"))
-    adopts_wide_qkv = True  # reads Q+, K, V+ (and Q-, V-) out of another DnA module's fused projection
-
-    def __init__(self, dim: int, num_heads: int = 8, *, variant: str = "qv", alpha_init: float = 0.5,
-                 scale: str = "both", init: str = "random", neg_init: float = 1e-4, **kwargs) -> None:
-        super().__init__(dim, num_heads, **kwargs)
-        self._setup_dna(variant, alpha_init, scale, init, neg_init)
-        self.qkv = nn.Linear(dim, self.head_dim * sum(self.block_heads()), bias=self.qkv.bias is not None)
-        if init == "copy":
-            with torch.no_grad():
-                self._init_negative(_rows(self.qkv, self.qkv_blocks, self.qkv_widths()))
-        self._register_load_state_dict_pre_hook(self._fuse_separate_projections)
-
-    def adopt(self, module: nn.Module) -> None:
-        """Take over ``module``'s projections as Q+, K, V+ (and, from a DnA module, its own Q-, V- and alpha);
-        fill what is new according to ``init``."""
-        fused = self.qkv
-        super().adopt(module)  # takes module.qkv (and proj, norms, position bias) as the base class does
-        src, ours = module.qkv, isinstance(module, DnAAttention)
-        fused = fused.to(device=src.weight.device, dtype=src.weight.dtype)
-        src_rows = _rows(src, module.qkv_blocks if ours else ("q", "k", "v"),
-                         module.qkv_widths() if ours else super().qkv_widths())
-        dst_rows = _rows(fused, self.qkv_blocks, self.qkv_widths())
-        with torch.no_grad():
-            for (w, b), (sw, sb) in ((dst_rows[n], src_rows[_branch(n)]) for n in self.qkv_blocks
-                                     if _branch(n) in src_rows):  # not a negative branch the source lacks
-                w.copy_(sw)
-                if b is not None:
-                    b.copy_(sb) if sb is not None else b.zero_()
-            self._init_negative(dst_rows, only=tuple(n for n in ("q_neg", "v_neg") if n not in src_rows))
-        self.qkv = fused
-        alpha = getattr(module, "alpha", None)
-        if self.alpha is not None:
-            same = isinstance(alpha, nn.Parameter) and alpha.shape == self.alpha.shape
-            self.alpha = alpha if same else nn.Parameter(self.alpha.detach().to(src.weight.device, src.weight.dtype))
-
-    def _fuse_separate_projections(self, state_dict, prefix, *args) -> None:
-        """Load-time hook: a checkpoint with a 3-block ``qkv`` (Q+, K, V+) and separate ``q_neg`` / ``v_neg``
-        Linears becomes this module's fused ``qkv``."""
-        sep = [n for n in ("q_neg", "v_neg") if prefix + f"{n}.weight" in state_dict]
-        if not sep or prefix + "qkv.weight" not in state_dict:
-            return
-        for kind in ("weight", "bias"):
-            qkv = state_dict.get(prefix + f"qkv.{kind}")
-            if qkv is None:
-                continue
-            parts = dict(zip(("q_pos", "k", "v_pos"), qkv.split([self.attn_dim, self.kv_dim, self.kv_dim])))
-            parts.update((n, t) for n in sep if (t := state_dict.pop(prefix + f"{n}.{kind}", None)) is not None)
-            missing = [n for n in self.qkv_blocks if _branch(n) not in parts]
-            if missing:
-                raise SpecError(f"checkpoint at {prefix!r} lacks {missing[0]}.{kind} that dna(variant={self.variant}) "
-                                f"needs.")
-            state_dict[prefix + f"qkv.{kind}"] = torch.cat([parts[_branch(n)] for n in self.qkv_blocks])
-
-    def block_heads(self) -> list[int]:
-        """Heads per block of the fused projection: queries num_heads, keys and values num_kv_heads."""
-        return [self.num_heads if name.startswith("q") else self.num_kv_heads for name in self.qkv_blocks]
-
-    def qkv_widths(self) -> list[int]:
-        """Rows per block of the fused projection."""
-        return [h * self.head_dim for h in self.block_heads()]
-
-    def project(self, x: torch.Tensor, backend: str = "explicit") -> tuple[Queries, torch.Tensor, Pair]:
-        """(:class:`Queries`, k, :class:`Pair` of values), each (B, H, N, D), a shared query or value in both slots;
-        QK-norm on each query branch (the same ``q_norm``) and k. For the ``kernel`` backend without QK-norm the
-        projection is one bias-free GEMM and the kernel adds the bias as it copies each head (one pass fewer over the
-        (B, N, 5 dim) output; forward hooks on ``qkv`` do not see that GEMM). ``qkv.weight`` is read once (a
-        parametrisation such as sigma's runs on each read)."""
-        B, N, _ = x.shape
-        sizes = self.block_heads()
-        defer = (backend == "kernel" and self.rotary is None and self.num_kv_heads == self.num_heads
-                 and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity))
-        y, b = (F.linear(x, self.qkv.weight), self.qkv.bias) if defer else (self.qkv(x), None)
-        q_pos, q_neg, k, v_pos, v_neg = _slots(self.qkv_blocks, y.view(B, N, -1, self.head_dim).transpose(1, 2).split(
-            sizes, dim=1))
-        input_bias = None if b is None else _slots(self.qkv_blocks, b.view(-1, self.head_dim).split(sizes))
-        if not defer:
-            shared_q = q_neg is q_pos
-            q_pos, k = self.q_norm(q_pos), self.k_norm(k)
-            q_neg = q_pos if shared_q else self.q_norm(q_neg)
-        return Queries(q_pos, q_neg, input_bias), k, Pair(v_pos, v_neg)
-
-    def projection(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight, bias) views of one block of the fused ``qkv``: ``q_pos``, ``q_neg``, ``k``, ``v_pos``,
-        ``v_neg`` (or ``q`` / ``v`` when shared)."""
-        rows = _rows(self.qkv, self.qkv_blocks, self.qkv_widths())
-        if name not in rows:
-            raise KeyError(f"dna(variant={self.variant}) has no {name!r} projection; it has "
-                           f"{', '.join(self.qkv_blocks)}.")
-        return rows[name]
-
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, variant={self.variant}, scale={self.scale_mode}"
 
 
-__all__ = ["DnAAttention", "Pair", "Queries", "VARIANTS", "block_names", "combine", "negates_query"]
+__all__ = ["DnAAttention", "Pair", "Queries", "VARIANTS", "block_names", "block_rows", "combine", "negates_query"]

@@ -105,8 +105,10 @@ class Mask:
     @classmethod
     def resolve(cls, attn_mask=None, is_causal: bool = False, window=None, *, B: int, N: int, M: int, device,
                 bias: torch.Tensor | None = None, offset: int = 0, cross: bool = False) -> "Mask | None":
-        """The call's Mask from a forward's arguments (None when nothing is masked and no bias is added);
-        ConfigError when key padding does not fit the call."""
+        """The call's Mask from a forward's arguments (None when nothing is masked and no bias is added; a Mask
+        passed as ``attn_mask`` is taken as resolved); ConfigError when key padding does not fit the call."""
+        if isinstance(attn_mask, Mask):
+            return attn_mask
         parts = AttentionMask.of(attn_mask, is_causal, window)
         kp = None if parts is None else parts.key_padding
         if kp is not None and (kp.dtype != torch.bool or tuple(kp.shape) != (B, M)):
@@ -217,23 +219,6 @@ class Mask:
             return o
         real = kp.any(dim=-1)[:, None, None, None] if self.cross else kp[:, None, -o.shape[-2]:, None]
         return torch.where(real, o, torch.zeros((), dtype=o.dtype, device=o.device))
-
-    # ---- one sample, one head: the Jacobian instrument -----------------------------------------------------------
-    def for_sample(self, index: int) -> "Mask":
-        """The mask of one sample (or Swin window) of the batch, as a batch of one."""
-        p, one = self.parts, slice(index, index + 1)
-        user = p.attn_mask if p.attn_mask is None or p.attn_mask.ndim < 4 or len(p.attn_mask) == 1 else p.attn_mask[one]
-        parts = p._replace(key_padding=None if p.key_padding is None else p.key_padding[one], attn_mask=user,
-                           window=None if p.window is None else p.window[index % p.window.shape[0]][None])
-        bias = self.bias if self.bias is None or self.bias.shape[0] == 1 else self.bias[one]
-        return Mask(parts, 1, self.N, self.M, self.device, bias, self.offset)
-
-    def for_head(self, head: int) -> "Mask":
-        """The mask of one head (a per-head bias or attn_mask sliced), as heads of one."""
-        user, one = self.parts.attn_mask, slice(head, head + 1)
-        user = user[:, one] if user is not None and user.ndim == 4 and user.shape[1] > 1 else user
-        bias = self.bias if self.bias is None or self.bias.shape[-3] == 1 else self.bias[..., one, :, :]
-        return Mask(self.parts._replace(attn_mask=user), self.B, self.N, self.M, self.device, bias, self.offset)
 
 
 __all__ = ["AttentionMask", "EXCLUDED", "Mask"]

@@ -14,10 +14,14 @@ they add nothing to the norm or the Gram and real tokens' outputs do not depend 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from ..ops.ns import NS_COEFFS, NS_EPS, check_ns_options, ns_transform
+from ..ops import ns_cpu
+from ..ops.ns import IMPLEMENTATIONS, NS_COEFFS, NS_EPS, check_ns_options
+from .base import Call, Want
 from .capabilities import Capabilities, Declares
 
 
@@ -27,9 +31,10 @@ class NSTransform(Declares, nn.Module):
     Args:
         steps: polynomial iterations K (paper: 1; 2 in the ablation of Table 2).
         eps: clamp of both Frobenius-norm divisions (paper: 1e-6).
-        backend: ``auto`` (the fused CPU kernel for forward passes without gradient, else ``fast``), ``fast`` (the
-            Gram-space formulation in torch ops), ``kernel`` (always the fused kernel; an error where it cannot
-            run) or ``reference`` (Algorithm 1 literally). See :func:`attnlab.ops.ns_transform`.
+        backend: ``auto`` (the dispatcher, :meth:`choose`: the fused CPU kernel where :meth:`supports` lets it
+            run, else ``fast``), ``fast`` (the Gram-space formulation in torch ops), ``kernel`` (always the fused
+            kernel; an error where it cannot run) or ``reference`` (Algorithm 1 literally). See
+            :func:`attnlab.ops.ns_transform`.
     """
 
     #: Swin's window mask is the model's own geometry and is kept; tokens mix, so no KV cache
@@ -47,8 +52,20 @@ class NSTransform(Declares, nn.Module):
         check_ns_options(steps, eps, self.coeffs, backend)  # reject bad options at conversion
         self.use_backend(backend)
 
+    def supports(self, backend: str, call: Call) -> str | None:
+        """The torch formulations transform every call; the fused kernel a CPU forward without gradient on head
+        matrices it has an instance for (:func:`attnlab.ops.ns_cpu.call_error`)."""
+        if backend != "kernel":
+            return None
+        return ns_cpu.call_error(cpu=call.device.type == "cpu", dtype=call.dtype, needs_grad=call.needs_grad,
+                                 N=call.queries, D=call.head_dim)
+
     def forward(self, o: torch.Tensor) -> torch.Tensor:
-        return ns_transform(o, self.steps, self.eps, self.coeffs, self.backend)
+        """o: (B, H, N, D) head outputs -> T(o), on the backend :meth:`choose` picks for the call."""
+        needs_grad = torch.is_grad_enabled() and o.requires_grad
+        call = Call(o.device, o.dtype, needs_grad, self.training, False, False, o.shape[-1], math.prod(o.shape[:-2]),
+                    o.shape[-2], o.shape[-2], o.stride(-2), Want(), torch.compiler.is_compiling())
+        return IMPLEMENTATIONS[self.choose(call)](o, self.steps, float(self.eps), self.coeffs)
 
     def extra_repr(self) -> str:
         return f"steps={self.steps}, eps={self.eps:g}, backend={self.backend}"

@@ -13,7 +13,6 @@ kernels".
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SpecError
@@ -53,13 +52,12 @@ class NystromAttention(AttnlabAttention):
                                groups=self.num_heads) if conv else None)
 
     def kernel(self, q, k, v, mask, want, backend):
-        kp = None if mask is None or mask.key_padding is None else mask.key_padding[:, None, :]  # the rest: refused
+        keep = None if mask is None else mask.keep()  # key padding: the other parts are refused
+        kp = None if keep is None else keep[..., 0, :]
         o = nystrom_attention(q, k, v, self.landmarks, scale=self.scale, z0=self.z0, key_padding=kp,
                               pinv_iters=None if self.pinv == "exact" else self.iters)
         if self.conv is not None:  # one filter per head: the heads are the convolution's groups
-            weight = self.conv.weight if want.head is None else self.conv.weight[want.head:want.head + 1]
-            o = o + F.conv2d(v if kp is None else v * kp[..., None], weight, padding=(self.conv_size // 2, 0),
-                             groups=v.shape[1])
+            o = o + self.conv(v if kp is None else v * kp[..., None])
         return o, Intermediates()
 
     def extra_repr(self) -> str:

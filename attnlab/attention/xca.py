@@ -45,10 +45,10 @@ class XCAttention(ChannelMapAttention):
         # timm works on (B, H, D, N); the transposes are views, so the ops below are timm's own
         q, k, v = q.transpose(-2, -1), k.transpose(-2, -1), v.transpose(-2, -1)
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        tau = self.temperature if want.head is None else self.temperature[want.head:want.head + 1]
         if backend == "sdpa":
-            return F.scaled_dot_product_attention(q * tau, k, v, scale=1.0).transpose(-2, -1), Intermediates()
-        attn = ((q @ k.transpose(-2, -1)) * tau).softmax(dim=-1)
+            return F.scaled_dot_product_attention(q * self.temperature, k, v, scale=1.0).transpose(-2, -1), \
+                Intermediates()
+        attn = ((q @ k.transpose(-2, -1)) * self.temperature).softmax(dim=-1)
         return (self.attn_drop(attn) @ v).transpose(-2, -1), Intermediates()
 
 

@@ -25,8 +25,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from ..attention.dna import DnAAttention
 from ..errors import ConfigError, ModelNotFoundError
+from ..variants import VARIANTS
 
 DNA_LAYOUTS = ("auto", "forward", "legacy", "separate")
 _LEGACY_ORDER = ("q_pos", "k", "v_pos", "q_neg", "v_neg")
@@ -202,7 +202,8 @@ def dna_authors_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tens
         raise ConfigError(f"DnA authors' layout {layout!r} is not valid; use one of: {', '.join(DNA_LAYOUTS)}.")
     if sign not in ("+", "-"):
         raise ConfigError(f"sign {sign!r} is not valid; use '+' (softmin branch added) or '-' (subtracted).")
-    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, DnAAttention)]
+    dna = VARIANTS["dna"].load()  # the registry's class: models import no mechanism
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, dna)]
     if not modules:
         raise ConfigError("the model has no DnA attention module; build it with attn='dna' (the variant the "
                           "checkpoint holds) before loading the DnA authors' weights.")

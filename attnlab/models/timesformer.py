@@ -36,8 +36,8 @@ from timm.layers import Attention, DropPath, LayerNorm, Mlp, PatchEmbed, resampl
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from ..attention.dna import DnAAttention
 from ..errors import ConfigError
+from ..variants import VARIANTS
 from .pretrained import dna_authors_state_dict, load_strict, read_state_dict
 
 ATTENTIONS = ("divided", "joint", "space_only")
@@ -250,7 +250,7 @@ def timesformer_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tens
     for key in ("head.weight", "head.bias"):
         if key in own and key in state and state[key].shape != own[key].shape:
             state[key] = own[key]
-    if any(isinstance(m, DnAAttention) for m in model.modules()):
+    if any(isinstance(m, VARIANTS["dna"].load()) for m in model.modules()):  # the registry's class
         state = dna_authors_state_dict(model, state)
     return state
 

@@ -86,16 +86,15 @@ def nystrom_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, landmar
 
     ``landmarks >= N``: exact softmax attention (the authors' fallback; there is nothing to approximate).
     ``pinv_iters=None`` uses the exact pseudo-inverse (``torch.linalg.pinv``) instead of Eq. 16's iteration, whose
-    Z_0 ``z0`` selects (:func:`iterative_pinv`). ``key_padding`` (broadcastable to (..., N), True at real tokens), as
-    the authors mask: padded tokens' q and k are zero, so a landmark is its segment's sum over real tokens divided
-    by the segment's length, and padded keys are excluded from the softmax over keys (the third kernel, and the
-    exact fallback). A sequence of padding only attends every key (its rows are the caller's to discard).
+    Z_0 ``z0`` selects (:func:`iterative_pinv`). ``key_padding`` (broadcastable to (..., N), True at real tokens: a
+    mask's keep map over keys, which opens a sequence of padding only), as the authors mask: padded tokens' q and k
+    are zero, so a landmark is its segment's sum over real tokens divided by the segment's length, and padded keys
+    are excluded from the softmax over keys (the third kernel, and the exact fallback).
     """
     keep = None
     if key_padding is not None:
-        real = key_padding.unsqueeze(-1)
-        q, k = q * real, k * real
-        keep = (key_padding | ~key_padding.any(dim=-1, keepdim=True)).unsqueeze(-2)  # (..., 1, N)
+        q, k = q * key_padding.unsqueeze(-1), k * key_padding.unsqueeze(-1)
+        keep = key_padding.unsqueeze(-2)  # (..., 1, N)
     q = q * scale
     if landmarks >= q.shape[-2]:
         logits = q @ k.mT

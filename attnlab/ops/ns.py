@@ -34,7 +34,7 @@ import torch
 from attnlab.errors import ConfigError
 from attnlab.ops.ns_cpu import kernel_error, ns_kernel
 
-__all__ = ["NS_COEFFS", "NS_EPS", "check_ns_options", "ns_transform"]
+__all__ = ["IMPLEMENTATIONS", "NS_COEFFS", "NS_EPS", "check_ns_options", "ns_transform"]
 
 # Muon's quintic (a, b, c) and the paper's clamp (eq. 2-4).
 NS_COEFFS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
@@ -82,24 +82,30 @@ def ns_transform(
             f"ns_transform expects a floating tensor of shape (..., N, D), got {tuple(x.shape)} {x.dtype}."
         )
 
-    if impl in ("auto", "kernel"):
-        work = x.float() if x.dtype in _HALF else x  # keeps the strides of a dense view
-        reason = kernel_error(work)
-        if reason is None:
-            return ns_kernel(work, steps, float(eps), tuple(float(v) for v in coeffs)).to(x.dtype)
-        if impl == "kernel":
-            raise ConfigError(f"ns_transform impl='kernel' is not available here: {reason}.")
+    if impl == "auto":  # a direct call's default; a model's head transform asks its dispatcher (NSTransform.choose)
+        impl = "fast" if kernel_error(x.float() if x.dtype in _HALF else x) else "kernel"
+    return IMPLEMENTATIONS[impl](x, steps, float(eps), tuple(float(v) for v in coeffs))
 
-    fn = _ns_reference if impl == "reference" else _ns_fast
-    # One dense copy up front: attention kernels return (B, H, N, D) as a strided view of (B, N, H, D), and batched
-    # matmuls on such views copy their operands at every product instead of once.
-    work = (x.float() if x.dtype in _HALF else x).contiguous()
-    # Switch autocast off so matmuls stay in float32 (meta tensors have no autocast to switch off).
-    device = x.device.type
-    no_autocast = torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext()
-    with no_autocast:
-        y = fn(work, steps, float(eps), tuple(float(v) for v in coeffs))
-    return y.to(x.dtype)
+
+def _kernel(x: torch.Tensor, steps: int, eps: float, coeffs: tuple[float, float, float]) -> torch.Tensor:
+    """The fused CPU kernel on x (half precision in float32; a dense view keeps its strides)."""
+    work = x.float() if x.dtype in _HALF else x
+    reason = kernel_error(work)
+    if reason is not None:
+        raise ConfigError(f"ns_transform impl='kernel' is not available here: {reason}.")
+    return ns_kernel(work, steps, eps, coeffs).to(x.dtype)
+
+
+def _torch(fn):
+    """``fn`` (the fast or the reference formulation) on a dense float32 (or float64) copy, autocast off."""
+    def run(x: torch.Tensor, steps: int, eps: float, coeffs: tuple[float, float, float]) -> torch.Tensor:
+        # One dense copy up front: attention kernels return (B, H, N, D) as a strided view of (B, N, H, D), and
+        # batched matmuls on such views copy their operands at every product instead of once.
+        work = (x.float() if x.dtype in _HALF else x).contiguous()
+        device = x.device.type  # meta tensors have no autocast to switch off
+        with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext():
+            return fn(work, steps, eps, coeffs).to(x.dtype)
+    return run
 
 
 def check_ns_options(steps: int, eps: float, coeffs: tuple[float, float, float], impl: str) -> None:
@@ -197,3 +203,7 @@ def _gram_steps(gram: torch.Tensor, steps: int, coeffs: tuple[float, float, floa
         if k + 1 < steps:
             gram = gram0 @ p_sq  # Gram after k + 1 steps: P A P = A P^2
     return p_total, p_sq
+
+
+#: the implementations by name (``impl`` of :func:`ns_transform`; the backends of the ``ns`` head transform)
+IMPLEMENTATIONS = {"kernel": _kernel, "fast": _torch(_ns_fast), "reference": _torch(_ns_reference)}

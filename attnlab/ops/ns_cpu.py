@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 from attnlab.ops import ckernel
 
-__all__ = ["kernel_error", "ns_kernel", "supports", "unavailable"]
+__all__ = ["call_error", "kernel_error", "ns_kernel", "supports", "unavailable"]
 
 _ABI = 2  # ATTNLAB_NS_ABI in ns_kernel.c
 # (min(N, D), D) pairs with a compiled instance: NS_SHAPES in ns_kernel.c (a test checks that the two agree)
@@ -49,6 +49,18 @@ def kernel_error(x: torch.Tensor) -> str | None:
         return (f"the fused kernel has no instance for {x.shape[-2]} x {x.shape[-1]} head matrices (it takes "
                 f"min(N, D) in 16, 32, 48, 64 and, when N < D, D in 32, 48, 64)")
     return unavailable(x.dtype == torch.float64)
+
+
+def call_error(*, cpu: bool, dtype: torch.dtype, needs_grad: bool, N: int, D: int) -> str | None:
+    """Why the kernel cannot transform (..., N, D) head matrices of a call with these properties (half precision is
+    transformed in float32), or None when it can."""
+    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    if common := KERNEL.common_error(cpu=cpu, dtype_ok=work in KERNEL.builds, needs_grad=needs_grad):
+        return common
+    if not supports(N, D):
+        return (f"the fused kernel has no instance for {N} x {D} head matrices (it takes min(N, D) in 16, 32, 48, "
+                f"64 and, when N < D, D in 32, 48, 64)")
+    return unavailable(work == torch.float64)
 
 
 def supports(N: int, D: int) -> bool:

@@ -17,6 +17,8 @@ from functools import partial
 from torch import nn
 from timm.layers import LayerNorm
 
+from ..attention.capabilities import capabilities_of
+
 #: LayerNorm epsilon of timm's ViT norm layer (``timm.layers.LayerNorm``), which its ``qk_norm`` norms use
 EPS = 1e-6
 
@@ -30,8 +32,8 @@ def apply(model: nn.Module, modules: list[nn.Module]) -> None:
     """
     for module in modules:
         weight = module.qkv.weight
-        # Diff attention normalises each half of a head (width qk_head_dim), as timm's DiffAttention in a ViT does
-        width = getattr(module, "qk_head_dim", module.head_dim)
+        # each part of a head's logits (its record's qk_split: diff's halves), as timm's DiffAttention in a ViT does
+        width = module.head_dim // capabilities_of(module).qk_split
         # a model's own QK-norm layer where it names one (Llama/Qwen presets: RMSNorm over head_dim, as Qwen3)
         norm = getattr(module, "qk_norm_layer", None) or partial(LayerNorm, eps=EPS)
         for name in ("q_norm", "k_norm"):

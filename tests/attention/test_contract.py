@@ -5,9 +5,10 @@ Every registered kernel and head term (and the registry suite's toy method) x ev
 window bias}: the output equals the term's own explicit float64 path within the dtype's tolerance (:data:`TOLERANCE`),
 or the call is refused with one line of UnsupportedModelError, the sentence the record holds. Whether a cell is
 refused is what the record says: a term that declares it honours a mask and raises fails, and so does one that
-declares a refusal and runs. The float64 reference itself is checked to honour each mask it takes: what causality or
-padding hides reaches no output it must not; Swin's window mask changes exactly the windows it masks (a head
-transform such as ns mixes a window's tokens after attention by design, so hidden regions may meet there). A forced
+declares a refusal and runs. The float64 reference itself, and every backend in float32, is checked to honour each
+mask it takes: what causality or padding hides reaches no output it must not; Swin's window mask changes exactly the
+windows it masks (a head transform such as ns mixes a window's tokens after attention by design, so hidden regions
+may meet there). A forced
 backend that cannot run a cell (the C kernel in float64 or with a mask, Triton without CUDA, kernels switched off)
 refuses it in one line, which the cell checks. A new registered term enters every cell with no edit here.
 
@@ -255,6 +256,14 @@ def test_cell_matches_the_float64_explicit_path_or_is_refused_as_the_record_says
         assert "\n" not in str(err) and "cannot run" in str(err), str(err)
         return
     assert predicted is None, f"{term}'s record refuses {mask} ({predicted}), but it ran"
+    hidden = _hidden(mask)
+    if hidden is not None and dtype == "float32":  # on this backend too, what the mask hides reaches no output
+        moved = x.clone()
+        moved[hidden] = torch.randn(int(hidden.sum()), DIM, generator=torch.Generator().manual_seed(3)) * 4
+        with torch.no_grad():
+            again = _call(model, moved, mask)
+        torch.testing.assert_close(again[_seen(mask)], out[_seen(mask)], rtol=1e-6, atol=1e-6,
+                                   msg=lambda m: f"{term} on {backend} does not honour {mask}: {m}")
     err = (out.double() - reference).abs() / (1 + reference.abs())
     beyond = float((err > TOLERANCE[dtype]).double().mean())
     where = f"{term} on {backend} in {dtype} with {mask}: largest error {err.max():.3g}"

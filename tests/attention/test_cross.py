@@ -80,7 +80,8 @@ def test_copy_from_equals_pytorch_multihead_attention():
     A = DIM
     q, k, v = (nn.Linear(i, A).double() for i in (DIM, CTX, CTX))
     with torch.no_grad():
-        for lin, w, b in ((q, mha.q_proj_weight, mha.in_proj_bias[:A]), (k, mha.k_proj_weight, mha.in_proj_bias[A:2 * A]),
+        for lin, w, b in ((q, mha.q_proj_weight, mha.in_proj_bias[:A]),
+                          (k, mha.k_proj_weight, mha.in_proj_bias[A:2 * A]),
                           (v, mha.v_proj_weight, mha.in_proj_bias[2 * A:])):
             lin.weight.copy_(w)
             lin.bias.copy_(b)

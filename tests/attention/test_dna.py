@@ -316,3 +316,24 @@ def test_fused_and_explicit_paths_agree_in_float32_with_gradients():
         outs.append((y.detach(), gx, ga))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [16, 8], ids=["kernel", "kernel-refused"])
+@pytest.mark.parametrize("variant", ["qv", "shared"])
+def test_deferred_bias_reaches_every_backend_and_the_kv_cache(variant, head_dim):
+    """A float32 CPU forward without gradient leaves the projection's bias to the C kernel; where the kernel cannot
+    take the call (head dim 8) the bias joins before the other backend, and a KV cache (prompt, then a token at a
+    time) gives the causal forward's outputs."""
+    from attnlab.attention.base import LayerCache
+
+    m = _randomise(DnAAttention(2 * head_dim, 2, qkv_bias=True, variant=variant), seed=8).eval()
+    reference = copy.deepcopy(m).double()
+    reference.use_backend("explicit")
+    x = torch.randn(2, 9, 2 * head_dim, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert m.deferred_bias() is not None
+        want = reference(x.double(), is_causal=True)
+        torch.testing.assert_close(m(x, is_causal=True).double(), want, rtol=1e-5, atol=1e-5)
+        cache = LayerCache()
+        steps = [m(x[:, :5], cache=cache)] + [m(x[:, i:i + 1], cache=cache) for i in range(5, 9)]
+    torch.testing.assert_close(torch.cat(steps, dim=1).double(), want, rtol=1e-5, atol=1e-5)
