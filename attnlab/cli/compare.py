@@ -12,7 +12,7 @@ from attnlab.errors import ConfigError
 
 _GRID_FLAGS = ("attn", "seeds", "datasets", "models")
 LAUNCHERS = ("local", "submitit", "submitit-local")  # attnlab.train.launch.LAUNCHERS, without importing torch
-_SLURM_FLAGS = ("partition", "account", "time", "gpus_per_node", "cpus_per_task")
+_SLURM_FLAGS = ("partition", "account", "time", "gpus_per_node", "cpus_per_task", "nproc_per_run")
 # TrainConfig keys also offered as flags here (the grid's own axes are model, dataset, attn, seed)
 _BASE_FLAGS = ("recipe", "epochs", "batch_size", "lr", "weight_decay", "warmup_epochs", "device", "amp", "compile",
                "data_dir", "download", "num_workers", "progress")
@@ -62,6 +62,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--slurm-time", type=count(1), metavar="MIN", help="time limit of each job in minutes")
     cluster.add_argument("--slurm-gpus-per-node", type=count(0), metavar="N", help="GPUs per job (default 1)")
     cluster.add_argument("--slurm-cpus-per-task", type=count(1), metavar="N", help="CPU cores per job")
+    cluster.add_argument("--nproc-per-run", dest="slurm_nproc_per_run", type=count(1), metavar="N",
+                         help="processes each run trains with (DDP, or --parallel fsdp): on this machine each run "
+                              "under torchrun --nproc_per_node N, one at a time; with --launcher submitit, N tasks "
+                              "(and N GPUs) per job")
     parser.add_argument("--no-report", dest="report", action="store_false",
                         help="train only; do not write or print the report")
     parser.add_argument("--plan", action="store_true",

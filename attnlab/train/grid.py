@@ -97,7 +97,7 @@ def run_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Seque
     ``probe`` goes to :func:`~attnlab.train.loop.train` (a module-level function, for workers). ``plans``:
     :func:`plan_grid`'s result for these arguments, when the caller has checked the grid already.
     """
-    from .launch import check_launcher, run_local, run_submitit
+    from .launch import check_launcher, run_local, run_submitit, run_torchrun
 
     if jobs < 1:
         raise ConfigError(f"jobs must be at least 1, not {jobs}.")
@@ -110,7 +110,14 @@ def run_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Seque
     if progress:
         print(f"{len(configs)} runs, {len(configs) - len(todo)} already finished"
               + (f", {jobs} at a time" if jobs > 1 and todo and launcher == "local" else ""), flush=True)
-    if launcher != "local":
+    nproc = int((launcher_options or {}).get("nproc_per_run") or 1)
+    if launcher == "local" and nproc > 1 and jobs > 1:
+        raise ConfigError(f"runs of {nproc} processes each train one at a time on this machine (each uses its "
+                          f"devices), but the grid asks for {jobs} at a time; give --jobs 1, or --launcher submitit to "
+                          f"run them side by side.")
+    if launcher == "local" and nproc > 1:
+        run_torchrun(todo, nproc, progress)
+    elif launcher != "local":
         if todo:
             run_submitit(todo, runs_dir, launcher, launcher_options, jobs=jobs if jobs > 1 else None,
                          probe=probe, progress=progress)

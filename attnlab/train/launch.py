@@ -7,6 +7,11 @@ placed by :func:`device_for`; workers never outlive the parent (:func:`run_local
 ``submitit`` / ``submitit-local``: one job per run through submitit, on SLURM or as local processes (the tests').
 Jobs train with ``resume``, so a preempted or timed-out job is requeued and continues from its last epoch;
 submitit's files go to ``<runs_dir>/.submitit/``.
+
+Runs of several processes each (DDP, ``--parallel fsdp``): launcher option ``nproc_per_run`` N. On this machine
+each run trains under ``torchrun --standalone --nproc_per_node N``, one run after another (:func:`run_torchrun`);
+on SLURM each job gets N tasks (and N GPUs unless ``gpus_per_node`` says otherwise) that join one process group
+through submitit's ``TorchDistributedEnvironment``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import importlib.util
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -35,7 +43,7 @@ from .run import run_dir_of
 LAUNCHERS = ("local", "submitit", "submitit-local")
 # launcher options (YAML ``launcher:`` keys, ``--slurm-*`` flags) and the submitit parameter each one sets
 SLURM_OPTIONS = {"partition": "slurm_partition", "account": "slurm_account", "time": "timeout_min",
-                 "gpus_per_node": "gpus_per_node", "cpus_per_task": "cpus_per_task"}
+                 "gpus_per_node": "gpus_per_node", "cpus_per_task": "cpus_per_task", "nproc_per_run": "tasks_per_node"}
 SUBMITIT_FOLDER = ".submitit"
 
 
@@ -162,7 +170,7 @@ def check_launcher(launcher: str, options: dict[str, Any] | None) -> None:
             words = "a name" if wanted is str else "a positive integer" + (" (minutes)" if key == "time" else "")
             raise ConfigError(f"launcher option {key} is {value!r}, but it must be {words}.")
     if launcher == "local":
-        if any(v is not None for v in (options or {}).values()):
+        if any(v is not None for k, v in (options or {}).items() if k != "nproc_per_run"):
             raise ConfigError("launcher options (partition, time, ...) apply to --launcher submitit; drop them or "
                               "add --launcher submitit.")
         return
@@ -180,6 +188,10 @@ class GridJob:
     so the parent raises it as the one-line error it is."""
 
     def __call__(self, cfg: TrainConfig, probe=None) -> dict[str, Any]:
+        import submitit
+
+        if submitit.JobEnvironment().num_tasks > 1:  # nproc_per_run: RANK, WORLD_SIZE, MASTER_ADDR, ... for torch
+            submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         try:
             return train_placed(cfg, probe)
         except AttnlabError as e:
@@ -204,10 +216,10 @@ def run_submitit(todo: Sequence[TrainConfig], runs_dir: str | Path, launcher: st
     params = {SLURM_OPTIONS[k]: v for k, v in (options or {}).items() if v is not None}
     if launcher == "submitit-local":
         executor = submitit.LocalExecutor(folder=folder)
-        params = {k: v for k, v in params.items() if k in ("timeout_min", "gpus_per_node")}
+        params = {k: v for k, v in params.items() if k in ("timeout_min", "gpus_per_node", "tasks_per_node")}
     else:
         executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
-        params.setdefault("gpus_per_node", 1)
+        params.setdefault("gpus_per_node", params.get("tasks_per_node", 1))
         if jobs is not None:
             params["slurm_array_parallelism"] = jobs
     executor.update_parameters(**params)
@@ -232,3 +244,25 @@ def run_submitit(todo: Sequence[TrainConfig], runs_dir: str | Path, launcher: st
                       f"({result['seconds']:.1f} s)", flush=True)
         if waiting:
             time.sleep(poll_s)
+
+
+def run_torchrun(todo: Sequence[TrainConfig], nproc: int, progress: bool = True) -> None:
+    """Train each run of ``todo`` under ``torchrun --standalone --nproc_per_node nproc``, one after another (every
+    process of a run on this machine's devices). A failed run stops the grid with one line naming it and its exit
+    code (its processes printed their own error)."""
+    import yaml
+
+    from .config import config_to_dict
+
+    for i, cfg in enumerate(todo, start=1):
+        name = run_dir_of(cfg).name
+        if progress:
+            print(f"[{i}/{len(todo)}] {name} ({nproc} processes)", flush=True)
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="attnlab-run-") as f:
+            yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
+            f.flush()
+            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                   f"--nproc_per_node={nproc}", "-m", "attnlab", "train", "--config", f.name])
+        if proc.returncode:
+            raise ConfigError(f"run {name} stopped with exit code {proc.returncode} under torchrun (its error is "
+                              f"above); fix it and start the grid again, which resumes it.")
