@@ -125,3 +125,28 @@ def test_the_ladder_demo_preset_expands_to_three_sizes_two_variants_three_rates(
     flat = flat_dict(plans[0]["cfg"])
     assert (flat["dataset"], flat["max_steps"], flat["threads"], flat["probe_every"]) == ("stdlib_bpe", 100, 1, 20)
     assert (tmp_path / "stdlib_bpe" / "corpus" / "manifest.json").is_file()
+
+
+def test_two_processes_preparing_at_once_make_the_corpus_once(small_stdlib, tmp_path, monkeypatch):
+    """The lock: two concurrent callers (threads here; flock excludes two open files in one process as it does two
+    processes) train the tokenizer once and prepare once; the second finds the first's corpus."""
+    import threading
+
+    calls, train = [], stdlib_bpe.train_tokenizer
+    monkeypatch.setattr(stdlib_bpe, "train_tokenizer", lambda src: calls.append(1) or train(src))
+    results, errors, logs = [], [], [[], []]
+
+    def make(i):
+        try:
+            results.append(stdlib_bpe.ensure(tmp_path, log=logs[i].append))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=make, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 2 and len(set(results)) == 1
+    assert len(calls) == 1
+    assert sorted(any("already holds this corpus" in line for line in log) for log in logs) == [False, True]
