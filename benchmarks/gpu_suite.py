@@ -12,7 +12,7 @@ runs, and on SIGTERM/SIGINT, after which the step in progress is recorded as kil
 the logs are kept beside it as one archive. Variables:
 
     GPU_SUITE_STEPS    comma-separated step names (or --steps): run only those, in the suite's order
-    GPU_SUITE_BUDGET   seconds for the whole call (default 420; the dry run 1800)
+    GPU_SUITE_BUDGET   seconds for the whole call (default 480; the dry run 1800)
     GPU_SUITE_CACHE    inductor/Triton caches and the generated data (default ~/.cache/attnlab-gpu-suite): outside
                        the call's scratch folder, so that a second call on a still-warm machine reuses them
     GPU_SUITE_CIFAR    a folder holding real CIFAR-100 (cifar-100-python/) instead of random pixels
@@ -181,6 +181,18 @@ def lm_cmd(plan: Plan, label: str):
                        "--warmup", "1" if small else "3"], plan.child_env)
 
 
+def ladder_cmd(plan: Plan, label: str):
+    """Training tokens/s and MFU of two ladder sizes (ladder_d512, ladder_d1024: 25M and 202M without embeddings),
+    bf16, compiled, batch 16 x 512 tokens of a 32k vocabulary (the dry run: ladder_d128, eager, tiny)."""
+    small = plan.dry
+    return Cmd(label, [plan.py, str(BENCH / "lm_throughput.py"), "--ladder",
+                       "ladder_d128" if small else "ladder_d512,ladder_d1024", "--device", plan.device, "--amp",
+                       plan.amp, "--compile", "none" if small else "only", "--vocab-size", "256" if small else "32000",
+                       "--batch-size", "2" if small else "16", "--block-size", "16" if small else "512",
+                       "--rounds", "1" if small else "3", "--steps", "1" if small else "10",
+                       "--warmup", "1" if small else "3"], plan.child_env)
+
+
 def cli_cmd(plan: Plan, label: str, data: Path, epochs: int, name: str):
     train = ["-m", "attnlab", "train", "--recipe", "ns_cifar", "--model", "vit_cifar", "--dataset", "cifar100",
              "--data-dir", str(data), "--data-options", "{verify_md5: false}", "--epochs", str(epochs),
@@ -298,6 +310,11 @@ def steps_table() -> list[Step]:
              "256 tokens, training, eager and compiled, against a plain PyTorch model of its shape",
              "start ~6, 4 model builds ~3 s, 2 compiles ~10 s each, 3 rounds x 10 steps x 4 arms ~4 s",
              lambda p: [lm_cmd(p, "llama_lm")]),
+        Step("ladder_lm", 60, 150, "lm_throughput.py --ladder: ladder_d512 and ladder_d1024 (the size ladder, 25M "
+             "and 202M parameters without embeddings), batch 16 x 512 tokens, vocab 32k, training, bf16, compiled: "
+             "tokens/s and MFU", "start ~6, 2 builds on the CPU ~5 s, 2 cold compiles ~20 s each (not in the "
+             "compile step), 3 rounds x 10 steps of 8k tokens at ~30-120 ms ~5 s",
+             lambda p: [ladder_cmd(p, "ladder_lm")]),
         Step("e2e_cli", 30, 90, "attnlab train --compile, recipe ns_cifar, vit_cifar on CIFAR-100's layout, bf16, "
              "device data, 2 epochs: epoch 2's img/s from metrics.jsonl", "start ~7, train and eval graphs from the "
              "cache ~10 s, 2 epochs of 390 steps at ~35k img/s ~3 s, 2 evaluations and checkpoints ~3 s",
@@ -403,6 +420,10 @@ def targets(record: dict, plan: Plan) -> dict:
           and isinstance(r.get("/ plain"), float)]
     out["llama_mini training tokens/s / plain PyTorch, worst of eager and compiled"] = target(
         min(lm) if lm else None, ">= 0.95", lambda v: v >= 0.95, "llama_lm")
+    for r in ok_rows("ladder_lm"):  # no threshold: the first GPU run measures them
+        mode = "compiled" if r.get("compiled") == "yes" else "eager"
+        out[f"{r['model']} training MFU ({mode}, {r.get('amp')})"] = target(
+            r.get("MFU") if isinstance(r.get("MFU"), float) else None, "measured", lambda v: True, "ladder_lm")
     epochs = [r for r in step_rows(record, "e2e_cli") if "epoch" in r]
     later = [r for r in epochs if r["epoch"] >= 2]
     t = target(later[-1]["img/s"] if later else None, ">= 30000", lambda v: v >= 30000, "e2e_cli")
@@ -654,7 +675,7 @@ def main(argv=None, steps: list[Step] | None = None) -> int:
         return 0
     out = (args.out or (Path(os.environ["OUT"]) / "gpu_suite.json" if os.environ.get("OUT") else
                         Path("gpu_suite.json"))).resolve()
-    budget = float(os.environ.get("GPU_SUITE_BUDGET") or (1800 if args.dry_run else 420))
+    budget = float(os.environ.get("GPU_SUITE_BUDGET") or (1800 if args.dry_run else 480))
     default_cache = Path(tempfile.gettempdir()) / "attnlab-gpu-suite-dry" if args.dry_run else \
         Path.home() / ".cache" / "attnlab-gpu-suite"
     cache = Path(os.environ.get("GPU_SUITE_CACHE") or default_cache).resolve()

@@ -17,6 +17,16 @@ cross-entropy of all next-token logits, backward, fused AdamW step. Inference: o
     python benchmarks/lm_throughput.py --model gpt_mini --batch-size 4 --json out.json
     python benchmarks/lm_throughput.py --threads 1 --clock cpu              # on a machine other jobs load
     python benchmarks/lm_throughput.py --model llama_mini --batch-size 4 --block-size 128   # issue target: >= 0.95
+
+The size ladder (``--ladder``): training tokens/s of ladder presets (``attnlab.models.ladder``) alone, no reference,
+under ``--amp`` (bf16 autocast by default on CUDA), eager and/or compiled, with the model FLOPs per token and the
+model FLOPs utilisation (``attnlab.ops.model_flops``: 6 N + 12 L T d_attn per token, against the device's dense
+bf16 peak; none on a CPU):
+
+    python benchmarks/lm_throughput.py --ladder ladder_d512,ladder_d1024 --device cuda --vocab-size 32000 \
+        --batch-size 16 --block-size 512 --compile only                                   # the GPU suite's rows
+    python benchmarks/lm_throughput.py --ladder ladder_d128 --vocab-size 256 --batch-size 2 --block-size 64 \
+        --compile none                                                                   # tiny, on the CPU
 """
 
 from __future__ import annotations
@@ -258,6 +268,80 @@ def measure(args, device) -> dict:
     return {k: statistics.median(v) for k, v in rates.items()}
 
 
+def ladder(args, device) -> list[dict]:
+    """tokens/s (median over rounds), FLOPs per token and MFU of each ``--ladder`` preset, training (one arm each:
+    zero_grad, forward under autocast, cross-entropy in fp32, backward, fused AdamW)."""
+    from attnlab.models.ladder import LADDER_PRESETS, count_parameters
+    from attnlab.ops.model_flops import mfu, model_flops_per_token, peak_bf16
+
+    peak = peak_bf16(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    amp = args.amp if args.amp != "auto" else "bf16" if device.type == "cuda" else "none"
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    tokens = tokens_for(args, device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    rows = []
+    names = split_specs(args.ladder)
+    for name in names:
+        if name not in LADDER_PRESETS:  # one line, exit code 2, before any model is built
+            print(f"lm_throughput.py: --ladder: {name!r} is no ladder preset; choose from "
+                  f"{', '.join(LADDER_PRESETS)}", file=sys.stderr)
+            sys.exit(2)
+    for name in names:
+        for compiled in args.compiled:
+            torch.manual_seed(0)
+            model = build_model(name, attn=args.ladder_attn, vocab_size=args.vocab_size,
+                                block_size=args.block_size).to(device)
+            flops = model_flops_per_token(model, args.block_size)
+            forward = torch.compile(model, dynamic=False) if compiled else model
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
+
+            def step():
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp == "bf16"):
+                    logits = forward(x)
+                F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)).backward()
+                opt.step()
+
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.warmup):
+                step()
+            sync()
+            settle = time.perf_counter() - t0
+            rates = []
+            for _ in range(args.rounds):
+                sync()
+                t0 = clock()
+                for _ in range(args.steps):
+                    step()
+                sync()
+                rates.append(args.steps * args.batch_size * args.block_size / (clock() - t0))
+            rate = statistics.median(rates)
+            util = mfu(rate, flops, peak)
+            rows.append(dict(model=name, params_non_embedding=count_parameters(model.geometry["embed_dim"])[0],
+                             params=sum(p.numel() for p in model.parameters()), compiled=compiled, amp=amp,
+                             tokens_per_s=rate, flops_per_token=flops, tflops=rate * flops / 1e12, mfu=util,
+                             warmup_s=settle))
+            print(f"# measured {name}, {'compiled' if compiled else 'eager'}", file=sys.stderr, flush=True)
+            del model, forward, opt
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def print_ladder(rows: list[dict], args, device) -> None:
+    print(f"| model | params (non-emb) | compiled | amp | tokens/s ({args.clock}) | GFLOP/token | TFLOP/s | MFU | "
+          f"warm-up s |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        mfu_text = "—" if r["mfu"] is None else f"{r['mfu']:.3f}"
+        print(f"| {r['model']} | {r['params_non_embedding'] / 1e6:.1f}M | {'yes' if r['compiled'] else 'no'} | "
+              f"{r['amp']} | {r['tokens_per_s']:.0f} | {r['flops_per_token'] / 1e9:.3f} | {r['tflops']:.3f} | "
+              f"{mfu_text} | {r['warmup_s']:.1f} |",
+              flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt_tiny")
@@ -278,10 +362,30 @@ def main() -> None:
                         "with --threads 1: idle threads that spin would count)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory child process")
     p.add_argument("--json", help="also write the results to this file")
+    p.add_argument("--ladder", metavar="PRESETS", help="comma-separated ladder presets (ladder_d512,...): tokens/s "
+                   "and MFU of each, training, instead of the comparison with the plain reference")
+    p.add_argument("--ladder-attn", default="standard", metavar="SPEC", help="the attention spec of --ladder's models")
+    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "none"],
+                   help="--ladder: bf16 autocast ('auto': on CUDA, not on the CPU)")
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.ladder:
+        args.compiled = {"none": [False], "both": [False, True], "only": [True]}[args.compile]
+        device = resolve_device(args.device)
+        print(f"# {datetime.datetime.now():%Y-%m-%d %H:%M}, torch {torch.__version__}, {platform.machine()}, "
+              f"{os.cpu_count()} CPUs, threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}, device "
+              f"{device}{' ' + torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}, batch "
+              f"{args.batch_size} x {args.block_size} tokens, vocab {args.vocab_size}, {args.clock} clock")
+        rows = ladder(args, device)
+        print(f"# load after: {os.getloadavg()[0]:.1f}")
+        print_ladder(rows, args, device)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ladder": rows, "batch_size": args.batch_size, "block_size": args.block_size,
+                           "vocab_size": args.vocab_size, "device": str(device), "clock": args.clock}, f, indent=1)
+        return
     specs = split_specs(args.variants)
     if "standard" not in specs:
         specs = ["standard", *specs]

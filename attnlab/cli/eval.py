@@ -180,7 +180,8 @@ def run(args) -> int:
 
         opened = Run.open(args.run_dir, data_dir=args.data_dir)
         if not args.folder and (args.dataset or opened.cfg.dataset) == opened.cfg.dataset:
-            opened.warn_data_changed("eval")  # evaluated on the run's own data, which may have changed since
+            # evaluated on the run's own data, which must be what it trained on (files only training reads aside)
+            opened.check_data("eval", skip=("train.bin", "train shards", "training clips"))
         if not opened.task.robustness_eval:  # detection, video, language models: the metrics their training logs
             return _task_eval(args, opened, device)
 

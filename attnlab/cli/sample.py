@@ -46,8 +46,9 @@ def run(args) -> int:
                           f"logits by it overflows float32 or picks the most likely token anyway; give 0 (greedy "
                           f"decoding) or a temperature of at least {MIN_TEMPERATURE:g}.")
     cfg = run_.cfg
-    run_.warn_data_changed("sample", only=("tokenizer.json", "meta.pkl"),  # what encodes the prompt and decodes
-                           consequence="the prompt is encoded and the sample decoded with it as it is now")
+    run_.check_data("sample", only=("tokenizer.json", "meta.pkl"),  # what encodes the prompt and decodes the sample
+                    advice="give --tokenizer (or --data-dir for a meta.pkl) where the one it trained with lies, or "
+                           "put it back")
     codec = text_codec(cfg.dataset, cfg.run.data_dir, cfg.data_options)
     if args.prompt_ids is not None:
         try:

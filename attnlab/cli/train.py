@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from attnlab.errors import AttnlabError, ConfigError, NonFiniteLossError
-from attnlab.train.files import CONFIG, METRICS, TB_DIR
+from attnlab.train.files import CONFIG, DATA, METRICS, TB_DIR, TOKENIZER
 
 from . import current_rank
 
@@ -136,12 +136,13 @@ def _missing_dirs(run_dir: Path) -> list[Path]:
 
 def _remove_unstarted(made: list[Path]) -> None:
     """Undo a run that failed before its first epoch: remove the directories it created, if they hold no more than
-    set-up writes (config.yaml, an empty metrics.jsonl, TensorBoard's first events); a run with a checkpoint or a
-    logged epoch stays, to be resumed."""
+    set-up writes (config.yaml, data.json, the tokenizer's copy, an empty metrics.jsonl, TensorBoard's first
+    events); a run with a checkpoint or a logged epoch stays, to be resumed."""
     run_dir = made[0] if made else None
-    if (run_dir is not None and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {CONFIG, METRICS, TB_DIR}
+    setup = (CONFIG, DATA, TOKENIZER, METRICS)
+    if (run_dir is not None and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {*setup, TB_DIR}
             and (not (run_dir / METRICS).exists() or (run_dir / METRICS).stat().st_size == 0)):
-        for name in (CONFIG, METRICS):
+        for name in setup:
             (run_dir / name).unlink(missing_ok=True)
         shutil.rmtree(run_dir / TB_DIR, ignore_errors=True)
     for directory in made:

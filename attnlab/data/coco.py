@@ -132,11 +132,14 @@ def _duplicate(items: list, what: str, name: str) -> None:
         seen.add(key)
 
 
-def check_coco(coco, images: str | Path, name: str = "the annotation file", masks: bool = True) -> None:
+def check_coco(coco, images: str | Path, name: str = "the annotation file", masks: bool = True,
+               empty_boxes: str = "refuse") -> None:
     """What training and evaluation need, checked before they start: categories, annotations that name known
     images and categories with valid boxes (and, with ``masks``, segmentations), at least one annotation, and
-    every listed image in ``images``. ``iscrowd`` and ``area``, which COCO's evaluation reads, default to 0 and the
-    box's area where an annotation leaves them out."""
+    every listed image in ``images``. A box of zero width or height, which torchvision's detection models refuse,
+    is a DatasetError unless ``empty_boxes`` is "drop" (then :class:`CocoInstances` leaves it out of the targets,
+    as torchvision's detection references do). ``iscrowd`` and ``area``, which COCO's evaluation reads, default to 0
+    and the box's area where an annotation leaves them out."""
     data = coco.dataset
     for key in ("images", "annotations", "categories"):
         if not isinstance(data.get(key), list):
@@ -169,6 +172,12 @@ def check_coco(coco, images: str | Path, name: str = "the annotation file", mask
         if not (isinstance(box, list) and len(box) == 4 and _finite(box) and box[2] >= 0 and box[3] >= 0):
             raise DatasetError(f"{name}: annotation {ann.get('id')} has bbox {box!r}; COCO boxes are "
                                f"[x, y, width, height], finite numbers with width and height >= 0.")
+        if (box[2] == 0 or box[3] == 0) and empty_boxes != "drop":
+            side = "width" if box[2] == 0 else "height"
+            raise DatasetError(f"{name}: annotation {ann.get('id')} has bbox {box!r}, of {side} 0, which "
+                               f"torchvision's detection models refuse; give the object a positive width and "
+                               f"height, remove the annotation, or pass the data option empty_boxes: drop to leave "
+                               f"such boxes out of the training targets.")
         if masks or ann.get("iscrowd"):  # crowd regions reach the evaluation as masks even for boxes only
             img = coco.imgs[ann["image_id"]]
             fault = _segmentation_fault(ann.get("segmentation"), img["height"], img["width"])
@@ -256,11 +265,12 @@ class CocoInstances(Dataset):
         masks: decode instance masks (False: boxes only, for Faster R-CNN; faster).
     """
 
-    def __init__(self, images: str | Path, annotations: str | Path, transforms=None, masks: bool = True) -> None:
+    def __init__(self, images: str | Path, annotations: str | Path, transforms=None, masks: bool = True,
+                 empty_boxes: str = "refuse") -> None:
         from torchvision.datasets import wrap_dataset_for_transforms_v2
 
         self.coco = read_coco(annotations)
-        check_coco(self.coco, images, name=Path(annotations).name, masks=masks)
+        check_coco(self.coco, images, name=Path(annotations).name, masks=masks, empty_boxes=empty_boxes)
         self.images, self.annotations = Path(images), Path(annotations)
         self.categories = [self.coco.cats[i] for i in sorted(self.coco.cats)]
         #: label -> COCO category id (index 0: background)
@@ -341,17 +351,19 @@ def _detect_info(name: str, num_classes: int, image_size: int) -> DatasetInfo:
 
 def build_coco(train: bool, *, data_dir, download: bool = False, augment: str = "recipe", image_size: int = 224,
                masks: bool = True, train_split: str = "train2017", val_split: str = "val2017",
-               jitter_min: float = 0.1, jitter_max: float = 2.0) -> CocoInstances:
+               jitter_min: float = 0.1, jitter_max: float = 2.0, empty_boxes: str = "refuse") -> CocoInstances:
     """A COCO-format split under ``data_dir`` (COCO 2017's ``train2017`` / ``val2017`` unless the splits name
-    other folders): ViTDet's jitter on train unless ``augment`` is ``none``; nothing is downloaded."""
+    other folders): ViTDet's jitter on train unless ``augment`` is ``none``; nothing is downloaded. Boxes of zero
+    width or height: :func:`check_coco`."""
     images, annotations = split_paths(data_dir, train_split if train else val_split)
     transforms = detection_transforms(train and augment != "none", image_size, jitter=(jitter_min, jitter_max))
-    return CocoInstances(images, annotations, transforms=transforms, masks=masks)
+    return CocoInstances(images, annotations, transforms=transforms, masks=masks, empty_boxes=empty_boxes)
 
 
 def coco_fingerprint(data_dir, *, train_split: str = "train2017", val_split: str = "val2017", **_options
                      ) -> dict[str, str]:
-    """The content hash of both splits' annotation files and every image file's size and modification time."""
+    """The content hash of both splits' annotation files and of every image file (registry.part_stamp: its size and
+    its head, middle and tail)."""
     from attnlab.data.registry import file_sha256, folder_stamp
 
     out = {}

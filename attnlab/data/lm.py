@@ -433,15 +433,19 @@ MAX_LISTED = 100  # files a fingerprint lists one by one; a larger corpus is one
 
 
 def text_fingerprint(data_dir="data", *, tokenizer: str = "", val_fraction: float = 0.1) -> dict[str, str]:
-    """Each corpus file's size and modification time (one digest past ``MAX_LISTED`` files) and the tokenizer's
-    content hash."""
-    from attnlab.data.registry import file_sha256, file_stamp
+    """The corpus's content: a single file as "text corpus", a folder's files by relative path (one digest past
+    ``MAX_LISTED`` files), each by size and sha256 of its whole content (the corpus is read whole to be encoded
+    anyway), and the tokenizer's content hash."""
+    from attnlab.data.registry import file_sha256
 
     root = Path(data_dir)
     files = text_files(root)
-    stamps = {(p.relative_to(root).as_posix() if p != root else p.name): file_stamp(p) for p in files}
+    if root.is_file():  # named by what it is, not by its file name: a copy given with --data-dir is the same corpus
+        stamps = {"text corpus": f"{root.stat().st_size} bytes, {file_sha256(root)}"}
+    else:
+        stamps = {p.relative_to(root).as_posix(): f"{p.stat().st_size} bytes, {file_sha256(p)}" for p in files}
     out = stamps if len(stamps) <= MAX_LISTED else {
-        "corpus files": f"{len(stamps)} files, stamps sha256 "
+        "corpus files": f"{len(stamps)} files, content sha256 "
                         f"{hashlib.sha256(repr(sorted(stamps.items())).encode()).hexdigest()[:16]}"}
     if tokenizer:
         out["tokenizer.json"] = file_sha256(tokenizer)
@@ -455,8 +459,9 @@ def stdlib_fingerprint(data_dir="data", *, val_fraction: float = 0.1) -> dict[st
 
 
 def nanogpt_fingerprint(data_dir="data", *, vocab_size: int = 0, dtype: str = "uint16") -> dict[str, str]:
-    """train.bin's and val.bin's size and modification time, meta.pkl's content hash."""
-    from attnlab.data.registry import file_sha256, file_stamp
+    """train.bin's and val.bin's size and content hash (sampled past 64 MiB: registry.content_stamp), meta.pkl's
+    content hash."""
+    from attnlab.data.registry import content_stamp, file_sha256
 
     folder = Path(data_dir)
     prepared = _prepared(folder, dtype)
@@ -464,7 +469,7 @@ def nanogpt_fingerprint(data_dir="data", *, vocab_size: int = 0, dtype: str = "u
         from attnlab.data.shards import fingerprint
 
         return fingerprint(prepared)
-    out = {f"{split}.bin": file_stamp(folder / f"{split}.bin") for split in SPLITS}
+    out = {f"{split}.bin": content_stamp(folder / f"{split}.bin") for split in SPLITS}
     if (folder / "meta.pkl").is_file():
         out["meta.pkl"] = file_sha256(folder / "meta.pkl")
     return out

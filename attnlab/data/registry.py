@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -231,8 +232,9 @@ def device_data(name: str, *, data_dir="data", download=False, augment: str = "r
 
 
 def data_fingerprint(name: str, *, data_dir="data", **options) -> dict[str, str] | None:
-    """What identifies the data a run of ``name`` reads (sizes and modification times of its files, hashes of the
-    small ones, its class list), as {what: description}; None for a dataset that records nothing (fixed sets)."""
+    """What identifies the data a run of ``name`` reads (its files' sizes and content hashes, whole or sampled:
+    :func:`content_stamp`; its class list), as {what: description}; None for a dataset that records nothing (fixed
+    sets). docs/training.md, "What a run records of its data", says why hashes and how much is read."""
     entry = dataset(name)
     if entry.fingerprint is None:
         return None
@@ -247,30 +249,58 @@ def data_changes(recorded: Mapping[str, str], current: Mapping[str, str], shown:
     return "; ".join(words) + (f"; and {len(keys) - shown} more" if len(keys) > shown else "")
 
 
-def file_stamp(path) -> str:
-    """A file's size and modification time in words (what a run records of a large file)."""
-    import datetime
-    import os
+WHOLE = 1 << 26  # files up to 64 MiB are hashed whole; a larger one (a nanoGPT .bin) by SAMPLES blocks of BLOCK
+SAMPLES, BLOCK = 64, 1 << 16  # 4 MiB read of a file of any size: a re-encoded corpus changes nearly every block
+PART = 1 << 14  # a file among many (frames, images, clips): hashed whole up to 3 x 16 KiB, else head, middle, tail
 
+
+def _digest(path, whole: int, samples: int, block: int) -> str:
+    """sha256 of a file's content (16 hex digits): all of it up to ``whole`` bytes, else ``samples`` blocks of
+    ``block`` bytes spread evenly from its start to its end; OSError if it cannot be read."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size <= whole:
+            return "sha256 " + hashlib.file_digest(f, "sha256").hexdigest()[:16]
+        for i in range(samples):
+            f.seek((size - block) * i // (samples - 1))
+            h.update(f.read(block))
+    return "sampled sha256 " + h.hexdigest()[:16]
+
+
+def content_stamp(path) -> str:
+    """A file's size and content hash in words, "4096 bytes, sha256 ..." (what a run records of a corpus file, a
+    token file or a list): the whole content up to ``WHOLE`` bytes, else ``SAMPLES`` evenly spread blocks ("sampled
+    sha256"), so that a 17 GB token file costs a 4 MiB read; the modification time is left out, so that a copy
+    of the data (another disk, ``--data-dir``) is the same data. "missing" if it cannot be read."""
     try:
-        st = os.stat(path)
+        return f"{os.stat(path).st_size} bytes, {_digest(path, WHOLE, SAMPLES, BLOCK)}"
     except OSError:
         return "missing"
-    when = datetime.datetime.fromtimestamp(st.st_mtime_ns / 1e9, datetime.timezone.utc)
-    return f"{st.st_size} bytes, modified {when.isoformat(timespec='microseconds')}"
+
+
+def part_stamp(path) -> str:
+    """A file among many (a frame, an image, a video clip) by size and the hash of its head, middle and tail
+    (``PART`` bytes each; the whole file when it is small, as frames and most images are)."""
+    try:
+        return f"{os.stat(path).st_size} {_digest(path, 3 * PART, 3, PART)}"
+    except OSError:
+        return "missing"
 
 
 def folder_stamp(folder) -> str:
-    """Every file of ``folder`` (recursively) by name, size and modification time, as a count and one digest: what a
-    run records of an image or frame folder (a replaced file changes it, even with the count the same)."""
+    """Every file of ``folder`` (recursively) by relative name and :func:`part_stamp`, as a count and one digest:
+    what a run records of an image or frame folder (a replaced file changes it, even with the count the same)."""
     import hashlib
     from pathlib import Path
 
     folder = Path(folder)
     if not folder.is_dir():
         return "missing"
-    lines = sorted(f"{p.relative_to(folder).as_posix()} {file_stamp(p)}" for p in folder.rglob("*") if p.is_file())
-    return f"{len(lines)} files, stamps sha256 {hashlib.sha256(chr(10).join(lines).encode()).hexdigest()[:16]}"
+    lines = sorted(f"{p.relative_to(folder).as_posix()} {part_stamp(p)}" for p in folder.rglob("*") if p.is_file())
+    return f"{len(lines)} files, content sha256 {hashlib.sha256(chr(10).join(lines).encode()).hexdigest()[:16]}"
 
 
 def file_sha256(path) -> str:
@@ -402,7 +432,11 @@ register(Dataset("coco", "detect", "a COCO-format instance set, MS-COCO 2017 by 
                  "<data_dir>/annotations/instances_<split>.json + <data_dir>/<split>/",
                  "attnlab.data.coco:info_coco", "attnlab.data.coco:build_coco",
                  {"image_size": Option(224, 32, 4096, help="the square canvas (the DnA paper's Table 9: 224)"),
-                  **_DETECT_OPTIONS, "train_split": Option("train2017"), "val_split": Option("val2017")},
+                  **_DETECT_OPTIONS, "train_split": Option("train2017"), "val_split": Option("val2017"),
+                  "empty_boxes": Option("refuse", choices=("refuse", "drop"),
+                                        help="boxes of zero width or height: refuse the set, or drop them from the "
+                                             "targets as torchvision's references do (COCO 2017's train split "
+                                             "holds two)")},
                  AUGMENTS, fingerprint="attnlab.data.coco:coco_fingerprint"))
 
 DATASETS: tuple[str, ...] = tuple(DATASET_TABLE)

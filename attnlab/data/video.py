@@ -402,20 +402,26 @@ def scan_clips(data_dir, train: bool, *, lists: str = "", num_classes: int = 0, 
 
 def video_fingerprint(data_dir="data", **options) -> dict[str, str]:
     """The class list (index = label) and, per split, the clips and their labels as a count and a digest (a renamed
-    class folder or a clip moved to another class changes them); the sizes and times of video files and of every
-    frame in a frame folder go into the digest."""
+    class folder or a clip moved to another class changes them); each clip's path relative to the data folder (a
+    copy elsewhere is the same data) and its content (registry.part_stamp of a video file, of every frame of a frame
+    folder) go into the digest."""
     import hashlib
 
-    from attnlab.data.registry import file_stamp, folder_stamp
+    from attnlab.data.registry import folder_stamp, part_stamp
 
     opts = _check(options)
+    root = _root(data_dir)
     out = {}
+
+    def where(path: Path) -> str:
+        return path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
+
     for train, split in ((True, "training clips"), (False, "evaluation clips")):
-        clips, classes = scan_clips(data_dir, train, lists=opts["lists"], num_classes=opts["num_classes"],
+        clips, classes = scan_clips(root, train, lists=opts["lists"], num_classes=opts["num_classes"],
                                     verify=False)
         out["classes"] = ", ".join(classes) if len(classes) <= 20 else \
             f"{len(classes)} classes, sha256 {hashlib.sha256(repr(classes).encode()).hexdigest()[:16]}"
-        lines = sorted(f"{c.path} {c.label} {folder_stamp(c.path) if c.path.is_dir() else file_stamp(c.path)}"
+        lines = sorted(f"{where(c.path)} {c.label} {folder_stamp(c.path) if c.path.is_dir() else part_stamp(c.path)}"
                        for c in clips)
         out[split] = f"{len(clips)} clips, sha256 {hashlib.sha256(chr(10).join(lines).encode()).hexdigest()[:16]}"
     return out

@@ -15,6 +15,11 @@ the headline of the evaluation before the first step (result.json's ``init``, wr
 it started counts as no progress. A run that stopped at a non-finite loss has no result.json: a line missing a
 rate of its sweep says so beside its value, which is then over the rates it has (Wortsman et al. count such a run
 as L_0).
+
+Weight decay: runs whose ``weight_decay`` is one value are one sweep (PyTorch's AdamW decays by lr(t) x
+weight_decay: coupled to the rate); runs whose ``lr x weight_decay`` is one value are one sweep too, with
+independent weight decay lambda = lr x weight_decay (Wortsman et al.'s "independent weight decay": the schedule
+scales it, the peak rate does not), as a grid that sets ``weight_decay: lambda / lr`` per rate trains them.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from attnlab.report.summary import NO_VALUE, _is_number, _task, _variant_label, 
 
 # the keys a learning-rate variation changes; runs differing in others are different sweeps
 LR_KEYS = frozenset({"lr", "min_lr", "warmup_lr", "warmup_steps", "warmup_epochs", "tag"})
+DECAY = "weight_decay"  # may change with the rate where lr x weight_decay does not (module docstring)
 
 
 def _warmup(settings: dict) -> str:
@@ -37,14 +43,34 @@ def _warmup(settings: dict) -> str:
     return f"{epochs:g} epochs" if epochs else "none"
 
 
+def _decay_groups(members: list[dict]) -> list[tuple[str, list[dict]]]:
+    """``members`` (one sweep but for weight decay) as [(decay label, runs)]: one group when weight_decay is one value
+    ("" as before) or lr x weight_decay is one value ("independent weight decay 1e-4"), else one per weight_decay
+    ("weight_decay=0.1")."""
+    decays = {r["weight_decay"] for r in members}
+    if len(decays) <= 1:
+        return [("", members)]
+    products = [r["lr"] * r["weight_decay"] for r in members if isinstance(r["weight_decay"], (int, float))]
+    if len(products) == len(members) and max(products) - min(products) <= 1e-6 * abs(max(products)):
+        return [(f"independent weight decay {statistics.fmean(products):.3g}", members)]
+    by_decay: dict = {}
+    for run in members:
+        by_decay.setdefault(run["weight_decay"], []).append(run)
+    return [(f"weight_decay={d:g}" if isinstance(d, (int, float)) else f"weight_decay={d}", rs)
+            for d, rs in sorted(by_decay.items(), key=lambda kv: str(kv[0]))]
+
+
 def _rate(x: float) -> str:
     return f"{x:.0e}".replace("e-0", "e-").replace("e+0", "e")
 
 
 def lr_sweeps(runs: list[dict]) -> list[dict]:
     """The sweeps among ``runs`` (:func:`~attnlab.report.summary.scan_runs`' dicts, with ``settings``): one
-    ``{"title", "metric", "rates": {warmup: [eta...] swept with it}, "lines": {(variant, warmup): {eta: {"final",
-    "init", "n"}}}, "mixed_warmup"}`` per sweep (``init`` None where a run at that rate recorded none;
+    ``{"title", "metric", "model", "dataset", "setting", "decay", "settings", "params", "rates": {warmup: [eta...]
+    swept with it}, "lines": {(variant, warmup): {eta: {"final", "init", "n", "run_dirs"}}}, "mixed_warmup"}`` per
+    sweep (``init`` None where a run at that rate recorded none; ``setting``: what tells it from the model's other
+    sweeps, weight decay included; ``decay``: the weight decay part of it ("" where one value); ``settings``: its
+    runs' shared settings but for the rate and weight decay; ``params``: result.json's parameter count, if any;
     ``mixed_warmup``: lines with and without warm-up). A warm-up that was run at one rate only makes no line."""
     found = []
     for run in runs:
@@ -53,13 +79,18 @@ def lr_sweeps(runs: list[dict]) -> list[dict]:
         lr = settings.get("lr")
         if task is None or task.higher_is_better or not isinstance(lr, (int, float)) or lr <= 0:
             continue
-        rest = {k: v for k, v in settings.items() if k not in LR_KEYS}
-        found.append({**run, "tag": "", "settings": rest, "lr": float(lr), "warmup": _warmup(settings)})
+        rest = {k: v for k, v in settings.items() if k not in LR_KEYS and k != DECAY}
+        found.append({**run, "tag": "", "settings": rest, "lr": float(lr), "warmup": _warmup(settings),
+                      DECAY: settings.get(DECAY)})
     by_sweep: dict[tuple, list[dict]] = {}
     for run in label_settings(found)[0]:  # runs trained differently apart from the rate: separate sweeps
         by_sweep.setdefault((run["model"], run["dataset"], run["setting"], headline(run)), []).append(run)
+    split = {}
+    for (model, dataset, setting, metric), members in by_sweep.items():  # weight decay: coupled or independent
+        for decay, runs in _decay_groups(members):
+            split[(model, dataset, ", ".join(x for x in (setting, decay) if x), metric)] = (decay, runs)
     sweeps = []
-    for (model, dataset, setting, metric), members in sorted(by_sweep.items()):
+    for (model, dataset, setting, metric), (decay, members) in sorted(split.items()):
         swept: dict[str, set[float]] = {}  # the rates run with each warm-up: a line is measured against its own
         for run in members:
             swept.setdefault(run["warmup"], set()).add(run["lr"])
@@ -75,8 +106,12 @@ def lr_sweeps(runs: list[dict]) -> list[dict]:
             for lr, at in sorted(points[key].items()):
                 inits = [(r.get("init") or {}).get(metric) for r in at]
                 lines[key][lr] = {"final": statistics.fmean(float(r[metric]) for r in at), "n": len(at),
-                                  "init": statistics.fmean(inits) if all(_is_number(v) for v in inits) else None}
+                                  "init": statistics.fmean(inits) if all(_is_number(v) for v in inits) else None,
+                                  "run_dirs": sorted(r["run_dir"] for r in at if r.get("run_dir"))}
         sweeps.append({"title": f"{model} / {dataset}" + (f" ({setting})" if setting else ""), "metric": metric,
+                       "model": model, "dataset": dataset, "setting": setting, "decay": decay,
+                       "settings": members[0]["settings"],
+                       "params": next((r["params"] for r in members if _is_number(r.get("params"))), None),
                        "rates": {w: sorted(swept[w]) for w in sorted({w for _, w in lines})}, "lines": lines,
                        "mixed_warmup": len({w == "none" for _, w in lines}) > 1})
     return sweeps

@@ -12,9 +12,11 @@ from collections import Counter
 from pathlib import Path
 
 from attnlab.errors import AttnlabError
-from attnlab.report.page import Figure, Section, render_html, render_markdown
+from attnlab.report.page import Figure, Section, Table, render_html, render_markdown
 from attnlab.report.summary import (NO_VALUE, accuracy_tables, find_unfinished, group_key, group_title, groups,
                                     label_settings, metric_title, scan_runs, summarize)
+from attnlab.report.ladder import (ladder_figure, ladder_max_logits, ladder_tables, ladders_json, lr_ladders,
+                                   max_logit_figure)
 from attnlab.report.sweeps import lr_sweeps, sensitivity_tables, sweep_figure, sweeps_json
 from attnlab.report.tables import (ablation_tables, analysis_figures, cost_tables, find_bench_files, latency_stats,
                                    latency_tables, read_analyses, read_bench, spectral_tables)
@@ -89,6 +91,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     per variant on the CPU). Returns ``{"markdown", "html", "rows", "markdown_path", "html_path", "json", "plots":
     list[Path]}``.
     """
+    from attnlab.analysis.curves import layer_max_logits, read_metrics
     from attnlab.analysis.figures import save_png, variant_colors
     from attnlab.train.checkpoint import atomic_write_text
 
@@ -132,6 +135,38 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
             "training instabilities\", arXiv 2309.14322): LR sensitivity = mean over the swept rates of min(final "
             "loss, loss at initialisation) minus the best final loss; losses are means over seeds, the loss at "
             "initialisation the evaluation before the first step."], tables=sensitivity_tables(sweeps)))
+    ladders = lr_ladders(sweeps)
+    if ladders:
+        sections.append(Section("LR sensitivity across model sizes (Wortsman et al. 2023, Figure 1)", paragraphs=[
+            "The sweeps of several models on one dataset and setting: LR sensitivity per model size (rows) and "
+            "method (columns), the lowest of a row in bold. Parameters: without the embedding matrices for the "
+            "ladder presets (ladder_d*, from the preset), else every parameter (result.json's params)."],
+            tables=ladder_tables(ladders)))
+    ladder_logits = [ladder_max_logits(ladder, runs_dir) for ladder in ladders]
+
+    # the runs of each comparison whose metrics.jsonl reads, and the training probe's per-layer max logits in them
+    group_dirs: dict[tuple, list[Path]] = {}
+    maxima_of: dict[tuple, dict] = {}
+    for key in groups(rows):
+        dirs = group_dirs.setdefault(key, [])
+        for run in (r for r in runs if group_key(r) == key):
+            try:
+                read_metrics(runs_dir / run["run_dir"] / METRICS)
+                dirs.append(runs_dir / run["run_dir"])
+            except AttnlabError as err:
+                problems.append({"path": f"{run['run_dir']}/metrics.jsonl",
+                                 "problem": " ".join(str(err).split()).replace(str(runs_dir) + "/", "")})
+        try:
+            maxima_of[key] = layer_max_logits(dirs) if dirs else {}  # runs with probe_every logged them
+        except AttnlabError as err:  # a config.yaml that cannot be read
+            problems.append({"path": group_title(key), "problem": f"no training curves: {' '.join(str(err).split())}"})
+            maxima_of[key] = None
+    logit_tables, logit_json = max_logit_tables(maxima_of)
+    if logit_tables:
+        sections.append(Section("Max attention logit per layer (Wortsman et al. 2023)", paragraphs=[
+            "The training probe's largest attention logit (before the softmax, over the heads of a "
+            "layer and the probe's inputs) per layer at the last probed step, mean over the seeds that probed it; "
+            "max is the largest layer's. The figures show it over training."], tables=logit_tables))
 
     bench_results, bench_json = [], []
     bench_paths = {p.resolve(): p for p in [*find_bench_files(runs_dir), *map(Path, bench)]}  # a file once
@@ -174,8 +209,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     plot_paths: list[Path] = []
     figures: list[Section] = []
     if plots:
-        from attnlab.analysis.curves import (layer_max_logits, plot_layer_max_logits, plot_training_curves,
-                                             read_metrics, training_curves)
+        from attnlab.analysis.curves import plot_layer_max_logits, plot_training_curves, training_curves
 
         colors = variant_colors([r["variant"] for r in rows], baseline)  # one colour per variant in every figure
         bars, curves, logits = [], [], []
@@ -188,20 +222,13 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
             bars.append(Figure(path, f"{metric_title(group[0]['metric'])} per variant, {label} (bars: mean from 0, "
                                      f"whiskers: sample SD; "
                                      f"points: gain against the baseline)"))
-            dirs = []
-            for run in (r for r in runs if group_key(r) == key):
-                try:
-                    read_metrics(runs_dir / run["run_dir"] / METRICS)
-                    dirs.append(runs_dir / run["run_dir"])
-                except AttnlabError as err:
-                    problems.append({"path": f"{run['run_dir']}/metrics.jsonl",
-                                     "problem": " ".join(str(err).split()).replace(str(runs_dir) + "/", "")})
+            dirs, maxima = group_dirs[key], maxima_of[key]
             try:
-                found = training_curves(dirs) if dirs else {}
-                maxima = layer_max_logits(dirs)  # runs with probe_every logged them
+                found = training_curves(dirs) if dirs and maxima is not None else {}
             except AttnlabError as err:  # a config.yaml that cannot be read
                 problems.append({"path": label, "problem": f"no training curves: {' '.join(str(err).split())}"})
-                found, maxima = {}, {}
+                found = {}
+            maxima = maxima or {}
             if found:
                 path = out / f"report_curves_{slug}.png"
                 plot_training_curves(found, path, baseline=baseline, colors=colors)
@@ -217,6 +244,17 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
             path = save_png(sweep_figure(sweep, colors), out / f"report_lr_{_slug(sweep['title'])}.png")
             rates.append(Figure(path, f"Final {metric_title(sweep['metric']).lower()} against the peak learning rate, "
                                       f"{sweep['title']}" + (" (dashed: no warm-up)" if sweep["mixed_warmup"] else "")))
+        sizes = []
+        for ladder, found in zip(ladders, ladder_logits):
+            slug = _slug(ladder["title"])
+            path = save_png(ladder_figure(ladder, colors), out / f"report_sizes_{slug}.png")
+            sizes.append(Figure(path, f"Final {metric_title(ladder['metric']).lower()} against the peak learning "
+                                      f"rate per model size, and LR sensitivity against size, {ladder['title']}"))
+            if found:
+                path = save_png(max_logit_figure(ladder, found), out / f"report_sizes_max_logit_{slug}.png")
+                sizes.append(Figure(path, f"Max attention logit (largest over layers) over training per model "
+                                          f"size, at each size's largest rate with probes, {ladder['title']}"))
+        rates += sizes
         plot_paths = [f.path for f in bars + curves + logits + rates]
         titles = sorted({metric_title(r["metric"]) for r in rows})
         figures.append(Section(f"{' and '.join(titles)} per variant", figures=bars))
@@ -253,7 +291,8 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
               for s in sections if s.tables}
     data = {"baseline": baseline, "provenance": about, "mismatched": mismatches, "rows": rows,
             "unfinished": unfinished, "unreadable": unreadable, "problems": problems, "latency": bench_json,
-            "lr_sweeps": sweeps_json(sweeps),
+            "lr_sweeps": sweeps_json(sweeps), "max_logits": logit_json,
+            "lr_ladders": ladders_json(ladders, ladder_logits),
             "tables": tables,
             "figures": [Path(os.path.relpath(f.path, out)).as_posix() for s in figures for f in s.figures]}
     atomic_write_text(md_path, markdown)
@@ -261,6 +300,38 @@ def write_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, bas
     atomic_write_text(json_path, json.dumps(data, indent=2) + "\n")
     return {"markdown": markdown, "html": page, "rows": rows, "markdown_path": md_path, "html_path": html_path,
             "json": json_path, "plots": plot_paths}
+
+
+def _logit(value: float) -> str:
+    """A max logit for a table: one decimal from 100 on (955.3), two from 1 (88.96), else three digits (0.0812)."""
+    if value != value:
+        return NO_VALUE
+    return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.2f}" if abs(value) >= 1 else f"{value:.3g}"
+
+
+def max_logit_tables(maxima_of: dict[tuple, dict | None]) -> tuple[list[Table], list[dict]]:
+    """One table per comparison with probed max logits (``maxima_of``: group key -> :func:`~attnlab.analysis.
+    curves.layer_max_logits`): a row per variant, each layer's value at the variant's last probed step, and the
+    largest; and the same numbers unrounded for report.json."""
+    tables, numbers = [], []
+    for key, maxima in maxima_of.items():
+        if not maxima:
+            continue
+        depth = 1 + max(i for entry in maxima.values() for i in entry["layers"])
+        cells = []
+        for variant, entry in sorted(maxima.items()):
+            last = max((j for j, _ in enumerate(entry["steps"])
+                        if all(v[j] == v[j] for v in entry["layers"].values())), default=len(entry["steps"]) - 1)
+            values = {i: entry["layers"][i][last] for i in entry["layers"]}
+            top = max((v for v in values.values() if v == v), default=float("nan"))
+            cells.append([variant, str(entry["steps"][last])] +
+                         [_logit(values.get(i, float("nan"))) for i in range(depth)] + [_logit(top),
+                                                                                       str(entry["runs"])])
+            numbers.append({"group": group_title(key), "variant": variant, "step": entry["steps"][last],
+                            "runs": entry["runs"], "layers": [values.get(i) for i in range(depth)], "max": top})
+        tables.append(Table(["Variant", "step", *[f"layer {i}" for i in range(depth)], "max", "runs"], cells,
+                            title=group_title(key)))
+    return tables, numbers
 
 
 def _counted(values: list[str], of: int | None = None) -> str:

@@ -45,9 +45,8 @@ class NoIntactCheckpoint(CheckpointError):
 
 def _no_intact(run_dir: Path, skipped: dict[str, str], what: str) -> NoIntactCheckpoint:
     why = "; ".join(f"{name}: {reason}" for name, reason in skipped.items()) or "trainer state without weights"
-    if (Path(run_dir) / RESULT).exists():  # --resume returns a finished run's result: it would train nothing
-        how = (f"the run had finished, so delete its {RESULT} and run `attnlab train --resume {run_dir}`, which "
-               f"trains it again from the start")
+    if (Path(run_dir) / RESULT).exists():  # --resume of a finished run without intact weights trains it again
+        how = f"the run had finished, so run `attnlab train --resume {run_dir}`, which trains it again from the start"
     else:
         how = f"train the run again with `attnlab train --resume {run_dir}`, which starts it afresh"
     err = NoIntactCheckpoint(f"{run_dir} holds no intact {what} ({why}); {how}.")

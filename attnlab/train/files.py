@@ -17,6 +17,7 @@ PREV_WEIGHTS = "checkpoint.prev.safetensors"
 PREV_STATE = "trainer_state.prev.pt"
 EMA_WEIGHTS = "ema.safetensors"
 TB_DIR = "tensorboard"
+TOKENIZER = "tokenizer.json"  # a text run's copy of its tokenizer, read by eval and sample
 DATA = "data.json"  # what the run trained on (registry.data_fingerprint), compared on resume, eval and sample
 
 
@@ -54,4 +55,4 @@ def result_line(result: dict) -> str:
 
 
 __all__ = ["CONFIG", "DATA", "EMA_WEIGHTS", "METRICS", "PREV_STATE", "PREV_WEIGHTS", "RESULT", "STATE", "TB_DIR",
-           "WEIGHTS", "read_jsonl", "result_line"]
+           "TOKENIZER", "WEIGHTS", "read_jsonl", "result_line"]

@@ -39,7 +39,7 @@ from .checkpoint import (
     weights_of,
 )
 from .config import TrainConfig
-from .files import CONFIG, DATA, EMA_WEIGHTS, METRICS, RESULT
+from .files import CONFIG, EMA_WEIGHTS, METRICS, RESULT
 from .lock import RunLock
 from .optim import build_optimizer, build_scheduler
 from .run import Plan, Run, compile_mode
@@ -231,6 +231,8 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     if plan.action == "skip":
         return plan.result
     resuming = plan.action == "resume"
+    if plan.note and main and not resuming:  # a finished run trained again (its weights were all damaged)
+        print(plan.note, file=sys.stderr, flush=True)
 
     # Model and data. Seeding first makes the initial weights a function of the seed.
     seed_everything(cfg.seed)
@@ -258,10 +260,6 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     task.prepare_eval()
     if cfg.run.download and ranks.distributed and main:
         distributed.agree(None)
-    if main:
-        if run.fingerprint is not None:  # what it trains on (the data is built: a shapes set exists), compared on
-            config_file[DATA] = (json.dumps(run.fingerprint, indent=1) + "\n").encode()  # resume, eval and sample
-        create_dir_with(run.dir, config_file, lock)
 
     per_epoch = cfg.eval_every or data.steps
     if per_epoch is None:
@@ -309,6 +307,11 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
         ema = ModelEmaV3(model, decay=cfg.ema_decay, exclude_buffers=True)
         if found is not None:
             ema.module.load_state_dict(found.state["ema"])
+    # Every check a run makes before its first step has passed (data, block size, schedule, checkpoint): only now
+    # does its directory appear, so that a refused run leaves nothing behind.
+    if main:
+        create_dir_with(run.dir, {**config_file, **run.data_files()}, lock)
+        (run.dir / RESULT).unlink(missing_ok=True)  # a finished run trained again (its weights were all damaged)
     # metrics.jsonl rewritten from the checkpoint's history (dropping any epoch logged after it)
     if main:
         atomic_write_text(run.dir / METRICS, "".join(json.dumps(h) + "\n" for h in history))

@@ -21,8 +21,10 @@ from attnlab.errors import ConfigError, UnsupportedModelError
 
 from . import distributed
 from .config import RUNTIME_KEYS, TrainConfig, config_to_dict, flat_settings, load_config, run_name, validate
-from .files import CONFIG, DATA, EMA_WEIGHTS, METRICS, RESULT, TB_DIR, read_jsonl  # noqa: F401 - re-exported
+from .files import CONFIG, DATA, EMA_WEIGHTS, METRICS, RESULT, TB_DIR, TOKENIZER, read_jsonl  # noqa: F401 - re-exported
 
+# data.json's own entry: what its other entries are (runs before this recorded sizes and times, not compared)
+RECORD_KEY, RECORD_FORMAT = "recorded as", "content hashes"
 COMPILE_MODES = {"cuda": "reduce-overhead", "cpu": "default"}  # 'auto' per device type; measured in docs/perf.md
 
 
@@ -141,6 +143,19 @@ class Run:
 
         return data_fingerprint(self.cfg.dataset, data_dir=self.cfg.run.data_dir, **self.cfg.data_options)
 
+    def data_files(self) -> dict[str, bytes]:
+        """The files a run directory keeps of its data (name -> bytes), written when the run starts or resumes: the
+        fingerprint (data.json, compared on resume, eval and sample) and a copy of a text run's tokenizer.json
+        (which eval and sample then read, so that replacing the original changes nothing they print)."""
+        out = {}
+        if self.fingerprint is not None:  # the data is built by now: a shapes set exists
+            record = {**self.fingerprint, RECORD_KEY: RECORD_FORMAT}
+            out[DATA] = (json.dumps(record, indent=1) + "\n").encode()
+        tokenizer = self.cfg.data_options.get("tokenizer")
+        if isinstance(tokenizer, str) and tokenizer:
+            out[TOKENIZER] = Path(tokenizer).read_bytes()
+        return out
+
     def recorded_data(self) -> dict[str, str] | None:
         """The fingerprint the run recorded (data.json), None if it recorded none (a run written before it, or a
         dataset without one); ConfigError for an unreadable file."""
@@ -156,19 +171,37 @@ class Run:
                               f"run records its data again when it resumes.") from None
         return recorded
 
-    def data_changes(self, only: tuple[str, ...] | None = None) -> str:
+    def data_changes(self, only: tuple[str, ...] | None = None, skip: tuple[str, ...] = ()) -> str:
         """What differs between the recorded data and the data now, in words (empty if nothing, or nothing was
-        recorded); ``only``: the keys compared."""
+        recorded, or it was recorded by sizes and times, before content hashes); ``only``: the keys compared,
+        ``skip``: keys left out."""
         from attnlab.data.registry import data_changes
 
         recorded = self.recorded_data()
-        current = self.fingerprint if recorded is not None else None
-        if recorded is None or current is None:
+        if recorded is None or recorded.get(RECORD_KEY) != RECORD_FORMAT:  # none, or sizes and times (older)
             return ""
-        if only is not None:
-            recorded = {k: v for k, v in recorded.items() if k in only}
-            current = {k: v for k, v in current.items() if k in only}
-        return data_changes(recorded, current)
+        current = self.fingerprint
+        if current is None:
+            return ""
+        keep = lambda k: (only is None or k in only) and k not in skip and k != RECORD_KEY  # noqa: E731
+        return data_changes({k: v for k, v in recorded.items() if keep(k)}, {k: v for k, v in current.items()
+                                                                             if keep(k)})
+
+    def check_data(self, command: str, only: tuple[str, ...] | None = None, skip: tuple[str, ...] = (),
+                   advice: str = "put the data back, give --data-dir where it lies now, or train a new run on "
+                                 "this data") -> None:
+        """ConfigError (one line naming what changed) when the data a reader (eval, sample) reads again differs
+        from what the run trained on, as recorded in data.json; data that cannot be read now, or a data.json that
+        cannot, is left to the command, which says so (or measures what is there)."""
+        from attnlab.errors import AttnlabError
+
+        try:
+            changes = self.data_changes(only, skip)
+        except (AttnlabError, OSError):
+            return
+        if changes:
+            raise ConfigError(f"the data {command} would read differs from what {self.dir} trained on, as recorded "
+                              f"in its {DATA} ({changes}); {advice}.")
 
     def warn_data_changed(self, command: str, only: tuple[str, ...] | None = None,
                           consequence: str = "its numbers are measured on the data as it is now") -> None:
@@ -216,13 +249,27 @@ class Run:
                                   f"in {DATA} ({changes}); put the data back, or pass --accept-data-change to "
                                   f"continue on the new data (recording it), or train a new run.")
         if cfg.run.resume and finished:
-            return Plan("skip", result=self.result())
+            damaged = self.damaged_weights()
+            if damaged is None:
+                return Plan("skip", result=self.result())
+            return Plan("train", note=f"{self.name} had finished, but {damaged}; training it again from the start, "
+                                      f"replacing its checkpoint files and {RESULT}.")
         if resumable and not check:
             return Plan("resume")
         if resumable:
             found, note = resume_point(self.dir)  # None: no intact pair, the run starts afresh
             return Plan("resume" if found else "train", found.epoch if found else 0, note)
         return Plan("train")
+
+    def damaged_weights(self) -> str | None:
+        """Why a finished run has no weights that a reader could use (none intact, or none at all), else None."""
+        from .checkpoint import NoIntactCheckpoint, find_weights
+
+        try:
+            found = find_weights(self.dir)  # every weights file's content checked against its sha256
+        except NoIntactCheckpoint as err:
+            return f"none of its weights files is intact ({err.why})"
+        return None if found is not None else "it holds no checkpoint.safetensors"
 
     def check_model(self, cache: dict) -> None:
         """Build the model once (on the meta device where its construction allows) so that a model option the
@@ -299,12 +346,41 @@ class Run:
         self.task.check_model_name()
         try:
             return self.task.build_model(pretrained=pretrained)
+        except ConfigError as err:
+            raise self._not_sized(err) from None
         except AttnlabError:
             raise
         except Exception as err:  # noqa: BLE001 - timm and torch raise what they raise for a geometry
             if not self.cfg.model_options and not checking:
                 raise
             raise self._cannot_build(err, "", "the model's constructor") from None
+
+    def _not_sized(self, err: ConfigError) -> AttnlabError:
+        """``err``, unless it refuses a model argument that the run adds itself to size the model for its dataset
+        (``img_size``, ``in_chans``: timm's ResNet takes neither): then why the model cannot be this run's, which the
+        user can act on; the model has no attention attnlab converts, most often."""
+        import re
+
+        from attnlab.errors import UnsupportedModelError
+
+        bad = re.match(r"model option '(\w+)' is not an argument of", str(err))
+        added = set(dict(self.info.model_kwargs())) - set(self.cfg.model_options)
+        if bad is None or bad[1] not in added:
+            return err
+        from attnlab.models import attention_modules, build_model
+
+        try:
+            with torch.device("meta"), torch.random.fork_rng(devices=[]):
+                bare = build_model(self.cfg.model, attn=None)
+        except Exception:  # noqa: BLE001 - the bare model fails too: the first reason stands
+            return err
+        if not attention_modules(bare):
+            return UnsupportedModelError(
+                f"model {self.cfg.model} ({type(bare).__name__}) has no attention module attnlab converts (supported "
+                f"are timm's Attention: ViT, DeiT and models built from it; WindowAttention: Swin; XCA: XCiT; "
+                f"DaViT's), so --attn {self.cfg.attn} cannot act on it; use one of {', '.join(models_of('image'))}.")
+        return ConfigError(f"model {self.cfg.model} takes no {bad[1]}, which attnlab gives an image model to fit "
+                           f"dataset {self.cfg.dataset}'s images; use one of {', '.join(models_of('image'))}.")
 
     def _cannot_build(self, err: Exception, why: str, check: str) -> ConfigError:
         """One line for a model that the run's options (or data) make fail, naming the options given."""
@@ -330,6 +406,13 @@ class Run:
                 what = "bytes" if cfg.dataset in ("text", "stdlib") else f"dataset {cfg.dataset}"
                 raise ConfigError(f"--tokenizer says where the tokenizer.json of a text run trained through one lies "
                                   f"now, and {path} trained on {what}; drop it.")
+            if not Path(tokenizer).is_file():
+                kept = " (the run keeps a copy: drop --tokenizer)" if (path / TOKENIZER).is_file() else ""
+                raise ConfigError(f"--tokenizer {tokenizer} does not exist; give the tokenizer.json {path} trained "
+                                  f"with{kept}.")
+        elif cfg.data_options.get("tokenizer") and (path / TOKENIZER).is_file():
+            tokenizer = str(path / TOKENIZER)  # the run's own copy: what it trained with, wherever the original went
+        if tokenizer is not None:
             cfg = cfg.replace(data_options={**cfg.data_options, "tokenizer": tokenizer})
         # the directory is the run's, whatever its name: a reader neither renames nor refuses it
         run = cls(cfg.replace(runs_dir=str(path.parent), name=None))

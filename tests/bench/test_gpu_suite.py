@@ -176,7 +176,7 @@ def test_the_step_filter_runs_only_the_named_steps(tmp_path):
 
 def test_the_estimates_fit_the_budget_and_the_docs_table_lists_them():
     steps = suite.steps_table()
-    assert sum(s.estimate_s for s in steps) <= 420
+    assert sum(s.estimate_s for s in steps) <= 480
     doc = (ROOT / "docs" / "perf.md").read_text()
     for s in steps:  # docs/perf.md's step table: name, estimate, limit
         assert f"| `{s.name}` | {s.estimate_s} | {s.limit_s} |" in doc, s.name
@@ -311,3 +311,33 @@ def test_dry_run_of_the_compiled_variants_step(tmp_path):
     result = dry_run(tmp_path, "variants")
     assert list(result["steps"]) == ["variants"]
     check_variants(result)
+
+
+def test_the_ladder_step_measures_two_sizes_compiled_in_bf16_and_reports_their_mfu(tmp_path):
+    """The GPU plan: ladder_d512 and ladder_d1024, compiled, bf16, 16 x 512 tokens of a 32k vocabulary; each row's
+    MFU becomes a target entry (no threshold), a row without one ("—" on a CPU) stays missing."""
+    step = next(s for s in suite.steps_table() if s.name == "ladder_lm")
+    [cmd] = step.phases(plan(tmp_path))
+    argv = cmd.argv
+    assert argv[argv.index("--ladder") + 1] == "ladder_d512,ladder_d1024"
+    assert [argv[argv.index(f) + 1] for f in ("--device", "--amp", "--compile", "--vocab-size", "--batch-size",
+                                              "--block-size")] == ["cuda", "bf16", "only", "32000", "16", "512"]
+    [dry] = step.phases(suite.Plan.for_dry_run(sys.executable, tmp_path, tmp_path / "cache"))
+    assert dry.argv[dry.argv.index("--ladder") + 1] == "ladder_d128" and "cpu" in dry.argv
+    record = {"steps": {"ladder_lm": {"tables": [[
+        {"model": "ladder_d512", "compiled": "yes", "amp": "bf16", "MFU": 0.41},
+        {"model": "ladder_d1024", "compiled": "yes", "amp": "bf16", "MFU": "—"}]], "derived": []}}}
+    found = suite.targets(record, plan(tmp_path))
+    assert found["ladder_d512 training MFU (compiled, bf16)"]["value"] == 0.41
+    assert found["ladder_d512 training MFU (compiled, bf16)"]["status"] == "measured"
+    assert found["ladder_d1024 training MFU (compiled, bf16)"]["status"] == "missing"
+
+
+@pytest.mark.slow
+def test_dry_run_of_the_ladder_step(tmp_path):
+    """The ladder rows on the CPU: lm_throughput.py --ladder through bf16 autocast, its table parsed (~20 s)."""
+    result = dry_run(tmp_path, "ladder_lm")
+    [row] = rows(result["steps"]["ladder_lm"])
+    assert row["model"] == "ladder_d128" and row["amp"] == "bf16" and row["MFU"] == "—"
+    assert isinstance(row["tokens/s (wall)"], float) and row["tokens/s (wall)"] > 0
+    assert row["GFLOP/token"] == pytest.approx(0.003, abs=0.0005)

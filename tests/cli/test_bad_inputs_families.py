@@ -103,13 +103,36 @@ def test_relevance_on_a_video_run_is_one_line(video_run, tmp_path):
 
 
 # ---- 9: advice that does not loop -----------------------------------------------------------------------------------
-def test_finished_run_without_intact_weights_says_to_delete_result_json(lm_run, tmp_path):
+def test_finished_run_without_intact_weights_is_trained_again_by_resume(lm_run, tmp_path):
+    """Every weights file of a finished run damaged: the refusal's advice (`train --resume`) trains it again from
+    the start, with one note, and then eval reads it; the result is the one the run had (training is seeded)."""
+    import json
+
     run = tmp_path / "lm"
     shutil.copytree(lm_run, run)
+    before = json.loads((run / "result.json").read_text())
     for weights in run.glob("checkpoint*.safetensors"):
         weights.write_bytes(b"garbage" * 40)
-    refused(["sample", run], tmp_path, "the run had finished, so delete its result.json and run `attnlab train "
-                                       f"--resume {run}`, which trains it again from the start", "sample")
+    line = refused(["sample", run], tmp_path, f"the run had finished, so run `attnlab train --resume {run}`, which "
+                                              "trains it again from the start", "sample")
+    assert "delete" not in line
+    again = in_process(["train", "--resume", run, "--no-progress"], tmp_path)
+    assert again.returncode == 0, again.stderr
+    notes = [x for x in again.stderr.splitlines() if x.strip()]
+    assert len(notes) == 1 and "had finished, but none of its weights files is intact" in notes[0], again.stderr
+    after = json.loads((run / "result.json").read_text())
+    assert after["val_loss"] == before["val_loss"]
+    proc = in_process(["eval", run], tmp_path)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["val_loss"] == before["val_loss"], proc.stderr
+
+
+def test_finished_run_with_intact_weights_is_still_skipped_by_resume(lm_run, tmp_path):
+    run = tmp_path / "lm"
+    shutil.copytree(lm_run, run)
+    stamp = (run / "checkpoint.safetensors").stat().st_mtime_ns
+    proc = in_process(["train", "--resume", run, "--no-progress"], tmp_path)
+    assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
+    assert (run / "checkpoint.safetensors").stat().st_mtime_ns == stamp
 
 
 # ---- shapes: a killed generation leaves no hidden folder -------------------------------------------------------------
@@ -214,14 +237,31 @@ def test_coco_image_of_another_size_stops_train_before_the_run_directory(tmp_pat
             "2.png is 48 x 41 pixels, but instances_t.json gives it width 48 and height 40")
 
 
-def test_coco_zero_width_box_is_left_out_of_the_targets(tmp_path):
-    """A box without area (COCO has a few) trains as torchvision's references train it: left out of the targets."""
+@pytest.mark.parametrize("augment", ["none", "recipe"])
+@pytest.mark.parametrize("bbox, side", [([4, 6, 0, 10], "width"), ([4, 6, 10, 0], "height")])
+def test_coco_box_of_zero_width_or_height_is_refused_naming_the_annotation(bbox, side, augment, tmp_path):
+    """torchvision's detection models refuse a box without area: the set is refused in one line naming the file,
+    the annotation and the remedy, with or without the recipe's jitter."""
+    pytest.importorskip("pycocotools")
+    _write_coco(tmp_path / "c", annotations=[_ann(id=7, bbox=bbox), _ann(id=2, image_id=2)])
+    refused(["train", "--recipe", "detect_demo", "--dataset", "coco", "--data-dir", "c", "--data-options",
+             "{train_split: t, val_split: v, image_size: 64}", "--augment", augment, "--epochs", "1"], tmp_path,
+            f"instances_t.json: annotation 7 has bbox {bbox!r}, of {side} 0, which torchvision's detection models "
+            "refuse; give the object a positive width and height, remove the annotation, or pass the data option "
+            "empty_boxes: drop")
+
+
+def test_coco_zero_width_box_is_left_out_of_the_targets_when_asked(tmp_path):
+    """empty_boxes: drop trains as torchvision's references train (COCO 2017's train split holds two such boxes):
+    the box is left out of the targets."""
     pytest.importorskip("pycocotools")
     from attnlab.data import build_dataset
 
     root = _write_coco(tmp_path / "c", annotations=[_ann(bbox=[4, 6, 0, 10]), _ann(id=2, image_id=2)])
-    train = build_dataset("coco", True, data_dir=root, train_split="t", val_split="v", image_size=64, masks=False)
-    assert train[0][1]["boxes"].shape == (0, 4) and train[1][1]["boxes"].shape == (1, 4)
+    for augment in ("none", "recipe"):
+        train = build_dataset("coco", True, data_dir=root, train_split="t", val_split="v", image_size=64,
+                              masks=False, augment=augment, empty_boxes="drop")
+        assert train[0][1]["boxes"].shape == (0, 4) and train[1][1]["boxes"].shape == (1, 4)
 
 
 def test_rle_counts_read_as_pycocotools_writes_them():
@@ -388,36 +428,179 @@ def test_a_damaged_data_json_is_one_line_and_eval_still_runs(lm_run, tmp_path, c
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
 
 
-# ---- 7: a run records its data; resume refuses other data, eval and sample warn -----------------------------------
-def test_tokenizer_replaced_resume_refuses_eval_and_sample_warn(tmp_path):
-    pytest.importorskip("tokenizers")
-    import json
-
+# ---- 7: a run records its data; what resume, eval and sample read again must be it --------------------------------
+def _tokenizer_run(tmp_path, words=("[UNK]", "the", "cat", "sat", "on", "mat")) -> Path:
+    """A finished 2-step run through a word-level tokenizer (tok.json) on c.txt, both in ``tmp_path``."""
     from tests.data.test_lm import write_tokenizer
 
-    words = ["[UNK]", "the", "cat", "sat", "on", "mat"]
-    write_tokenizer(tmp_path / "tok.json", words)
+    write_tokenizer(tmp_path / "tok.json", list(words))
     (tmp_path / "c.txt").write_text("the cat sat on the mat " * 60)
     argv = ["train", "--recipe", "lm_demo", "--dataset", "text", "--data-dir", "c.txt", "--data-options",
             "{tokenizer: tok.json}", "--block-size", "8", "--batch-size", "2", "--max-steps", "2", "--eval-every",
             "1", "--eval-iters", "1", "--probe-every", "0", "--no-progress", "--name", "t"]
-    assert in_process(argv, tmp_path).returncode == 0
-    run = tmp_path / "runs" / "t"
+    done = in_process(argv, tmp_path)
+    assert done.returncode == 0, done.stderr
+    return tmp_path / "runs" / "t"
+
+
+def _readers(run, cwd):
+    """(eval's stdout, sample's stdout) of ``run``, each checked to succeed without a word on stderr."""
+    out = []
+    for command in (["eval", run], ["sample", run, "--prompt", "the cat", "--max-new-tokens", "4",
+                                    "--temperature", "0"]):
+        proc = in_process(command, cwd)
+        assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
+        out.append(proc.stdout)
+    return out
+
+
+def _rewrite_keeping_stamp(path: Path, data: bytes) -> None:
+    """Replace a file's content by ``data`` of the same size, its modification time kept (rsync -t, cp -p)."""
+    st = path.stat()
+    assert len(data) == st.st_size
+    path.write_bytes(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("replacement", ["same-size", "larger"])
+def test_a_replaced_tokenizer_changes_nothing_eval_and_sample_print(replacement, tmp_path):
+    """The run keeps a copy of its tokenizer.json: eval and sample read it, so replacing the original (by one of
+    the same size with other ids, or by a larger one) gives what they gave before, without a word."""
+    pytest.importorskip("tokenizers")
+    from tests.data.test_lm import write_tokenizer
+
+    run = _tokenizer_run(tmp_path)
+    assert (run / "tokenizer.json").read_bytes() == (tmp_path / "tok.json").read_bytes()
+    before = _readers(run, tmp_path)
+    words = ["[UNK]", "cat", "the", "sat", "on", "mat"] + (["dog", "ran", "far"] if replacement == "larger" else [])
+    write_tokenizer(tmp_path / "tok.json", words)
+    assert _readers(run, tmp_path) == before
+
+
+@pytest.mark.parametrize("replacement", ["same-size", "larger"])
+def test_a_replaced_tokenizer_without_the_runs_copy_is_one_line_naming_it(replacement, tmp_path):
+    """A run without its copy (written before runs kept one, or the copy removed): eval and sample refuse in one
+    line that names the tokenizer, not config.yaml or the checkpoint."""
+    pytest.importorskip("tokenizers")
+    from tests.data.test_lm import write_tokenizer
+
+    run = _tokenizer_run(tmp_path)
+    (run / "tokenizer.json").unlink()
+    words = ["[UNK]", "cat", "the", "sat", "on", "mat"] + (["dog", "ran", "far"] if replacement == "larger" else [])
+    write_tokenizer(tmp_path / "tok.json", words)
+    for command in (["eval", run], ["sample", run, "--prompt", "the"]):
+        line = refused(command, tmp_path, "differs from what", command[0])
+        assert "(tokenizer.json: was sha256 " in line and "config.yaml" not in line, line
+
+
+def test_resume_refuses_a_replaced_tokenizer_and_records_an_accepted_one(tmp_path):
+    import json
+
+    from tests.data.test_lm import write_tokenizer
+
+    pytest.importorskip("tokenizers")
+    run = _tokenizer_run(tmp_path)
     recorded = json.loads((run / "data.json").read_text())
-    assert set(recorded) == {"c.txt", "tokenizer.json"} and recorded["tokenizer.json"].startswith("sha256 ")
+    assert set(recorded) == {"text corpus", "tokenizer.json", "recorded as"} and \
+        recorded["tokenizer.json"].startswith("sha256 ") and recorded["recorded as"] == "content hashes"
     write_tokenizer(tmp_path / "tok.json", ["[UNK]", "cat", "the", "sat", "on", "mat"])  # same size, other ids
     (run / "result.json").unlink()  # as if stopped after its first evaluation
     refused(["train", "--resume", run], tmp_path, "its data differs from what it trained on, as recorded in "
             "data.json (tokenizer.json: was sha256 ")
-    for command in (["sample", run, "--prompt", "the", "--max-new-tokens", "2"], ["eval", run]):
-        proc = in_process(command, tmp_path)
-        assert proc.returncode == 0, proc.stderr
-        assert proc.stderr.startswith(f"attnlab {command[0]}: warning: t's data differs from what it trained on "
-                                      f"(tokenizer.json: was sha256"), proc.stderr
     accepted = in_process(["train", "--resume", run, "--accept-data-change"], tmp_path)
     assert accepted.returncode == 0, accepted.stderr
     assert json.loads((run / "data.json").read_text())["tokenizer.json"] != recorded["tokenizer.json"]
+    assert (run / "tokenizer.json").read_bytes() == (tmp_path / "tok.json").read_bytes()  # the copy follows
     assert "accept_data_change: false" in (run / "config.yaml").read_text()
+
+
+def test_a_corpus_rewritten_with_its_size_and_time_is_one_line_for_eval_and_resume(lm_run, tmp_path):
+    """The same size and modification time, other bytes: eval and resume read the content's hash, and refuse in
+    one line naming the corpus; a copy of the corpus given with --data-dir is the same data."""
+    import json
+    import yaml
+
+    run = tmp_path / "runs" / "lm"
+    shutil.copytree(lm_run, run)
+    corpus = Path(yaml.safe_load((run / "config.yaml").read_text())["data_dir"])
+    copy = tmp_path / "copy.txt"
+    shutil.copy(corpus, copy)
+    proc = in_process(["eval", run, "--data-dir", copy], tmp_path)
+    assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
+    value = json.loads(proc.stdout)["val_loss"]
+    _rewrite_keeping_stamp(copy, copy.read_bytes()[::-1])
+    line = refused(["eval", run, "--data-dir", copy], tmp_path, "the data eval would read differs from what", "eval")
+    assert "(text corpus: was 4180 bytes, sha256 " in line and "give --data-dir where it lies now" in line, line
+    (run / "result.json").unlink()
+    cfg = run / "config.yaml"
+    cfg.write_text(cfg.read_text().replace(str(corpus), str(copy)))
+    refused(["train", "--resume", run], tmp_path, "its data differs from what it trained on, as recorded in "
+            "data.json (text corpus: was 4180 bytes, sha256 ")
+    _rewrite_keeping_stamp(copy, corpus.read_bytes())
+    proc = in_process(["eval", run], tmp_path)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["val_loss"] == value, proc.stderr
+
+
+def test_sample_with_a_missing_or_other_tokenizer_is_one_line(tmp_path):
+    pytest.importorskip("tokenizers")
+    from tests.data.test_lm import write_tokenizer
+
+    run = _tokenizer_run(tmp_path)
+    refused(["sample", run, "--tokenizer", "MISSING.json"], tmp_path, "--tokenizer MISSING.json does not exist; give "
+            f"the tokenizer.json {run} trained with (the run keeps a copy: drop --tokenizer)", "sample")
+    write_tokenizer(tmp_path / "other.json", ["[UNK]", "cat", "the", "sat", "on", "mat"])
+    refused(["sample", run, "--tokenizer", "other.json"], tmp_path, "(tokenizer.json: was sha256 ", "sample")
+    proc = in_process(["sample", run, "--tokenizer", "tok.json", "--prompt", "the", "--max-new-tokens", "2"], tmp_path)
+    assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
+
+
+@pytest.fixture(scope="module")
+def frames_run(tmp_path_factory) -> Path:
+    """A finished 1-epoch timesformer_tiny run on frame folders: classes run and walk, two clips each per split
+    (the data lies in ``v`` beside ``runs``)."""
+    from attnlab.train import RECIPES, train
+
+    root = tmp_path_factory.mktemp("frames45")
+    for split in ("train", "val"):
+        for cls in ("run", "walk"):
+            for clip in ("c0", "c1"):
+                _frames(root / "v", f"{split}/{cls}/{clip}", n=2)
+    cfg = dataclasses.replace(RECIPES["moving_digits"], dataset="video", data_dir=str(root / "v"), epochs=1,
+                              batch_size=2, data_options={"num_frames": 2, "image_size": 16, "in_chans": 1,
+                                                          "crops": 1},
+                              runs_dir=str(root / "runs"), name="video", progress=False)
+    train(cfg)
+    return root / "runs" / "video"
+
+
+@pytest.mark.parametrize("change", ["class-added", "class-renamed", "frame-replaced"])
+def test_video_data_changed_since_training_is_one_line_for_eval(frames_run, change, tmp_path):
+    """A class folder added (more classes than the model has outputs), renamed (the class order, so every label,
+    shifts) or a frame replaced with its size and time kept: eval refuses in one line naming what changed."""
+    import yaml
+
+    root = tmp_path / "copy"
+    shutil.copytree(frames_run.parent.parent, root)
+    run, data = root / "runs" / "video", root / "v"
+    cfg = run / "config.yaml"
+    cfg.write_text(cfg.read_text().replace(str(frames_run.parent.parent), str(root)))
+    assert yaml.safe_load(cfg.read_text())["data_dir"] == str(data)
+    proc = in_process(["eval", run], tmp_path)
+    assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr  # the copy is the data it trained on
+    if change == "class-added":
+        for split in ("train", "val"):
+            _frames(data, f"{split}/jump/c0", n=2)
+        expected = "(classes: was run, walk, is now jump, run, walk"
+    elif change == "class-renamed":
+        for split in ("train", "val"):
+            (data / split / "walk").rename(data / split / "amble")
+        expected = "(classes: was run, walk, is now amble, run"
+    else:
+        frame = data / "val" / "run" / "c0" / "img_00001.png"
+        _rewrite_keeping_stamp(frame, bytes(255 - b for b in frame.read_bytes()))
+        expected = "(evaluation clips: was 4 clips, sha256 "
+    line = refused(["eval", run], tmp_path, "the data eval would read differs from what", "eval")
+    assert expected in line and "config.yaml" not in line, line
 
 
 def test_renamed_video_class_folder_changes_the_recorded_classes(tmp_path):
@@ -441,10 +624,31 @@ def test_nanogpt_and_coco_fingerprints_name_the_files(tmp_path):
     assert set(data_fingerprint("nanogpt", data_dir=tmp_path / "d")) == {"train.bin", "val.bin", "meta.pkl"}
     _write_coco(tmp_path / "c")
     coco = data_fingerprint("coco", data_dir=tmp_path / "c", train_split="t", val_split="v")
-    assert coco["instances_t.json"].startswith("sha256 ") and coco["t/"].startswith("2 files, stamps sha256 ")
+    assert coco["instances_t.json"].startswith("sha256 ") and coco["t/"].startswith("2 files, content sha256 ")
     image = next((tmp_path / "c" / "t").iterdir())
-    image.write_bytes(image.read_bytes() + b"\0")  # a replaced image: the same count of files
+    _rewrite_keeping_stamp(image, image.read_bytes()[:-1] + b"\0")  # a replaced image: same count, size and time
     assert data_fingerprint("coco", data_dir=tmp_path / "c", train_split="t", val_split="v")["t/"] != coco["t/"]
+    moved = tmp_path / "moved"
+    shutil.copytree(tmp_path / "c", moved)  # a copy elsewhere, every file's time new: the same data
+    assert data_fingerprint("coco", data_dir=moved, train_split="t", val_split="v") == \
+        data_fingerprint("coco", data_dir=tmp_path / "c", train_split="t", val_split="v")
+
+
+def test_a_large_token_file_is_hashed_by_sampled_blocks(tmp_path, monkeypatch):
+    """Past WHOLE bytes a file is hashed by SAMPLES blocks spread from its start to its end (a 17 GB nanoGPT file
+    costs a 4 MiB read): a change in its last block changes the stamp; the stamp says it is sampled."""
+    from attnlab.data import registry
+
+    monkeypatch.setattr(registry, "WHOLE", 1 << 12)
+    monkeypatch.setattr(registry, "BLOCK", 1 << 8)
+    path = tmp_path / "train.bin"
+    data = bytearray(range(256)) * 64
+    path.write_bytes(bytes(data))
+    stamp = registry.content_stamp(path)
+    assert stamp.startswith("16384 bytes, sampled sha256 ")
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    assert registry.content_stamp(path) != stamp and registry.content_stamp(tmp_path / "gone") == "missing"
 
 
 def test_a_replaced_frame_changes_the_recorded_clips(tmp_path):
@@ -518,3 +722,29 @@ def test_a_forced_backend_that_cannot_train_is_refused_before_the_run(spec, word
                     "--attn", spec,
                     "--runs-dir", tmp_path / "runs"], tmp_path, words)
     assert "use backend=auto for training" in line
+
+
+@pytest.mark.parametrize("spec", ["ns", "standard"])
+def test_a_model_without_attention_is_named_as_such_not_by_an_argument_the_user_did_not_give(spec, tmp_path):
+    """timm's resnet18 takes no img_size, which attnlab gives every image model; the line says why resnet18 cannot
+    be a run of attnlab (no attention module to convert), not that img_size is not its argument."""
+    line = refused(["train", "--model", "resnet18", "--attn", spec, "--epochs", "1", "--warmup-epochs", "0",
+                    "--runs-dir", tmp_path / "runs"], tmp_path,
+                   "model resnet18 (ResNet) has no attention module attnlab converts")
+    assert "img_size" not in line and "use one of vit_cifar, swin_cifar, vit_digits" in line
+
+
+def test_a_record_of_sizes_and_times_from_before_content_hashes_is_not_compared(lm_run, tmp_path):
+    """data.json written before content hashes (sizes and modification times, no "recorded as" entry) cannot be
+    compared with today's fingerprint: eval measures, and a resume records the data again, in the new form."""
+    import json
+
+    run = tmp_path / "runs" / "lm"
+    shutil.copytree(lm_run, run)
+    (run / "data.json").write_text(json.dumps({"corpus.txt": "4180 bytes, modified 2026-12-01T00:00:00+00:00"}))
+    proc = in_process(["eval", run], tmp_path)
+    assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
+    (run / "result.json").unlink()
+    proc = in_process(["train", "--resume", run, "--no-progress"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((run / "data.json").read_text())["recorded as"] == "content hashes"

@@ -122,3 +122,28 @@ def test_per_layer_max_logit_over_training(tmp_path):
     [figure] = [p for p in result["plots"] if p.name.startswith("report_max_logit_")]
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "## Max attention logit per layer (Wortsman et al. 2023)" in result["markdown"].replace("###", "##")
+
+    # the numbers beside the figure (issue 45): each layer at the last probed step, mean over seeds, in report.md,
+    # report.html and report.json; with and without the figures
+    for plots in (True, False):
+        result = write_report(tmp_path / "runs", tmp_path / f"out{plots}", costs=False, plots=plots)
+        data = json.loads(result["json"].read_text())
+        assert data["max_logits"] == [
+            {"group": "gpt_tiny / stdlib", "variant": "qknorm", "step": 10, "runs": 1, "layers": [1.0, None],
+             "max": 1.0},
+            {"group": "gpt_tiny / stdlib", "variant": "standard", "step": 20, "runs": 2, "layers": [5.0, 10.0],
+             "max": 10.0}]
+        [table] = data["tables"]["Max attention logit per layer (Wortsman et al. 2023)"]
+        assert table["header"] == ["Variant", "step", "layer 0", "layer 1", "max", "runs"]
+        assert table["rows"] == [["qknorm", "10", "1.00", "—", "1.00", "1"], ["standard", "20", "5.00", "10.00",
+                                                                               "10.00", "2"]]
+        assert "| standard | 20 | 5.00 | 10.00 | 10.00 | 2 |" in result["markdown"]
+        assert ('<td class="l">standard</td><td class="r">20</td><td class="r">5.00</td><td class="r">10.00</td>'
+                in result["html"])
+
+
+def test_max_logits_read_as_a_table():
+    from attnlab.report.write import _logit
+
+    assert [_logit(v) for v in (1124.66, 954.53, 88.96, 5.0, 0.08123, float("nan"))] == \
+        ["1,124.7", "954.5", "88.96", "5.00", "0.0812", "—"]

@@ -157,3 +157,28 @@ def test_the_llama_shaped_decoder_learns(tmp_path):
         model_options={"embed_dim": 64, "depth": 2, "num_heads": 4, "num_kv_heads": 2, "mlp_hidden": 176}))
     assert result["init"]["bits_per_byte"] > 7.5
     assert result["bits_per_byte"] < result["init"]["bits_per_byte"] - 2.8, (result["init"], result)
+
+
+@pytest.mark.parametrize("corpus, block, split", [(b"abcdefghij" * 10, 64, "val"), (b"abcdefghij" * 3, 32, "train")],
+                         ids=["val-split-short", "train-split-short"])
+def test_a_corpus_too_short_for_the_block_leaves_no_run_directory(tmp_path, corpus, block, split):
+    """Issue 45: the block-size check of both splits runs before the run directory is made, through train() as
+    through the command line (where a refusal is one line and the runs folder stays empty)."""
+    from cli_runner import in_process
+
+    from attnlab.errors import DatasetError
+    from attnlab.train import RECIPES, train
+
+    (tmp_path / "c.txt").write_bytes(corpus)
+    cfg = dataclasses.replace(RECIPES["lm_demo"], dataset="text", data_dir=str(tmp_path / "c.txt"), block_size=block,
+                              batch_size=2, max_steps=1, eval_every=1, eval_iters=1, probe_every=0, warmup_steps=0,
+                              runs_dir=str(tmp_path / "runs"), progress=False)
+    with pytest.raises(DatasetError, match=f"the {split} split of text corpus .* too few for blocks of {block}"):
+        train(cfg)
+    assert not (tmp_path / "runs").exists()
+    proc = in_process(["train", "--recipe", "lm_demo", "--dataset", "text", "--data-dir", "c.txt", "--block-size",
+                       str(block), "--max-steps", "1", "--eval-every", "1", "--probe-every", "0", "--no-progress",
+                       "--runs-dir", "runs"], tmp_path)
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and f"the {split} split" in lines[0], proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]

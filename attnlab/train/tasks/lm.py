@@ -116,12 +116,14 @@ class LanguageModelling(Task):
                               "(the lm recipe sets both).")
 
     def prepare_eval(self) -> None:
-        self._split(False)
+        self._split(False).check_block_size(self.block_size)  # before the run directory is made
 
     def train_data(self, batch_size: int, device: torch.device):
         if self.cfg.eval_every is None:
             raise ConfigError("a language model's data is a stream without epochs; set eval_every.")
-        return _StreamData(self, self._split(True), batch_size, device)
+        source = self._split(True)
+        source.check_block_size(self.block_size)  # a corpus too short is one line before the run directory exists
+        return _StreamData(self, source, batch_size, device)
 
     def loss(self, model, batch):
         from attnlab.data.lm_metrics import IGNORE, lm_loss
