@@ -15,10 +15,19 @@ SIZES = ["ladder_d384", "ladder_d512", "ladder_d640", "ladder_d768", "ladder_d10
 RATES = [3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
 
 
+def _flat(configs):
+    """The sectioned configs as flat keys (c.lr, c.z_loss, ...), as the grid file writes them."""
+    from types import SimpleNamespace
+
+    from attnlab.train.config import flat_dict
+
+    return [SimpleNamespace(**flat_dict(c)) for c in configs]
+
+
 def test_ladder_grid_expands_to_the_study():
     grid = load_grid(CONFIG)
-    runs = grid_runs(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
-                     grid["runs_dir"], grid["variations"])
+    runs = _flat(grid_runs(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
+                           grid["runs_dir"], grid["variations"]))
     assert len(runs) == 8 * 7 * 4 * 2
     assert len({(c.model, c.attn, c.tag) for c in runs}) == len(runs)
     assert sorted({c.model for c in runs}) == sorted(SIZES)
@@ -36,7 +45,7 @@ def test_ladder_grid_expands_to_the_study():
 
 def test_the_report_sees_one_sweep_per_size_and_z_loss():
     grid = load_grid(CONFIG)
-    runs = grid_runs(grid["base"], ["standard"], [0], None, ["ladder_d384"], "runs", grid["variations"])
+    runs = _flat(grid_runs(grid["base"], ["standard"], [0], None, ["ladder_d384"], "runs", grid["variations"]))
     for z in (0.0, 1e-4):
         members = [{"lr": c.lr, "weight_decay": c.weight_decay} for c in runs if c.z_loss == z]
         [(label, group)] = _decay_groups(members)
