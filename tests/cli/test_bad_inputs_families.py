@@ -522,7 +522,7 @@ def test_a_corpus_rewritten_with_its_size_and_time_is_one_line_for_eval_and_resu
 
     run = tmp_path / "runs" / "lm"
     shutil.copytree(lm_run, run)
-    corpus = Path(yaml.safe_load((run / "config.yaml").read_text())["data_dir"])
+    corpus = Path(yaml.safe_load((run / "config.yaml").read_text())["run"]["data_dir"])  # the sectioned record
     copy = tmp_path / "copy.txt"
     shutil.copy(corpus, copy)
     proc = in_process(["eval", run, "--data-dir", copy], tmp_path)
