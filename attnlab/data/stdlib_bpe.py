@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 
 from attnlab.data.registry import DatasetInfo
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, DatasetError
 
 NAME = "stdlib_bpe"
 VOCAB = 2048  # ids: small enough that the embeddings do not dwarf the ladder's smallest rungs
@@ -86,7 +86,12 @@ def _locked(path: Path):
         import fcntl
     except ImportError:  # pragma: no cover - Windows
         fcntl = None
-    with open(path, "a+") as f:
+    try:
+        f = open(path, "a+")
+    except OSError:  # a read-only data folder: a finished corpus is only read there, so no lock is needed
+        yield
+        return
+    with f:
         held = False
         if fcntl is not None:
             try:
@@ -109,15 +114,24 @@ def ensure(data_dir, log=lambda line: None) -> Path:
     require_tokenizers()
     root = folder(data_dir)
     corpus = root / "corpus"
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DatasetError(f"cannot make {root} for dataset {NAME} ({err.strerror or err}); give --data-dir a "
+                           f"writable folder.") from None
     with _locked(root / ".lock"):
         src = source()
         tokenizer = root / "tokenizer.json"
         if not tokenizer.is_file():
             log(f"training the {VOCAB}-id BPE tokenizer of {NAME} on the standard library")
             tmp = tokenizer.with_name(f".tokenizer.json.{os.getpid()}.tmp")
-            tmp.write_text(train_tokenizer(src), encoding="utf-8")
-            os.replace(tmp, tokenizer)
+            try:
+                tmp.write_text(train_tokenizer(src), encoding="utf-8")
+                os.replace(tmp, tokenizer)
+            except OSError as err:
+                tmp.unlink(missing_ok=True)
+                raise DatasetError(f"cannot write {tokenizer} ({err.strerror or err}); give --data-dir a writable "
+                                   f"folder.") from None
         if not (corpus / "manifest.json").is_file():
             log(f"preparing {corpus}")
         prepare(src, tokenizer, corpus, val=Val(VAL), shard_tokens=SHARD_TOKENS, separator=SEPARATOR,

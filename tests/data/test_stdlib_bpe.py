@@ -150,3 +150,11 @@ def test_two_processes_preparing_at_once_make_the_corpus_once(small_stdlib, tmp_
     assert not errors and len(results) == 2 and len(set(results)) == 1
     assert len(calls) == 1
     assert sorted(any("already holds this corpus" in line for line in log) for log in logs) == [False, True]
+
+
+def test_a_data_dir_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    r = in_process(["train", "--recipe", "lm_ladder_demo", "--data-dir", tmp_path / "file", "--runs-dir",
+                    tmp_path / "runs", "--no-progress"])
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "give --data-dir a writable folder" in r.stderr and not (tmp_path / "runs").exists(), r.stderr
