@@ -393,7 +393,7 @@ def test_run_records_absolute_paths_and_opens_from_another_directory(lm_run, tmp
 
     import yaml
 
-    cfg = yaml.safe_load((lm_run / "config.yaml").read_text())
+    cfg = yaml.safe_load((lm_run / "config.yaml").read_text())["run"]  # the sectioned record
     assert os.path.isabs(cfg["data_dir"]) and cfg["data_dir"].endswith("corpus.txt")
     (tmp_path / "elsewhere").mkdir()
     out = in_process(["eval", lm_run], tmp_path / "elsewhere")
@@ -565,7 +565,7 @@ def frames_run(tmp_path_factory) -> Path:
         for cls in ("run", "walk"):
             for clip in ("c0", "c1"):
                 _frames(root / "v", f"{split}/{cls}/{clip}", n=2)
-    cfg = dataclasses.replace(RECIPES["moving_digits"], dataset="video", data_dir=str(root / "v"), epochs=1,
+    cfg = RECIPES["moving_digits"].replace(dataset="video", data_dir=str(root / "v"), epochs=1,
                               batch_size=2, data_options={"num_frames": 2, "image_size": 16, "in_chans": 1,
                                                           "crops": 1},
                               runs_dir=str(root / "runs"), name="video", progress=False)
@@ -584,7 +584,7 @@ def test_video_data_changed_since_training_is_one_line_for_eval(frames_run, chan
     run, data = root / "runs" / "video", root / "v"
     cfg = run / "config.yaml"
     cfg.write_text(cfg.read_text().replace(str(frames_run.parent.parent), str(root)))
-    assert yaml.safe_load(cfg.read_text())["data_dir"] == str(data)
+    assert yaml.safe_load(cfg.read_text())["run"]["data_dir"] == str(data)  # the sectioned record
     proc = in_process(["eval", run], tmp_path)
     assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr  # the copy is the data it trained on
     if change == "class-added":
