@@ -12,9 +12,9 @@ written once under ``<data_dir>/stdlib_bpe/``: ``tokenizer.json`` (written atomi
 shards and ``manifest.json``, atomic and resumable). A file lock on ``<data_dir>/stdlib_bpe/.lock`` makes a second
 process (a grid's parallel runs, DDP ranks) wait for the first and then find the corpus made; the grid itself makes
 it once while it checks its runs, before any of them starts. Runs read the corpus through the ``nanogpt`` reader
-(:mod:`attnlab.data.shards`) and record its manifest as their data fingerprint. Training the tokenizer twice gives the same
-bytes (tested), so machines with the same Python and ``tokenizers`` versions make the same corpus; the manifest's
-tokenizer sha256 says which one a run read.
+(:mod:`attnlab.data.shards`) and record its manifest as their data fingerprint. Training the tokenizer twice gives
+the same bytes (tested), so machines with the same Python and ``tokenizers`` versions make the same corpus; the
+manifest's tokenizer sha256 says which one a run read.
 """
 
 from __future__ import annotations
