@@ -12,7 +12,7 @@ runs, and on SIGTERM/SIGINT, after which the step in progress is recorded as kil
 the logs are kept beside it as one archive. Variables:
 
     GPU_SUITE_STEPS    comma-separated step names (or --steps): run only those, in the suite's order
-    GPU_SUITE_BUDGET   seconds for the whole call (default 480; the dry run 1800)
+    GPU_SUITE_BUDGET   seconds for the whole call (default 500; the dry run 1800)
     GPU_SUITE_CACHE    inductor/Triton caches and the generated data (default ~/.cache/attnlab-gpu-suite): outside
                        the call's scratch folder, so that a second call on a still-warm machine reuses them
     GPU_SUITE_CIFAR    a folder holding real CIFAR-100 (cifar-100-python/) instead of random pixels
@@ -319,6 +319,15 @@ def steps_table() -> list[Step]:
              "device data, 2 epochs: epoch 2's img/s from metrics.jsonl", "start ~7, train and eval graphs from the "
              "cache ~10 s, 2 epochs of 390 steps at ~35k img/s ~3 s, 2 evaluations and checkpoints ~3 s",
              lambda p: [cli_cmd(p, "e2e_cli", p.data, 2, "e2e_vit_cifar")], cli_after, needs=("data",)),
+        Step("vlm_probes", 20, 90, "vlm_probes.py: DnA probes / standard probes training-step time on VideoLLaMA3's "
+             "SigLIP-NaViT geometry (random weights, frozen), 16 probes at all 27 layers, 2 clips x 16 frames of "
+             "224 px, bf16: the whole step and the probes alone", "start ~6, two 400M-parameter encoders built on the "
+             "CPU ~6 s, 2 rows x 3 rounds x 13 steps x 2 arms of ~15 ms ~3 s",
+             lambda p: [Cmd("vlm_probes", [p.py, str(BENCH / "vlm_probes.py"), "--device", p.device, "--amp", p.amp]
+                            + (["--encoder", "dry", "--frames", "2", "--size", "28", "--probes", "4", "--steps", "1",
+                                "--warmup", "0", "--rounds", "1"] if p.dry else
+                               ["--encoder", "videollama3", "--frames", "16", "--size", "224", "--steps", "10",
+                                "--warmup", "3", "--rounds", "3"]), p.child_env)]),
     ]
 
 
@@ -675,7 +684,7 @@ def main(argv=None, steps: list[Step] | None = None) -> int:
         return 0
     out = (args.out or (Path(os.environ["OUT"]) / "gpu_suite.json" if os.environ.get("OUT") else
                         Path("gpu_suite.json"))).resolve()
-    budget = float(os.environ.get("GPU_SUITE_BUDGET") or (1800 if args.dry_run else 480))
+    budget = float(os.environ.get("GPU_SUITE_BUDGET") or (1800 if args.dry_run else 500))
     default_cache = Path(tempfile.gettempdir()) / "attnlab-gpu-suite-dry" if args.dry_run else \
         Path.home() / ".cache" / "attnlab-gpu-suite"
     cache = Path(os.environ.get("GPU_SUITE_CACHE") or default_cache).resolve()

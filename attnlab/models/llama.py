@@ -27,7 +27,7 @@ from torch import nn
 from ..attention.base import LayerCache
 from ..attention.standard import StandardAttention
 from ..ops.rotary import THETA_MAX, THETA_MIN, Rotary
-from .gpt import GPT, DecoderLM
+from .gpt import DecoderLM
 from .options import divisors, finite_above, flag, is_int, listed, positive_int, refuse
 
 #: the presets: kwargs of :class:`Llama` and a line of documentation
@@ -146,7 +146,7 @@ def llama_geometry(values: Mapping[str, object], owner: str = "Llama", names: Ma
                 norm_eps=eps, **flags)
 
 
-class Llama(GPT):  # a DecoderLM; GPT stays its base while train/run.py's model_family tests for GPT
+class Llama(DecoderLM):
     """Llama- and Qwen-shaped decoder-only language model (module docstring); the interface of
     :class:`~attnlab.models.gpt.DecoderLM`, as GPT's (its training task, sampling and KV cache take either).
 
@@ -175,7 +175,7 @@ class Llama(GPT):  # a DecoderLM; GPT stays its base while train/run.py's model_
                                 num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                 mlp_hidden=mlp_hidden, rope_theta=rope_theta, norm_eps=norm_eps, qkv_bias=qkv_bias,
                                 proj_bias=proj_bias, qk_norm=qk_norm, tie_embeddings=tie_embeddings))
-        DecoderLM.__init__(self, g["vocab_size"], g["block_size"], g["embed_dim"])  # not GPT-2's layers
+        super().__init__(g["vocab_size"], g["block_size"], g["embed_dim"])
         self.geometry = g
         self.wte = nn.Embedding(g["vocab_size"], g["embed_dim"])
         self.blocks = nn.ModuleList(

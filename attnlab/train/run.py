@@ -132,7 +132,7 @@ class Run:
         """What config.yaml holds: every field, with the canonical spec, the run's name and world size, ``resume``
         off."""
         return config_to_dict(self.cfg.replace(name=self.name, resume=False, accept_data_change=False,
-                                                  world_size=self.ranks.world_size))
+                                               world_size=self.ranks.world_size))
 
     # ---- the data it trains on -----------------------------------------------------------------------------
     @cached_property
@@ -369,6 +369,9 @@ class Run:
             return err
         from attnlab.models import attention_modules, build_model
 
+        from .tasks import task_class
+
+        images = ", ".join(task_class("image").presets())
         try:
             with torch.device("meta"), torch.random.fork_rng(devices=[]):
                 bare = build_model(self.cfg.model, attn=None)
@@ -378,9 +381,9 @@ class Run:
             return UnsupportedModelError(
                 f"model {self.cfg.model} ({type(bare).__name__}) has no attention module attnlab converts (supported "
                 f"are timm's Attention: ViT, DeiT and models built from it; WindowAttention: Swin; XCA: XCiT; "
-                f"DaViT's), so --attn {self.cfg.attn} cannot act on it; use one of {', '.join(models_of('image'))}.")
+                f"DaViT's), so --attn {self.cfg.attn} cannot act on it; use one of {images}.")
         return ConfigError(f"model {self.cfg.model} takes no {bad[1]}, which attnlab gives an image model to fit "
-                           f"dataset {self.cfg.dataset}'s images; use one of {', '.join(models_of('image'))}.")
+                           f"dataset {self.cfg.dataset}'s images; use one of {images}.")
 
     def _cannot_build(self, err: Exception, why: str, check: str) -> ConfigError:
         """One line for a model that the run's options (or data) make fail, naming the options given."""
@@ -472,7 +475,7 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with its data directory, data option paths and pretrained file absolute, so that config.yaml
     names what the run read wherever its directory is opened from (relative to the current directory)."""
     return cfg.replace(data_dir=_absolute(cfg.run.data_dir), data_options=_absolute_options(cfg.data_options),
-                               pretrained_file=_absolute(cfg.pretrained_file) if cfg.pretrained_file else None)
+                       pretrained_file=_absolute(cfg.pretrained_file) if cfg.pretrained_file else None)
 
 
 def run_dir_of(cfg: TrainConfig) -> Path:

@@ -157,7 +157,7 @@ def test_a_checkpoint_vocabulary_smaller_than_the_tokenizers_says_the_two_disagr
 def test_a_run_whose_config_says_theta_0_is_refused_at_load(files, tmp_path):
     from attnlab.train import RECIPES, train
 
-    cfg = dataclasses.replace(RECIPES["lm_demo_llama"], dataset="text", data_dir=str(files / "corpus.txt"),
+    cfg = RECIPES["lm_demo_llama"].replace(dataset="text", data_dir=str(files / "corpus.txt"),
                               block_size=8, batch_size=2, max_steps=1, eval_every=1, eval_iters=1, probe_every=0,
                               warmup_steps=0, model_options={"depth": 1}, runs_dir=str(tmp_path / "runs"),
                               name="llama", progress=False)

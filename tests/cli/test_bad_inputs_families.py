@@ -53,19 +53,20 @@ def video_run(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("video39")
     cfg = RECIPES["moving_digits"].replace(epochs=1, data_options={"num_train": 16, "num_test": 4},
-                              runs_dir=str(root / "runs"), name="video", progress=False)
+                                           runs_dir=str(root / "runs"), name="video", progress=False)
     train(cfg)
     return root / "runs" / "video"
 
 
 # ---- 10 and 12: flags and models of another family, refused before anything is built ------------------------------
 @pytest.mark.parametrize("argv, expected", [
-    ("--recipe detect_demo --z-loss 0.1", "--z-loss (config key 'z_loss', 0.1 here) applies to lm runs only, and "
-                                          "dataset shapes makes this a detect run"),
-    ("--recipe moving_digits --block-size 32", "--block-size (config key 'block_size', 32 here) applies to lm runs"),
-    ("--recipe lm --video-metric mean_class_accuracy", "applies to video runs only, and dataset stdlib makes this a "
-                                                       "lm run"),
-    ("--recipe detect_demo --eval-iters 3", "--eval-iters (config key 'eval_iters', 3 here) applies to lm runs"),
+    ("--recipe detect_demo --z-loss 0.1", "config key 'z_loss' (--z-loss) belongs to the lm family; detect_demo "
+                                          "trains a detector (dataset shapes, the detect family), which does not read "
+                                          "it; drop it."),
+    ("--recipe moving_digits --block-size 32", "config key 'block_size' (--block-size) belongs to the lm family"),
+    ("--recipe lm --video-metric mean_class_accuracy", "belongs to the video family; lm trains a language model "
+                                                       "(dataset stdlib, the lm family)"),
+    ("--recipe detect_demo --eval-iters 3", "config key 'eval_iters' (--eval-iters) belongs to the lm family"),
     ("--recipe moving_digits --model gpt_tiny", "model gpt_tiny is a language model (lm family), but dataset "
                                                 "moving_digits trains a video model (video family); use one of "
                                                 "timesformer_tiny, timesformer_base"),
@@ -393,13 +394,13 @@ def test_run_records_absolute_paths_and_opens_from_another_directory(lm_run, tmp
 
     import yaml
 
-    cfg = yaml.safe_load((lm_run / "config.yaml").read_text())["run"]  # the sectioned record
-    assert os.path.isabs(cfg["data_dir"]) and cfg["data_dir"].endswith("corpus.txt")
+    cfg = yaml.safe_load((lm_run / "config.yaml").read_text())
+    assert os.path.isabs(cfg["run"]["data_dir"]) and cfg["run"]["data_dir"].endswith("corpus.txt")
     (tmp_path / "elsewhere").mkdir()
     out = in_process(["eval", lm_run], tmp_path / "elsewhere")
     assert out.returncode == 0, out.stderr
     moved = tmp_path / "moved.txt"
-    shutil.copy(cfg["data_dir"], moved)
+    shutil.copy(cfg["run"]["data_dir"], moved)
     again = in_process(["eval", lm_run, "--data-dir", moved], tmp_path / "elsewhere")
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["val_loss"] == json.loads(out.stdout)["val_loss"]
@@ -522,7 +523,7 @@ def test_a_corpus_rewritten_with_its_size_and_time_is_one_line_for_eval_and_resu
 
     run = tmp_path / "runs" / "lm"
     shutil.copytree(lm_run, run)
-    corpus = Path(yaml.safe_load((run / "config.yaml").read_text())["run"]["data_dir"])  # the sectioned record
+    corpus = Path(yaml.safe_load((run / "config.yaml").read_text())["run"]["data_dir"])
     copy = tmp_path / "copy.txt"
     shutil.copy(corpus, copy)
     proc = in_process(["eval", run, "--data-dir", copy], tmp_path)
@@ -584,7 +585,7 @@ def test_video_data_changed_since_training_is_one_line_for_eval(frames_run, chan
     run, data = root / "runs" / "video", root / "v"
     cfg = run / "config.yaml"
     cfg.write_text(cfg.read_text().replace(str(frames_run.parent.parent), str(root)))
-    assert yaml.safe_load(cfg.read_text())["run"]["data_dir"] == str(data)  # the sectioned record
+    assert yaml.safe_load(cfg.read_text())["run"]["data_dir"] == str(data)
     proc = in_process(["eval", run], tmp_path)
     assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr  # the copy is the data it trained on
     if change == "class-added":

@@ -368,3 +368,15 @@ def test_a_vocabulary_that_disagrees_says_so_and_names_what_fits(tmp_path):
     assert "build it with vocab_size=256" in _one_line(err)
     # the remedy, followed, loads
     assert attnlab.build_model("llama_tiny", depth=1, vocab_size=256, pretrained_file=str(tmp_path / "ck"))
+
+
+# ---- issue 46 item 5: Llama and GPT share a base; Llama builds through its own __init__ ----------------------------
+def test_llama_and_gpt_are_two_decoders_of_one_base_with_their_state_dict_names():
+    from attnlab.models.gpt import DecoderLM, generate
+
+    assert issubclass(Llama, DecoderLM) and issubclass(GPT, DecoderLM) and not issubclass(Llama, GPT)
+    model = attnlab.build_model("llama_tiny", depth=1)
+    assert not hasattr(model, "wpe") and not hasattr(model, "drop")  # nothing of GPT-2's built
+    assert list(model.state_dict())[:4] == ["wte.weight", "blocks.0.norm1.weight", "blocks.0.attn.qkv.weight",
+                                            "blocks.0.attn.proj.weight"]
+    assert generate(model, [1, 2], 3, temperature=0).shape == (1, 5)

@@ -15,39 +15,30 @@ SIZES = ["ladder_d384", "ladder_d512", "ladder_d640", "ladder_d768", "ladder_d10
 RATES = [3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
 
 
-def _flat(configs):
-    """The sectioned configs as flat keys (c.lr, c.z_loss, ...), as the grid file writes them."""
-    from types import SimpleNamespace
-
-    from attnlab.train.config import flat_dict
-
-    return [SimpleNamespace(**flat_dict(c)) for c in configs]
-
-
 def test_ladder_grid_expands_to_the_study():
     grid = load_grid(CONFIG)
-    runs = _flat(grid_runs(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
-                           grid["runs_dir"], grid["variations"]))
+    runs = grid_runs(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
+                     grid["runs_dir"], grid["variations"])
     assert len(runs) == 8 * 7 * 4 * 2
     assert len({(c.model, c.attn, c.tag) for c in runs}) == len(runs)
     assert sorted({c.model for c in runs}) == sorted(SIZES)
     assert {c.attn for c in runs} == {"standard", "qknorm", "qkclip", "sigma"}
-    assert sorted({c.lr for c in runs}) == RATES
-    assert {(c.lr, c.z_loss) for c in runs} == {(lr, z) for lr in RATES for z in (0.0, 1e-4)}
+    assert sorted({c.optim.lr for c in runs}) == RATES
+    assert {(c.optim.lr, c.lm.z_loss) for c in runs} == {(lr, z) for lr in RATES for z in (0.0, 1e-4)}
     for c in runs:  # their recipe
-        assert (c.dataset, c.batch_size, c.block_size, c.amp, c.beta2, c.clip_grad) == ("nanogpt", 256, 512, "bf16",
+        assert (c.dataset, c.batch_size, c.lm.block_size, c.run.amp, c.optim.beta2, c.optim.clip_grad) == ("nanogpt", 256, 512, "bf16",
                                                                                         0.95, 1.0)
-        assert (c.max_steps, c.warmup_steps, c.min_lr, c.lr_schedule, c.optimizer) == (100_000, 5000, 1e-5,
+        assert (c.max_steps, c.sched.warmup_steps, c.sched.min_lr, c.sched.lr_schedule, c.optim.optimizer) == (100_000, 5000, 1e-5,
                                                                                         "cosine", "adamw")
-        assert c.lr * c.weight_decay == pytest.approx(1e-4, rel=1e-11)  # independent weight decay 1e-4
-        assert c.probe_every > 0
+        assert c.optim.lr * c.optim.weight_decay == pytest.approx(1e-4, rel=1e-11)  # independent weight decay 1e-4
+        assert c.run.probe_every > 0
 
 
 def test_the_report_sees_one_sweep_per_size_and_z_loss():
     grid = load_grid(CONFIG)
-    runs = _flat(grid_runs(grid["base"], ["standard"], [0], None, ["ladder_d384"], "runs", grid["variations"]))
+    runs = grid_runs(grid["base"], ["standard"], [0], None, ["ladder_d384"], "runs", grid["variations"])
     for z in (0.0, 1e-4):
-        members = [{"lr": c.lr, "weight_decay": c.weight_decay} for c in runs if c.z_loss == z]
+        members = [{"lr": c.optim.lr, "weight_decay": c.optim.weight_decay} for c in runs if c.lm.z_loss == z]
         [(label, group)] = _decay_groups(members)
         assert label == "independent weight decay 0.0001" and len(group) == 7
 

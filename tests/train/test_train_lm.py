@@ -170,7 +170,7 @@ def test_a_corpus_too_short_for_the_block_leaves_no_run_directory(tmp_path, corp
     from attnlab.train import RECIPES, train
 
     (tmp_path / "c.txt").write_bytes(corpus)
-    cfg = dataclasses.replace(RECIPES["lm_demo"], dataset="text", data_dir=str(tmp_path / "c.txt"), block_size=block,
+    cfg = RECIPES["lm_demo"].replace(dataset="text", data_dir=str(tmp_path / "c.txt"), block_size=block,
                               batch_size=2, max_steps=1, eval_every=1, eval_iters=1, probe_every=0, warmup_steps=0,
                               runs_dir=str(tmp_path / "runs"), progress=False)
     with pytest.raises(DatasetError, match=f"the {split} split of text corpus .* too few for blocks of {block}"):

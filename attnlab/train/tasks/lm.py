@@ -55,7 +55,7 @@ class LanguageModelling(Task):
     name = "lm"
     section = LMConfig
     trains = "a language model"
-    model_classes = ("attnlab.models.gpt:GPT",)
+    model_classes = ("attnlab.models.gpt:DecoderLM",)
     metrics = ("val_loss", "perplexity", "accuracy", "bits_per_byte")
     headline = "val_loss"
     higher_is_better = False
