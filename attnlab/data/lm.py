@@ -486,6 +486,10 @@ def text_codec(dataset: str, data_dir="data", options: dict | None = None):
     if dataset == "text":
         tok = load_tokenizer(options["tokenizer"])
         return (lambda text: tok.encode(_utf8(text)).ids, lambda ids: tok.decode([int(i) for i in ids]))
+    if dataset == "stdlib_bpe":
+        from attnlab.data.stdlib_bpe import codec
+
+        return codec(data_dir)
     if dataset == "nanogpt":
         meta = read_meta(Path(data_dir))
         stoi, itos = meta.get("stoi"), meta.get("itos")

@@ -421,6 +421,15 @@ RECIPE_VALUES: dict[str, dict[str, Any]] = {
         batch_size=8, block_size=64, warmup_lr=0.0, min_lr=1e-4, weight_decay=0.1, beta2=0.95, clip_grad=1.0,
         z_loss=1e-4, num_workers=0, threads=1, probe_every=20, probe_images=16,
     ),
+    # the size ladder's three CPU rungs on a BPE corpus (`attnlab compare --preset lm_ladder_demo`): ladder_d128 /
+    # d192 / d256 (the ladder's rule at CPU size) on stdlib_bpe (2,048 ids, prepared once), 100 steps of 8 x 64
+    # tokens, no warm-up, z-loss 1e-4, one thread per run, so that its 18 runs fit in 10 minutes on 2 cores; the
+    # training probe every 20 steps (the per-layer max logit over training)
+    "lm_ladder_demo": dict(
+        model="ladder_d128", dataset="stdlib_bpe", epochs=1, max_steps=100, eval_every=50, eval_iters=4,
+        warmup_steps=0, batch_size=8, block_size=64, warmup_lr=0.0, min_lr=1e-4, weight_decay=0.1, beta2=0.95,
+        clip_grad=1.0, z_loss=1e-4, num_workers=0, threads=1, probe_every=20, probe_images=16,
+    ),
     # ViTDet's recipe (Li et al., arXiv 2203.16527; detectron2's ViT-B Mask R-CNN: AdamW, lr 1e-4, weight decay 0.1,
     # layer-wise decay 0.7, drop-path 0.1, 250 warm-up iterations from 0.001 x lr, x0.1 at 8/9 and 26/27 of
     # training, large-scale jitter) in the DnA paper's Table 9 setting: ViT-B at 224x224, 50 epochs, batch 32
@@ -458,6 +467,13 @@ GRID_PRESETS: dict[str, dict[str, Any]] = {
                       "datasets": ["stdlib"], "models": ["llama_tiny"], "jobs": 2, "runs_dir": "runs/lm_demo_llama",
                       "variations": {"lr_1e-3": {"lr": 1e-3, "min_lr": 1e-4}, "lr_1e-2": {"lr": 1e-2, "min_lr": 1e-3},
                                      "lr_3e-2": {"lr": 3e-2, "min_lr": 3e-3}}},
+    # three sizes of the ladder (Wortsman et al.'s Figure 1 at toy size): LR sensitivity against size over two
+    # orders of magnitude of peak rate, standard attention against QK-norm
+    "lm_ladder_demo": {"recipe": "lm_ladder_demo", "variants": ["standard", "qknorm"], "seeds": [0],
+                       "datasets": ["stdlib_bpe"], "models": ["ladder_d128", "ladder_d192", "ladder_d256"],
+                       "jobs": 2, "runs_dir": "runs/lm_ladder_demo",
+                       "variations": {"lr_1e-3": {"lr": 1e-3, "min_lr": 1e-4}, "lr_1e-2": {"lr": 1e-2, "min_lr": 1e-3},
+                                      "lr_1e-1": {"lr": 1e-1, "min_lr": 1e-2}}},
     # NS-Attn Table 1: both backbones and datasets, seeds 0, 1, 3 (hours per run on a GPU)
     "ns_table1": {"recipe": "ns_cifar", "variants": ["standard", "ns"], "seeds": [0, 1, 3],
                   "datasets": ["cifar10", "cifar100"], "models": ["vit_cifar", "swin_cifar"],
