@@ -132,7 +132,7 @@ def main() -> None:
                    help="--end-to-end: build, compile and warm up each variant, time nothing (fills the compile cache)")
     p.add_argument("--num-classes", type=int, default=100)
     p.add_argument("--model-options", default=None, help="YAML mapping for build_model, e.g. '{depth: 1}'")
-    p.add_argument("--log-every", type=int, default=TrainConfig().log_every,
+    p.add_argument("--log-every", type=int, default=TrainConfig().run.log_every,
                    help="train_one_epoch's log_every (the trainer's default)")
     args = p.parse_args()
     args.modes = args.modes.split(",")

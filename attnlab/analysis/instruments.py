@@ -242,7 +242,7 @@ def annotate_runs(run_dirs: list[str | Path], what: list[str], images: int = 160
             continue
         run = Run.open(run_dir)
         model, cfg = _instrumented(run, run.load_model()), run.cfg
-        key = (cfg.dataset, cfg.data_dir, repr(sorted(cfg.data_options.items())))
+        key = (cfg.dataset, cfg.run.data_dir, repr(sorted(cfg.data_options.items())))
         if key not in cache:
             cache[key] = run.task.inputs(images)
         out = analyze_model(model, cache[key], todo, batch_size=batch_size, skip_unsupported=True)

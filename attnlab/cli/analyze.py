@@ -123,7 +123,7 @@ def run(args) -> int:
             image_cache[label] = (task.inputs(args.images).to(device), None)
         if hasattr(task, "instrument_model"):
             model = task.instrument_model(model)
-        targets.append((label, cfg.attn, model, cfg.dataset, args.data_dir or cfg.data_dir))
+        targets.append((label, cfg.attn, model, cfg.dataset, args.data_dir or cfg.run.data_dir))
     if "predictions" in what and not drawn:
         print("predictions: no detection run given; it draws a detector's boxes and masks.", file=sys.stderr)
 

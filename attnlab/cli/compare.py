@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from attnlab.analysis import training_probe  # for runs with probe_every
     from attnlab.analysis.instruments import INSTRUMENTS
     from attnlab.train import load_grid, run_grid
+    from attnlab.train.config import deferred_notes, say_notes
     from attnlab.train.files import RESULT
     from attnlab.train.grid import format_plan, plan_grid
 
@@ -82,21 +83,23 @@ def run(args: argparse.Namespace) -> int:
     preset = args.preset
     if preset is None and args.config is None and not any(getattr(args, k) for k in _GRID_FLAGS):
         preset = "demo"
-    grid = load_grid(args.config, preset, variants=args.attn, seeds=args.seeds, datasets=args.datasets,
-                     models=args.models, runs_dir=args.runs_dir, jobs=args.jobs, launcher=args.launcher,
-                     launcher_options={k: getattr(args, "slurm_" + k) for k in _SLURM_FLAGS}, **base)
-    progress = grid["base"].progress
-    what = [w.strip() for w in args.analyze.split(",") if w.strip() and w.strip() != "none"]
-    unknown = [w for w in what if w not in INSTRUMENTS]
-    if unknown:
-        raise ConfigError(f"unknown instrument {unknown[0]!r} in --analyze; choose from: {', '.join(INSTRUMENTS)} "
-                          "(or none).")
-    plans = plan_grid(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
-                      grid["runs_dir"], variations=grid["variations"])
-    if what:
-        from attnlab.analysis.instruments import check_instruments
+    with deferred_notes() as notes:  # said once every check has passed: a refused grid prints its one line
+        grid = load_grid(args.config, preset, variants=args.attn, seeds=args.seeds, datasets=args.datasets,
+                         models=args.models, runs_dir=args.runs_dir, jobs=args.jobs, launcher=args.launcher,
+                         launcher_options={k: getattr(args, "slurm_" + k) for k in _SLURM_FLAGS}, **base)
+        progress = grid["base"].run.progress
+        what = [w.strip() for w in args.analyze.split(",") if w.strip() and w.strip() != "none"]
+        unknown = [w for w in what if w not in INSTRUMENTS]
+        if unknown:
+            raise ConfigError(f"unknown instrument {unknown[0]!r} in --analyze; choose from: "
+                              f"{', '.join(INSTRUMENTS)} (or none).")
+        plans = plan_grid(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
+                          grid["runs_dir"], variations=grid["variations"])
+        if what:
+            from attnlab.analysis.instruments import check_instruments
 
-        check_instruments(what, [p["cfg"] for p in plans])  # an instrument no run can take: one line, before training
+            check_instruments(what, [p["cfg"] for p in plans])  # an instrument no run can take: before training
+    say_notes(notes)
     if args.plan:
         print(format_plan(plans))
         return 0

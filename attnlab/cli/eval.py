@@ -185,7 +185,7 @@ def run(args) -> int:
             return _task_eval(args, opened, device)
 
         model, cfg = load_run(args.run_dir, map_location=device)
-        dataset, data_dir = args.dataset or cfg.dataset, args.data_dir or cfg.data_dir
+        dataset, data_dir = args.dataset or cfg.dataset, args.data_dir or cfg.run.data_dir
         # the run's data options are its dataset's: another dataset starts from its own defaults
         data_opts = cfg.data_options if dataset == cfg.dataset else {}
         trained_on = cfg.dataset
@@ -260,7 +260,7 @@ def _task_eval(args, run, device) -> int:
                           "evaluated on its own evaluation split as in training, so drop it.")
     model = run.load_model(device)
     task.prepare_eval()
-    metrics = task.evaluate(model, device=device, amp_dtype=resolve_amp(cfg.amp, device))
+    metrics = task.evaluate(model, device=device, amp_dtype=resolve_amp(cfg.run.amp, device))
     print(json.dumps({"run": str(args.run_dir), "attn": cfg.attn, "dataset": cfg.dataset, "task": task.name,
                       **metrics}))
     return 0

@@ -48,7 +48,7 @@ def run(args) -> int:
     cfg = run_.cfg
     run_.warn_data_changed("sample", only=("tokenizer.json", "meta.pkl"),  # what encodes the prompt and decodes
                            consequence="the prompt is encoded and the sample decoded with it as it is now")
-    codec = text_codec(cfg.dataset, cfg.data_dir, cfg.data_options)
+    codec = text_codec(cfg.dataset, cfg.run.data_dir, cfg.data_options)
     if args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]

@@ -38,36 +38,84 @@ def _converter(key: str):
     return convert
 
 
-def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-                     only: typing.Iterable[str] | None = None) -> None:
-    """One --flag per TrainConfig field (help from the field's metadata); unset flags leave the config alone."""
-    from attnlab.data.registry import DATASET_TABLE, describe
-    from attnlab.train.config import RECIPES, TrainConfig
+class _RecipeHelp(argparse.Action):
+    """``-h/--help`` noted, not printed at once: :func:`run` prints the help with the defaults of the recipe the
+    command line names, wherever ``--recipe`` stands."""
 
-    hints = typing.get_type_hints(TrainConfig)
-    defaults = RECIPES["ns_cifar"]
-    for f in dataclasses.fields(TrainConfig):
-        if f.name in _HIDDEN or (only is not None and f.name not in only):
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest="help", default=False, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.help = True
+
+
+def _add_flag(parser, key: str, help_text: str, shown: Any) -> None:
+    """One --flag for config key ``key``; ``shown`` (a value, or None) goes after the help in parentheses."""
+    from attnlab.train.config import _hint
+
+    hint = _hint(key)
+    if shown is not None:
+        help_text += f" ({shown})"
+    if hint in (bool, bool | None):  # None: the default that depends on the run
+        parser.add_argument(_flag(key), dest=key, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                            help=help_text)
+        return
+    typ = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    metavar = {dict: "YAML", str: "TEXT", int: "N", float: "X"}.get(typ, "X")
+    parser.add_argument(_flag(key), dest=key, metavar=metavar, default=argparse.SUPPRESS, help=help_text,
+                        type=_converter(key))
+
+
+def _help_of(cls: type, key: str) -> str:
+    from attnlab.data.registry import DATASET_TABLE, describe
+
+    text = next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == key)
+    if key == "data_options":
+        text += (" as a YAML mapping, e.g. '{image_size: 64}'; each dataset's options, with defaults and bounds: "
+                 + "; ".join(describe(name) for name in DATASET_TABLE))
+    elif key == "model_options":
+        text += " as a YAML mapping, e.g. '{depth: 2}'"
+    return text
+
+
+def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                     only: typing.Iterable[str] | None = None, recipe: str = "ns_cifar") -> None:
+    """One --flag per config key (help from the field's metadata, with the value of ``recipe``); unset flags leave
+    the config alone. With ``only``, those keys' flags go into ``parser`` (a group) itself; without, one argument
+    group per section: what is trained, optim, sched, the recipe's family, the other families, run."""
+    from attnlab.data.registry import DATASET_TABLE
+    from attnlab.train.config import COMMON_SECTIONS, RECIPES, TOP_KEYS, TrainConfig, family_sections
+    from attnlab.train.section import keys_of, title
+
+    cfg = RECIPES.get(recipe, RECIPES["ns_cifar"])
+    own, families = cfg.family, family_sections()
+    order = [("", TrainConfig), *((n, c) for n, c in COMMON_SECTIONS.items() if n != "run"),
+             (own, families[own]), *((n, c) for n, c in families.items() if n != own), ("run", COMMON_SECTIONS["run"])]
+    done: set[str] = set(_HIDDEN)
+    for name, cls in order:
+        keys = [k for k in (TOP_KEYS if name == "" else keys_of(cls)) if k not in done
+                and (only is None or k in only)]
+        if not keys:
             continue
-        help_text = f.metadata.get("help", "")
-        default = getattr(defaults, f.name)
-        if hints[f.name] in (bool, bool | None):  # None: the default that depends on the run
-            parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=f"{help_text} (ns_cifar: {default})")
-            continue
-        typ = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
-        metavar = {dict: "YAML", str: "TEXT", int: "N", float: "X"}.get(typ, "X")
-        if f.name == "recipe":
-            help_text += f" ({', '.join(RECIPES)}; default {default})"
-        elif f.name == "data_options":
-            help_text += (" as a YAML mapping, e.g. '{image_size: 64}'; each dataset's options, with defaults and "
-                          "bounds: " + "; ".join(describe(name) for name in DATASET_TABLE))
-        elif typ is dict:
-            help_text += " as a YAML mapping, e.g. '{depth: 2}'"
-        if default not in (None, {}) and f.name != "recipe":
-            help_text += f" (ns_cifar: {default})"
-        parser.add_argument(_flag(f.name), dest=f.name, metavar=metavar, default=argparse.SUPPRESS, help=help_text,
-                            type=_converter(f.name))
+        target = parser
+        if only is None:
+            if name in families:
+                datasets = ", ".join(d for d, e in DATASET_TABLE.items() if e.task == name)
+                head = f"{title(cls)}; read only by {name} runs (datasets {datasets})"
+                target = parser.add_argument_group(head + ("" if name == own else f"; {cfg.recipe} trains {own} runs"))
+            else:
+                target = parser.add_argument_group(title(cls) if name else
+                                                   f"what is trained (defaults: the {cfg.recipe} recipe's values)")
+        other = name in families and name != own  # a family this recipe's runs are not of: its own defaults
+        values = cls() if other else cfg if name == "" else getattr(cfg, name)
+        for key in keys:
+            done.add(key)
+            readers = [f for f, c in families.items() if key in keys_of(c)]
+            text = _help_of(cls, key) + (f"; read by {', '.join(readers)} runs" if len(readers) > 1 else "")
+            value = getattr(values, key)
+            shown = (f"{', '.join(RECIPES)}; default ns_cifar" if key == "recipe" else None if value in (None, {}, "")
+                     else f"{name} default: {value}" if other else f"{cfg.recipe}: {value}")
+            _add_flag(target, key, text, shown)
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -105,7 +153,11 @@ def _remove_unstarted(made: list[Path]) -> None:
             return
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
+def configure(parser: argparse.ArgumentParser, recipe: str = "ns_cifar") -> None:
+    # -h/--help replaced (argparse's own prints at once, before a later --recipe is read): run() prints it
+    parser.conflict_handler = parser._optionals.conflict_handler = "resolve"
+    parser.add_argument("-h", "--help", action=_RecipeHelp,
+                        help="show this help, with the defaults of the --recipe given (e.g. --recipe lm --help)")
     parser.description = (
         "Train one model with the NS-Attn paper's CIFAR recipe (or another named recipe) into\n"
         "<runs-dir>/<model>-<dataset>-<attn>-s<seed>/: config.yaml, metrics.jsonl, checkpoint.safetensors,\n"
@@ -120,13 +172,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
                         help="continue from the last completed epoch: of RUN_DIR (its config.yaml is used) or of the "
                              "run the other options name; starts afresh if there is no checkpoint yet")
-    group = parser.add_argument_group("training config (each overrides the recipe and --config)")
-    add_config_flags(group)
+    parser.description += ("\nConfig keys (each overrides the recipe and --config) in groups: the common sections,\n"
+                           "then each task family's, read only by runs of that family (its datasets).")
+    add_config_flags(parser, recipe=recipe)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "help", False):
+        return _print_help(args)
     from attnlab.cli.checks import output_dir
-    from attnlab.train.config import load_config
+    from attnlab.train.config import deferred_notes, load_config, say_notes
 
     overrides = config_overrides(args)
     config_path = args.config
@@ -142,9 +197,10 @@ def run(args: argparse.Namespace) -> int:
                                   f"{overrides[key]} would train another; drop --{key.replace('_', '-')}.")
         config_path = run_dir / CONFIG
         overrides.update(runs_dir=str(run_dir.parent), name=run_dir.name)
-    cfg = dataclasses.replace(load_config(config_path, **overrides), resume=bool(args.resume))
-    output_dir(cfg.runs_dir, "runs_dir")
-    notes = _notes(cfg)
+    with deferred_notes() as warmup:  # said with the other notes, once every check has passed
+        cfg = load_config(config_path, **overrides).replace(resume=bool(args.resume))
+    output_dir(cfg.run.runs_dir, "runs_dir")
+    notes = warmup + _notes(cfg)
 
     from attnlab.train import run_dir_of, train  # torch loads only once the options are known to be good
 
@@ -152,11 +208,11 @@ def run(args: argparse.Namespace) -> int:
         from attnlab.train.run import Run
 
         Run(cfg).plan()
-        print(*notes, sep="\n", file=sys.stderr)
+        say_notes(notes)
 
     made = _missing_dirs(run_dir_of(cfg))
     probe = None
-    if cfg.probe_every > 0:
+    if cfg.run.probe_every > 0:
         from attnlab.analysis import training_probe as probe
     try:
         result = train(cfg, probe)  # NonFiniteLossError -> attnlab.cli.main: one stderr line, exit code 3
@@ -173,6 +229,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_help(args: argparse.Namespace) -> int:
+    """The help of ``attnlab train`` with the defaults of the recipe the command line gave (an unknown recipe is
+    the one line that says so)."""
+    from attnlab.cli import Parser
+    from attnlab.train.config import RECIPES
+
+    recipe = getattr(args, "recipe", "ns_cifar")
+    if recipe not in RECIPES:
+        from attnlab.errors import did_you_mean
+
+        raise ConfigError(f"unknown recipe {recipe!r}{did_you_mean(recipe, RECIPES)}; valid recipes are: "
+                          f"{', '.join(RECIPES)}.")
+    parser = Parser(prog="attnlab train", formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
+    configure(parser, recipe)
+    parser.print_help()
+    return 0
+
+
 def _notes(cfg) -> list[str]:
     """Lines for stderr on settings that are valid but probably not meant: more threads than cores, and a dataset
     trained with a recipe made for another when one exists for it."""
@@ -180,8 +254,8 @@ def _notes(cfg) -> list[str]:
 
     notes = []
     cores = os.cpu_count() or 1
-    if cfg.threads and cfg.threads > cores:
-        notes.append(f"attnlab train: note: --threads {cfg.threads} on {cores} cores oversubscribes them (torch's "
+    if cfg.run.threads and cfg.run.threads > cores:
+        notes.append(f"attnlab train: note: --threads {cfg.run.threads} on {cores} cores oversubscribes them (torch's "
                      f"threads then wait on each other, often several times slower); use --threads {cores} or "
                      f"fewer.")
     recipe = RECIPES[cfg.recipe]

@@ -94,13 +94,12 @@ _FIRST_KEYS = ("recipe", "epochs")  # named first in a group's title
 
 def run_settings(run_dir: str | Path) -> dict[str, Any]:
     """What a run was trained with besides its variant and seed: its ``config.yaml``'s keys over its recipe's
-    defaults (a file that names only a few keys means the recipe's values for the others), values in the config's
-    types, runtime keys left out. A run without a readable config.yaml gets ``{"config.yaml": "missing"}`` or
-    ``{"config.yaml": "unreadable"}``, which matches only runs in the same state."""
-    import dataclasses
-
+    defaults (a file that names only a few keys means the recipe's values for the others), flat (``lr``, not
+    ``optim.lr``), values in the config's types, runtime keys and other families' keys left out. A run without a
+    readable config.yaml gets ``{"config.yaml": "missing"}`` or ``{"config.yaml": "unreadable"}``, which matches
+    only runs in the same state."""
     from attnlab.errors import ConfigError
-    from attnlab.train.config import RECIPES, RUNTIME_KEYS, TrainConfig, coerce, read_yaml
+    from attnlab.train.config import RUNTIME_KEYS, flat_settings, read_yaml
 
     path = Path(run_dir) / CONFIG
     if not path.is_file():
@@ -111,13 +110,7 @@ def run_settings(run_dir: str | Path) -> dict[str, Any]:
         data = None
     if not isinstance(data, dict):
         return {CONFIG: "unreadable"}
-    base = RECIPES.get(str(data.get("recipe")), TrainConfig())  # TrainConfig(): the default recipe's values
-    settings = dataclasses.asdict(base)
-    for key, value in data.items():
-        try:
-            settings[str(key)] = coerce(key, value) if key in settings else value
-        except ConfigError:  # a value this version would refuse still names what was trained
-            settings[str(key)] = value
+    settings = flat_settings(data)  # flat keys, whether the file is flat (written before sections) or sectioned
     return {k: v for k, v in settings.items() if k not in RUNTIME_KEYS and k not in _NOT_SETTINGS}
 
 

@@ -1,8 +1,7 @@
 """Training: the NS-Attn paper's recipe, checkpoint and resume, metrics, and grids of runs.
 
-    import dataclasses
     from attnlab.train import RECIPES, train
-    result = train(dataclasses.replace(RECIPES["demo"], attn="ns", seed=1))
+    result = train(RECIPES["demo"].replace(attn="ns", seed=1))
 
 The config names load eagerly (they need only PyYAML); the loop, optimizer and grid runner, which import torch
 and timm, load on first use so that ``attnlab --help`` stays quick.

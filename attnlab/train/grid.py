@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,7 +36,7 @@ def grid_runs(base_cfg: TrainConfig, variants: Sequence[str], seeds: Sequence[in
     bases = [base_cfg]
     if variations:
         bases = [make_config(base_cfg, tag=tag, **(overrides or {})) for tag, overrides in variations.items()]
-    return [dataclasses.replace(base, model=m, dataset=d, seed=int(s), attn=a, runs_dir=str(runs_dir),
+    return [base.replace(model=m, dataset=d, seed=int(s), attn=a, runs_dir=str(runs_dir),
                                 name=None, resume=True)
             for base in bases for m in models for d in datasets for s in seeds for a in variants]
 
@@ -106,7 +105,7 @@ def run_grid(base_cfg: TrainConfig, variants: Sequence[str] | None, seeds: Seque
     if plans is None:
         plans = plan_grid(base_cfg, variants, seeds, datasets, models, runs_dir, variations)
     parallel = jobs > 1 or launcher != "local"
-    configs = [dataclasses.replace(p["cfg"], progress=progress and not parallel) for p in plans]
+    configs = [p["cfg"].replace(progress=progress and not parallel) for p in plans]
     todo = [c for c, p in zip(configs, plans) if p["action"] != "skip"]
     if progress:
         print(f"{len(configs)} runs, {len(configs) - len(todo)} already finished"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import importlib.util
 import os
 import shutil
@@ -52,7 +51,7 @@ def device_for(device: str, slot: int, cuda_count: int) -> str:
 def train_placed(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     """A worker slot's entry: train ``cfg`` with its device as the process's current CUDA device, so that CUDA
     graphs, compiled kernels and caching allocators of this process live on it."""
-    dev = cfg.device
+    dev = cfg.run.device
     if dev.startswith("cuda:") and torch.cuda.is_available() and int(dev[5:]) < torch.cuda.device_count():
         torch.cuda.set_device(int(dev[5:]))
     return train(cfg, probe)
@@ -122,7 +121,7 @@ def run_local(todo: Sequence[TrainConfig], jobs: int, probe=None, progress: bool
 
     def start(slot: int) -> None:
         cfg = pending.popleft()
-        cfg = dataclasses.replace(cfg, device=device_for(cfg.device, slot, count))
+        cfg = cfg.replace(device=device_for(cfg.run.device, slot, count))
         running[slots[slot].submit(train_placed, cfg, probe)] = (slot, cfg)
 
     done_count = 0
@@ -136,7 +135,7 @@ def run_local(todo: Sequence[TrainConfig], jobs: int, probe=None, progress: bool
                 result = future.result()
                 done_count += 1
                 if progress:
-                    print(f"[{done_count}/{len(todo)}] {result_line(result)} on {cfg.device} "
+                    print(f"[{done_count}/{len(todo)}] {result_line(result)} on {cfg.run.device} "
                           f"({result['seconds']:.1f} s)", flush=True)
                 if pending:
                     start(slot)

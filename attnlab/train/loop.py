@@ -162,20 +162,20 @@ def train_one_epoch(model, batches: Iterator[Any], optimizer, scheduler, step_lo
 def train(cfg: TrainConfig, probe=None) -> dict[str, Any]:
     """Train ``cfg`` into ``<runs_dir>/<name>/`` and return the result dict (also written to result.json).
 
-    ``cfg.resume``: continue from the last completed epoch, return the stored result of a finished run, or start
+    ``cfg.run.resume``: continue from the last completed epoch, return the stored result of a finished run, or start
     afresh; without it an existing checkpoint is an error, so that no run is overwritten by accident. A NaN/inf
-    loss raises NonFiniteLossError, keeping the last checkpoint. With ``cfg.probe_every > 0``,
+    loss raises NonFiniteLossError, keeping the last checkpoint. With ``cfg.run.probe_every > 0``,
     ``probe(model, inputs) -> dict`` (the command line passes ``attnlab.analysis.training_probe``, a layer above
     training) runs every that many steps; each epoch's metrics line lists its results under ``probes``.
     """
     run = Run(cfg)
     cfg = run.cfg
-    if cfg.probe_every > 0 and probe is None:
-        raise ConfigError(f"probe_every={cfg.probe_every} needs a probe: call train(cfg, "
+    if cfg.run.probe_every > 0 and probe is None:
+        raise ConfigError(f"probe_every={cfg.run.probe_every} needs a probe: call train(cfg, "
                           f"probe=attnlab.analysis.training_probe) as `attnlab train` does, or set probe_every to 0.")
     threads = torch.get_num_threads()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
     # Denormal floats (a saturated softmax's gradients, e.g. speccond(lam=10)) make CPU matmuls several times
     # slower; GPUs flush them to zero anyway, so do the same on the CPU.
     flush = torch.set_flush_denormal(True)
@@ -201,7 +201,7 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     cfg, task, ranks, device, amp_dtype = run.cfg, run.task, run.ranks, run.device, run.amp_dtype
     micro_batch = distributed.rank_batch_size(cfg.batch_size, ranks) // cfg.grad_accum
     main = ranks.is_main  # rank 0 alone writes files, prints and logs
-    require(cfg.log)
+    require(cfg.run.log)
 
     plan: Plan = run.plan(check=False)
     if plan.action == "skip":
@@ -226,13 +226,13 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     # The run directory appears together with its config.yaml, so that a killed run continues with
     # `train --resume RUN_DIR`: before a download (minutes), else once the data has loaded (bad input makes none).
     config_file = {CONFIG: yaml.safe_dump(run.config_dict(), sort_keys=False).encode()}
-    if cfg.download and main:
+    if cfg.run.download and main:
         create_dir_with(run.dir, config_file, lock)
-    if cfg.download and ranks.distributed and not main:
+    if cfg.run.download and ranks.distributed and not main:
         distributed.agree(None)  # rank 0 downloads first
     data = task.train_data(micro_batch, device)
     task.prepare_eval()
-    if cfg.download and ranks.distributed and main:
+    if cfg.run.download and ranks.distributed and main:
         distributed.agree(None)
     if main:
         if run.fingerprint is not None:  # what it trains on (the data is built: a shapes set exists), compared on
@@ -246,14 +246,15 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     total = cfg.max_steps or cfg.epochs * per_epoch
     epochs = math.ceil(total / per_epoch)
 
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.optimizer, cfg.momentum, cfg.beta2,
-                                cfg.layer_decay)
+    optim, sched = cfg.optim, cfg.sched
+    optimizer = build_optimizer(model, optim.lr, optim.weight_decay, optim.optimizer, optim.momentum, optim.beta2,
+                                optim.layer_decay)
     hooks = training_hooks()  # terms that act during training (QK-clip's clip after each step), from the registry
     for hook in hooks:
         hook.attach(model, optimizer)  # a no-op on models without the term
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else int(round(cfg.warmup_epochs * per_epoch))
-    scheduler = build_scheduler(optimizer, total_steps=total, warmup_steps=warmup, warmup_lr=cfg.warmup_lr,
-                                min_lr=cfg.min_lr, schedule=cfg.lr_schedule)
+    warmup = sched.warmup_steps if sched.warmup_steps is not None else int(round(sched.warmup_epochs * per_epoch))
+    scheduler = build_scheduler(optimizer, total_steps=total, warmup_steps=warmup, warmup_lr=sched.warmup_lr,
+                                min_lr=sched.min_lr, schedule=sched.lr_schedule)
 
     start_epoch, num_updates, history = 0, 0, []
     previous = None  # the checkpoint pair the first new checkpoint keeps as the previous one
@@ -279,7 +280,7 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
     if main:
         atomic_write_text(run.dir / METRICS, "".join(json.dumps(h) + "\n" for h in history))
     tb_log = None
-    if cfg.log == "tensorboard" and main:
+    if cfg.run.log == "tensorboard" and main:
         from .tb import TensorBoardLog
 
         tb_log = TensorBoardLog(run.dir, start_step=num_updates)
@@ -290,29 +291,29 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
         from torch.nn.parallel import DistributedDataParallel
 
         trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    mode = compile_mode(cfg.compile_mode, device) if cfg.compile else None
-    if cfg.compile:  # every model class shares its forward's code, whose recompile limit (8) earlier runs in this
+    mode = compile_mode(cfg.run.compile_mode, device) if cfg.run.compile else None
+    if cfg.run.compile:  # every model class shares its forward's code, whose recompile limit (8) earlier runs in this
         torch.compiler.reset()  # process (a grid's worker) would use up, after which dynamo falls back to eager
     # static shapes (dynamic=False): the train batches are full, evaluation pads its last batch
-    compiled = (lambda m: torch.compile(m, mode=mode, dynamic=False)) if cfg.compile else (lambda m: m)  # noqa: E731
+    compiled = (lambda m: torch.compile(m, mode=mode, dynamic=False)) if cfg.run.compile else (lambda m: m)  # noqa: E731
     forward = compiled(trained)
     # evaluation runs on rank 0 alone, outside DDP, whose forward would wait for the other ranks
     evaluate_with = forward if not ranks.distributed else compiled(model)
     cudagraphs = mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
     params = sum(p.numel() for p in model.parameters())
-    progress = cfg.progress and main
+    progress = cfg.run.progress and main
     if progress:
         tqdm.write(f"{run.name}: {params / 1e6:.2f}M parameters, {device.type}"
                    f"{' bf16' if amp_dtype else ' fp32'}, {per_epoch} steps/epoch"
                    + (f", resuming after epoch {start_epoch}" if start_epoch else ""))
 
     probes: list[dict[str, Any]] = []
-    probe_inputs = task.inputs(cfg.probe_images).to(device) if cfg.probe_every > 0 and main else None
+    probe_inputs = task.inputs(cfg.run.probe_images).to(device) if cfg.run.probe_every > 0 and main else None
 
     def on_step(step: int) -> None:
         if ema is not None:
             ema.update(model, step=step)  # timm's decay is 0 at step 1: a copy
-        if probe_inputs is not None and step % cfg.probe_every == 0:
+        if probe_inputs is not None and step % cfg.run.probe_every == 0:
             probes.append({"step": step, **probe(model, probe_inputs)})
             model.train()
 
@@ -331,14 +332,14 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
         with distributed.steps():
             sums, num_updates = train_one_epoch(
                 forward, data.batches(epoch), optimizer, scheduler, task.loss, steps=steps, device=device,
-                amp_dtype=amp_dtype, epoch=epoch, epochs=epochs, num_updates=num_updates, clip_grad=cfg.clip_grad,
-                log_every=cfg.log_every, progress=progress, cudagraphs=cudagraphs, accum=cfg.grad_accum,
+                amp_dtype=amp_dtype, epoch=epoch, epochs=epochs, num_updates=num_updates, clip_grad=optim.clip_grad,
+                log_every=cfg.run.log_every, progress=progress, cudagraphs=cudagraphs, accum=cfg.grad_accum,
                 on_step=on_step if ema is not None or probe_inputs is not None else None, describe=task.train_stats)
         if not main:
             distributed.agree(None)  # while rank 0 evaluates and writes the epoch
             continue
         stats = task.train_stats(sums, sums["seconds"])
-        evaluation = task.evaluate(evaluate_with, device=device, amp_dtype=amp_dtype, static_shapes=cfg.compile)
+        evaluation = task.evaluate(evaluate_with, device=device, amp_dtype=amp_dtype, static_shapes=cfg.run.compile)
         record = {"epoch": epoch, **{k: v for k, v in stats.items() if k != "train_seconds"}, **evaluation,
                   "lr": optimizer.param_groups[0]["lr"], "epoch_seconds": time.perf_counter() - epoch_start}
         if cfg.max_steps or cfg.eval_every:

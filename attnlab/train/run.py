@@ -5,7 +5,6 @@ do with it (:meth:`Run.plan`), and its directory ``<runs_dir>/<name>/``, which r
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ from torch import nn
 from attnlab.errors import ConfigError, UnsupportedModelError
 
 from . import distributed
-from .config import RUNTIME_KEYS, TrainConfig, config_to_dict, load_config, run_name, validate
+from .config import RUNTIME_KEYS, TrainConfig, config_to_dict, flat_settings, load_config, run_name, validate
 from .files import CONFIG, DATA, EMA_WEIGHTS, METRICS, RESULT, TB_DIR, read_jsonl  # noqa: F401 - re-exported
 
 COMPILE_MODES = {"cuda": "reduce-overhead", "cpu": "default"}  # 'auto' per device type; measured in docs/perf.md
@@ -95,9 +94,9 @@ class Run:
 
         cfg = absolute_paths(validate(cfg))
         self.spec = parse_spec(cfg.attn)
-        self.cfg = dataclasses.replace(cfg, attn=str(self.spec))  # the canonical form, in config.yaml and names
+        self.cfg = cfg.replace(attn=str(self.spec))  # the canonical form, in config.yaml and names
         self.name = run_name(self.cfg)
-        self.dir = Path(self.cfg.runs_dir) / self.name
+        self.dir = Path(self.cfg.run.runs_dir) / self.name
         self.dataset = dataset(self.cfg.dataset)
         self.task = task_class(self.dataset.task)(self)
         self.ranks = distributed.SINGLE
@@ -111,16 +110,16 @@ class Run:
         """The dataset's :class:`~attnlab.data.registry.DatasetInfo` (classes, sizes, statistics)."""
         from attnlab.data import dataset_info
 
-        return dataset_info(self.cfg.dataset, data_dir=self.cfg.data_dir, **self.cfg.data_options)
+        return dataset_info(self.cfg.dataset, data_dir=self.cfg.run.data_dir, **self.cfg.data_options)
 
     @cached_property
     def device(self) -> torch.device:
         """Where this process trains: the configured device, under torchrun each rank's own GPU (:meth:`join`)."""
-        return resolve_device(self.cfg.device)
+        return resolve_device(self.cfg.run.device)
 
     @property
     def amp_dtype(self) -> torch.dtype | None:
-        return resolve_amp(self.cfg.amp, self.device)
+        return resolve_amp(self.cfg.run.amp, self.device)
 
     def join(self, ranks: distributed.Ranks) -> None:
         """Take this process's place among torchrun's ranks (its device, the world size config.yaml records)."""
@@ -130,7 +129,7 @@ class Run:
     def config_dict(self) -> dict[str, Any]:
         """What config.yaml holds: every field, with the canonical spec, the run's name and world size, ``resume``
         off."""
-        return config_to_dict(dataclasses.replace(self.cfg, name=self.name, resume=False, accept_data_change=False,
+        return config_to_dict(self.cfg.replace(name=self.name, resume=False, accept_data_change=False,
                                                   world_size=self.ranks.world_size))
 
     # ---- the data it trains on -----------------------------------------------------------------------------
@@ -140,7 +139,7 @@ class Run:
         data.json when the run starts; None for a dataset that records nothing."""
         from attnlab.data.registry import data_fingerprint
 
-        return data_fingerprint(self.cfg.dataset, data_dir=self.cfg.data_dir, **self.cfg.data_options)
+        return data_fingerprint(self.cfg.dataset, data_dir=self.cfg.run.data_dir, **self.cfg.data_options)
 
     def recorded_data(self) -> dict[str, str] | None:
         """The fingerprint the run recorded (data.json), None if it recorded none (a run written before it, or a
@@ -199,24 +198,24 @@ class Run:
         cache = {} if cache is None else cache
         cfg = self.cfg
         if check:
-            if self.device.type == "cpu" and cfg.compile:  # the device is resolved (and checked) here
+            if self.device.type == "cpu" and cfg.run.compile:  # the device is resolved (and checked) here
                 check_compile_paths()
             self.task.check(cache)
             self.check_model(cache)
             check_unlocked(self.dir)  # another process is training it
         finished, resumable = (self.dir / RESULT).exists(), has_checkpoint(self.dir)
-        if resumable and not cfg.resume:
+        if resumable and not cfg.run.resume:
             raise ConfigError(f"run directory {self.dir} already holds a checkpoint; pass --resume to continue it "
                               f"or --name to start another run.")
-        if cfg.resume and (self.dir / CONFIG).exists() and (resumable or finished):
+        if cfg.run.resume and (self.dir / CONFIG).exists() and (resumable or finished):
             self.check_same_config()
-        if cfg.resume and resumable and not finished and not cfg.accept_data_change:
+        if cfg.run.resume and resumable and not finished and not cfg.run.accept_data_change:
             changes = self.data_changes()
             if changes:
                 raise ConfigError(f"cannot resume {self.dir}: its data differs from what it trained on, as recorded "
                                   f"in {DATA} ({changes}); put the data back, or pass --accept-data-change to "
                                   f"continue on the new data (recording it), or train a new run.")
-        if cfg.resume and finished:
+        if cfg.run.resume and finished:
             return Plan("skip", result=self.result())
         if resumable and not check:
             return Plan("resume")
@@ -281,10 +280,10 @@ class Run:
                                   f"backend=auto for training, a forced backend for evaluation or benchmarks.")
 
     def check_same_config(self) -> None:
-        saved = yaml.safe_load((self.dir / CONFIG).read_text()) or {}
+        saved = flat_settings(yaml.safe_load((self.dir / CONFIG).read_text()) or {})  # flat (before sections) or not
         if isinstance(saved.get("data_options"), dict):  # a run written before paths were stored absolute
             saved["data_options"] = _absolute_options(saved["data_options"])
-        ours = self.config_dict()
+        ours = flat_settings(self.config_dict())
         differ = sorted(k for k in ours if k not in RUNTIME_KEYS and saved.get(k) != ours[k])
         if differ:
             raise ConfigError(f"cannot resume {self.dir}: its config.yaml differs in {', '.join(differ)}; resume "
@@ -292,24 +291,12 @@ class Run:
                               f"train, --runs-dir in attnlab compare).")
 
     # ---- the model -------------------------------------------------------------------------------------------
-    def check_model_family(self) -> None:
-        """ConfigError when the model is a preset of another task family than the dataset's (a GPT for video
-        clips, a detector for text), naming both families and the models that fit the dataset."""
-        family = model_family(self.cfg.model)
-        task = self.dataset.task
-        fits = {task} | ({"image"} if task == "detect" else set())  # a timm ViT/Swin name is a detection backbone
-        if family is None or family in fits:
-            return
-        names = ", ".join(models_of(task))
-        raise ConfigError(f"model {self.cfg.model} is {FAMILY_WORDS[family]} ({family} family), but dataset "
-                          f"{self.cfg.dataset} trains {FAMILY_WORDS[task]} ({task} family); use one of {names}.")
-
     def build_model(self, pretrained: bool = True, checking: bool = False) -> nn.Module:
         """The run's model (:meth:`Task.build_model <attnlab.train.tasks.base.Task.build_model>`); an error in
         its construction that its model options caused is one line naming them."""
         from attnlab.errors import AttnlabError
 
-        self.check_model_family()
+        self.task.check_model_name()
         try:
             return self.task.build_model(pretrained=pretrained)
         except AttnlabError:
@@ -337,15 +324,15 @@ class Run:
                               f"attnlab train.")
         cfg = load_config(path / CONFIG)
         if data_dir is not None:
-            cfg = dataclasses.replace(cfg, data_dir=data_dir)
+            cfg = cfg.replace(data_dir=data_dir)
         if tokenizer is not None:
             if not cfg.data_options.get("tokenizer"):
                 what = "bytes" if cfg.dataset in ("text", "stdlib") else f"dataset {cfg.dataset}"
                 raise ConfigError(f"--tokenizer says where the tokenizer.json of a text run trained through one lies "
                                   f"now, and {path} trained on {what}; drop it.")
-            cfg = dataclasses.replace(cfg, data_options={**cfg.data_options, "tokenizer": tokenizer})
+            cfg = cfg.replace(data_options={**cfg.data_options, "tokenizer": tokenizer})
         # the directory is the run's, whatever its name: a reader neither renames nor refuses it
-        run = cls(dataclasses.replace(cfg, runs_dir=str(path.parent), name=None))
+        run = cls(cfg.replace(runs_dir=str(path.parent), name=None))
         run.name, run.dir = path.name, path
         return run
 
@@ -401,45 +388,15 @@ def _absolute_options(options: dict) -> dict:
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with its data directory, data option paths and pretrained file absolute, so that config.yaml
     names what the run read wherever its directory is opened from (relative to the current directory)."""
-    return dataclasses.replace(cfg, data_dir=_absolute(cfg.data_dir), data_options=_absolute_options(cfg.data_options),
+    return cfg.replace(data_dir=_absolute(cfg.run.data_dir), data_options=_absolute_options(cfg.data_options),
                                pretrained_file=_absolute(cfg.pretrained_file) if cfg.pretrained_file else None)
-
-
-FAMILY_WORDS = {"image": "an image classifier", "sequence": "a sequence classifier", "lm": "a language model",
-                "video": "a video model", "detect": "a detector"}
-
-
-def model_family(name: str) -> str | None:
-    """The task family of an attnlab preset (a detector preset: detect; a GPT: lm; a TimeSformer: video; an LRA
-    sequence model: sequence; the image presets: image), None for any other name (a timm model, or a typo that
-    building names)."""
-    from attnlab.models import DETECTOR_PRESETS, PRESETS
-    from attnlab.models.gpt import GPT
-    from attnlab.models.sequence import SequenceClassifier
-    from attnlab.models.timesformer import TimeSformer
-
-    if name in DETECTOR_PRESETS:
-        return "detect"
-    if name not in PRESETS:
-        return None
-    cls = PRESETS[name].cls
-    return next((family for base, family in ((GPT, "lm"), (TimeSformer, "video"), (SequenceClassifier, "sequence"))
-                 if issubclass(cls, base)), "image")
-
-
-def models_of(family: str) -> list[str]:
-    """The presets of task family ``family`` (detection and images: or a timm ViT/DeiT/Swin name)."""
-    from attnlab.models import DETECTOR_PRESETS, PRESETS
-
-    names = [n for n in [*DETECTOR_PRESETS, *PRESETS] if model_family(n) == family]
-    return names + (["a timm ViT/DeiT/Swin name"] if family in ("image", "detect") else [])
 
 
 def run_dir_of(cfg: TrainConfig) -> Path:
     """``<runs_dir>/<run_name>``, with the attention spec in its canonical form."""
     from attnlab.spec import parse_spec
 
-    return Path(cfg.runs_dir) / run_name(dataclasses.replace(cfg, attn=str(parse_spec(cfg.attn))))
+    return Path(cfg.run.runs_dir) / run_name(cfg.replace(attn=str(parse_spec(cfg.attn))))
 
 
 def load_run(run_dir: str | Path, map_location: str | torch.device = "cpu") -> tuple[nn.Module, TrainConfig]:

@@ -1,6 +1,5 @@
 """attnlab analyze end to end on a tiny trained digits run with the DnA paper's instruments and the curves."""
 
-import dataclasses
 import json
 import math
 
@@ -13,7 +12,7 @@ from attnlab.train import RECIPES, train
 
 @pytest.mark.slow
 def test_analyze_trained_dna_run(tmp_path, capsys):
-    cfg = dataclasses.replace(RECIPES["demo"], epochs=2, attn="dna", runs_dir=str(tmp_path / "runs"), progress=False)
+    cfg = RECIPES["demo"].replace(epochs=2, attn="dna", runs_dir=str(tmp_path / "runs"), progress=False)
     run = tmp_path / "runs" / train(cfg)["name"]
     out = tmp_path / "out"
     assert main(["analyze", str(run), "--what", "redundancy,entropy,robustness,relevance,curves", "--images", "16",

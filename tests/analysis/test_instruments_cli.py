@@ -1,6 +1,5 @@
 """Instruments during training (probe_every) and after it (attnlab analyze, compare's report columns)."""
 
-import dataclasses
 import json
 import math
 
@@ -17,7 +16,7 @@ from attnlab.train import RECIPES, load_run, train
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
-    cfg = dataclasses.replace(RECIPES["demo"], epochs=1, probe_every=5, probe_images=32, runs_dir=str(runs),
+    cfg = RECIPES["demo"].replace(epochs=1, probe_every=5, probe_images=32, runs_dir=str(runs),
                               progress=False)
     result = train(cfg, probe=training_probe)
     return runs / result["name"]

@@ -2,7 +2,6 @@
 compare's annotate_runs on tiny GPT runs: what applies is measured on the run's validation blocks (token ids, in
 causal order), what does not is one line each, never a traceback."""
 
-import dataclasses
 import json
 
 import pytest
@@ -22,7 +21,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lm_runs")
     out = {}
     for attn in ("standard", "dna"):
-        cfg = dataclasses.replace(RECIPES["lm_demo"], attn=attn, max_steps=4, eval_every=2, eval_iters=1,
+        cfg = RECIPES["lm_demo"].replace(attn=attn, max_steps=4, eval_every=2, eval_iters=1,
                                   block_size=16, batch_size=2, model_options=TINY, probe_every=2, probe_images=4,
                                   runs_dir=str(root), progress=False)
         out[attn] = root / train(cfg, probe=training_probe)["name"]

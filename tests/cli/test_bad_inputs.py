@@ -10,7 +10,6 @@ alike. Cases marked slow build models or read data.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import subprocess
@@ -234,7 +233,7 @@ def finished_run(tmp_path_factory) -> Path:
     from attnlab.train import RECIPES, train
 
     runs = tmp_path_factory.mktemp("bad_inputs_runs")
-    cfg = dataclasses.replace(RECIPES["demo"], epochs=1, runs_dir=str(runs), progress=False, name="run")
+    cfg = RECIPES["demo"].replace(epochs=1, runs_dir=str(runs), progress=False, name="run")
     train(cfg)
     return runs / "run"
 

@@ -5,7 +5,6 @@ that a case needs are trained once per module for a step or two on a few bytes o
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -40,7 +39,7 @@ def lm_run(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("lm39")
     (root / "corpus.txt").write_bytes(bytes(range(32, 127)) * 44)
-    cfg = dataclasses.replace(RECIPES["lm_demo"], dataset="text", data_dir=str(root / "corpus.txt"), block_size=8,
+    cfg = RECIPES["lm_demo"].replace(dataset="text", data_dir=str(root / "corpus.txt"), block_size=8,
                               batch_size=2, max_steps=1, eval_every=1, eval_iters=1, probe_every=0, warmup_steps=0,
                               runs_dir=str(root / "runs"), name="lm", progress=False)
     train(cfg)
@@ -53,7 +52,7 @@ def video_run(tmp_path_factory) -> Path:
     from attnlab.train import RECIPES, train
 
     root = tmp_path_factory.mktemp("video39")
-    cfg = dataclasses.replace(RECIPES["moving_digits"], epochs=1, data_options={"num_train": 16, "num_test": 4},
+    cfg = RECIPES["moving_digits"].replace(epochs=1, data_options={"num_train": 16, "num_test": 4},
                               runs_dir=str(root / "runs"), name="video", progress=False)
     train(cfg)
     return root / "runs" / "video"

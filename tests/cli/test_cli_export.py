@@ -1,6 +1,5 @@
 """attnlab export: a sigma run's weights folded into a plain model that gives the same outputs."""
 
-import dataclasses
 import os
 import stat
 
@@ -13,7 +12,7 @@ from attnlab.train import RECIPES, load_run, train
 
 
 def test_export_folds_sigma_into_plain_weights(tmp_path, capsys):
-    result = train(dataclasses.replace(RECIPES["demo"], attn="ns+sigma", epochs=1, runs_dir=str(tmp_path),
+    result = train(RECIPES["demo"].replace(attn="ns+sigma", epochs=1, runs_dir=str(tmp_path),
                                        progress=False))
     run = tmp_path / result["name"]
     out = tmp_path / "folded.safetensors"
@@ -31,7 +30,7 @@ def test_export_folds_sigma_into_plain_weights(tmp_path, capsys):
 def test_export_follows_the_umask_and_keeps_the_runs_files(tmp_path, capsys):
     """Files follow the umask, as README says (safetensors' own writer made them 0600); an --out inside the run
     may be a new name or an earlier export, never one of the run's files, also through a symlink."""
-    result = train(dataclasses.replace(RECIPES["demo"], epochs=1, runs_dir=str(tmp_path), progress=False))
+    result = train(RECIPES["demo"].replace(epochs=1, runs_dir=str(tmp_path), progress=False))
     run = tmp_path / result["name"]
     checkpoint = (run / "checkpoint.safetensors").read_bytes()
     files = sorted(p.name for p in run.iterdir())

@@ -129,11 +129,9 @@ def test_pretrained_offline_without_cache_is_one_line(tmp_path):
 
 
 def test_run_directory(tmp_path, capsys):
-    import dataclasses
-
     from attnlab.train import RECIPES, load_run, train
 
-    cfg = dataclasses.replace(RECIPES["demo"], epochs=1, batch_size=256, runs_dir=str(tmp_path), progress=False)
+    cfg = RECIPES["demo"].replace(epochs=1, batch_size=256, runs_dir=str(tmp_path), progress=False)
     run = tmp_path / train(cfg)["name"]
     capsys.readouterr()
     out = run_eval(capsys, run, "--images", 80, "--noise", 0.2)

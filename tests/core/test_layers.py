@@ -121,11 +121,9 @@ def test_the_by_name_check_can_fail(tmp_path):
 
 # ------------------------------------------------------------ the training probe comes from above the trainer
 def test_train_without_a_probe_refuses_probe_every(tmp_path):
-    import dataclasses
-
     from attnlab.train import RECIPES, train
 
-    cfg = dataclasses.replace(RECIPES["demo"], epochs=1, probe_every=5, runs_dir=str(tmp_path), progress=False)
+    cfg = RECIPES["demo"].replace(epochs=1, probe_every=5, runs_dir=str(tmp_path), progress=False)
     with pytest.raises(attnlab.ConfigError, match="probe_every=5 needs a probe"):
         train(cfg)
     assert not any(tmp_path.iterdir())  # refused before any run directory was made

@@ -5,7 +5,6 @@ transformers' own greedy tokens; what no layout holds is refused in one line, al
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -153,8 +152,8 @@ def test_biases_no_layout_holds_are_refused_not_dropped(options, tmp_path):
 def test_attnlab_export_hf_writes_a_trained_llama_run_that_transformers_loads(tmp_path, capsys):
     from attnlab.train import RECIPES, load_run, train
 
-    cfg = dataclasses.replace(RECIPES["lm_demo_llama"], attn="qknorm+sigma", max_steps=3, eval_every=3,
-                              eval_iters=1, batch_size=2, block_size=16, probe_every=0, runs_dir=str(tmp_path), progress=False)
+    cfg = RECIPES["lm_demo_llama"].replace(attn="qknorm+sigma", max_steps=3, eval_every=3, eval_iters=1, batch_size=2,
+                                           block_size=16, probe_every=0, runs_dir=str(tmp_path), progress=False)
     run = tmp_path / train(cfg)["name"]
     assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 0
     assert "Qwen3ForCausalLM" in capsys.readouterr().out
@@ -174,7 +173,7 @@ def test_attnlab_export_hf_writes_a_trained_llama_run_that_transformers_loads(tm
 def test_attnlab_export_hf_refuses_a_run_that_is_not_softmax_llama(tmp_path, capsys):
     from attnlab.train import RECIPES, train
 
-    cfg = dataclasses.replace(RECIPES["lm_demo_llama"], attn="diff", max_steps=1, eval_every=1, eval_iters=1,
+    cfg = RECIPES["lm_demo_llama"].replace(attn="diff", max_steps=1, eval_every=1, eval_iters=1,
                               batch_size=2, block_size=16, probe_every=0, runs_dir=str(tmp_path), progress=False)
     run = tmp_path / train(cfg)["name"]
     assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 2

@@ -132,8 +132,6 @@ def test_the_kv_cache_of_grouped_keys_samples_what_recomputing_samples(spec):
 def test_the_llama_lr_study_preset_trains_each_variant_with_the_per_layer_probe(tmp_path):
     """`attnlab compare --preset lm_demo_llama`'s grid (the note's four methods x three peak rates on llama_tiny),
     one run of each variant cut to 4 steps: the probe records every layer's max logit."""
-    import dataclasses
-
     from attnlab.analysis import training_probe
     from attnlab.train import RECIPES, train
     from attnlab.train.config import GRID_PRESETS
@@ -142,7 +140,7 @@ def test_the_llama_lr_study_preset_trains_each_variant_with_the_per_layer_probe(
     assert grid["models"] == ["llama_tiny"] and grid["variants"] == ["standard", "qknorm", "qkclip", "sigma"]
     assert sorted(v["lr"] for v in grid["variations"].values()) == [1e-3, 1e-2, 3e-2]
     for attn in grid["variants"]:
-        cfg = dataclasses.replace(RECIPES["lm_demo_llama"], attn=attn, max_steps=4, eval_every=2, eval_iters=1,
+        cfg = RECIPES["lm_demo_llama"].replace(attn=attn, max_steps=4, eval_every=2, eval_iters=1,
                                   batch_size=2, block_size=16, probe_every=2, probe_images=2, runs_dir=str(tmp_path),
                                   progress=False)
         run = tmp_path / train(cfg, probe=training_probe)["name"]

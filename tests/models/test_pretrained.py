@@ -102,15 +102,13 @@ def test_bad_files_and_models_are_one_sentence(tmp_path):
 
 
 def test_a_run_starts_from_its_pretrained_file_and_a_loaded_run_does_not_read_it(tmp_path):
-    import dataclasses
-
     from attnlab.train import RECIPES
     from attnlab.train.run import Run
 
     torch.manual_seed(0)
     src = attnlab.build_model("vit_digits", attn="standard")
     save_file(src.state_dict(), tmp_path / "d.safetensors")
-    run = Run(dataclasses.replace(RECIPES["demo"], attn="dna(init=copy)",
+    run = Run(RECIPES["demo"].replace(attn="dna(init=copy)",
                                   pretrained_file=str(tmp_path / "d.safetensors")))
     model = run.build_model()
     torch.testing.assert_close(model.blocks[0].attn.projection("k")[0], src.blocks[0].attn.qkv.weight[48:96])

@@ -6,7 +6,6 @@ checks one line on stderr, exit code 2, and that the marker does not exist after
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 import pickle
@@ -154,7 +153,7 @@ def trained_run(tmp_path_factory) -> Path:
     from attnlab.train import RECIPES, train
 
     runs = tmp_path_factory.mktemp("runs")
-    cfg = dataclasses.replace(RECIPES["demo"], epochs=1, batch_size=256, runs_dir=str(runs), progress=False)
+    cfg = RECIPES["demo"].replace(epochs=1, batch_size=256, runs_dir=str(runs), progress=False)
     return runs / train(cfg)["name"]
 
 

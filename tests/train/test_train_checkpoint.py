@@ -218,13 +218,11 @@ def test_atomic_write_text_replaces_content(tmp_path):
 
 def test_load_run_says_when_it_reads_the_previous_checkpoint(tmp_path, capsys):
     # analysis and eval read runs through load_run: a damaged latest checkpoint is named, not silently skipped
-    import dataclasses
-
     from safetensors.torch import load_file
 
     from attnlab.train import RECIPES, load_run, train
 
-    result = train(dataclasses.replace(RECIPES["demo"], epochs=2, runs_dir=str(tmp_path), progress=False))
+    result = train(RECIPES["demo"].replace(epochs=2, runs_dir=str(tmp_path), progress=False))
     run = tmp_path / result["name"]
     capsys.readouterr()
     model, _ = load_run(run)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from attnlab.errors import ConfigError
@@ -14,9 +12,11 @@ from attnlab.train.grid import split_specs
 def test_ns_cifar_recipe_has_the_papers_numbers():
     # NS-Attn Sec. 3.1 and the SPT/LSA README (REFERENCES.md), typed in from the text
     r = RECIPES["ns_cifar"]
-    assert (r.epochs, r.batch_size, r.lr, r.weight_decay, r.warmup_epochs) == (100, 128, 1e-3, 0.05, 10)
-    assert (r.label_smoothing, r.mixup, r.cutmix, r.mixup_prob, r.repeated_aug) == (0.1, 0.8, 1.0, 0.5, 3)
-    assert r.augment == "recipe" and r.drop_path is None  # drop-path comes from the preset
+    assert (r.epochs, r.batch_size, r.optim.lr, r.optim.weight_decay, r.sched.warmup_epochs) == \
+        (100, 128, 1e-3, 0.05, 10)
+    i = r.image
+    assert (i.label_smoothing, i.mixup, i.cutmix, i.mixup_prob, i.repeated_aug) == (0.1, 0.8, 1.0, 0.5, 3)
+    assert i.augment == "recipe" and r.drop_path is None  # drop-path comes from the preset
     assert r == TrainConfig()
 
 
@@ -40,7 +40,7 @@ def test_yaml_then_overrides_precedence(tmp_path):
     demo = RECIPES["demo"]
     assert cfg.dataset == demo.dataset and cfg.batch_size == demo.batch_size  # from the recipe
     assert cfg.epochs == 5                                                    # from the file
-    assert cfg.lr == 0.5 and cfg.seed == 3 and cfg.compile is True           # flags, converted from text
+    assert cfg.optim.lr == 0.5 and cfg.seed == 3 and cfg.run.compile is True           # flags, converted from text
     assert cfg.drop_path is None and cfg.model_options == {"depth": 1}
 
 
@@ -61,16 +61,16 @@ def test_bad_values_are_config_errors(tmp_path):
 
 
 def test_run_name_is_file_system_safe():
-    cfg = dataclasses.replace(RECIPES["demo"], model="vit_cifar", dataset="cifar100", seed=3)
+    cfg = RECIPES["demo"].replace(model="vit_cifar", dataset="cifar100", seed=3)
     assert run_name(cfg, "ns") == "vit_cifar-cifar100-ns-s3"
     assert run_name(cfg, "dna(variant=q)+sigma") == "vit_cifar-cifar100-dna_variant=q+sigma-s3"
-    assert run_name(dataclasses.replace(cfg, model="hf-hub:org/model"), "ns") == "hf-hub_org_model-cifar100-ns-s3"
-    assert run_name(dataclasses.replace(cfg, name="my_run.1"), "ns") == "my_run.1"
+    assert run_name(cfg.replace(model="hf-hub:org/model"), "ns") == "hf-hub_org_model-cifar100-ns-s3"
+    assert run_name(cfg.replace(name="my_run.1"), "ns") == "my_run.1"
     # a name the user gives is never rewritten: unsafe characters and over-long names are refused with a suggestion
     for name, why in (("my run/1", "such as 'my_run_1'"), ("ré sumé", "such as 'r_sum'"), ("..", "dots only"),
                       ("x" * 201, "at most 200")):
         with pytest.raises(ConfigError, match=why):
-            run_name(dataclasses.replace(cfg, name=name), "ns")
+            run_name(cfg.replace(name=name), "ns")
 
 
 def test_split_specs_keeps_commas_inside_parentheses():
@@ -85,9 +85,9 @@ def test_a_recipes_warm_up_longer_than_a_short_run_is_cut_with_one_note(capsys, 
 
     config._noted.clear()
     cfg = make_config(None, model="vit_digits", dataset="digits", epochs=1)  # ns_cifar: 10 warm-up epochs
-    assert cfg.warmup_epochs == 1.0
+    assert cfg.sched.warmup_epochs == 1.0
     lm = make_config("lm", max_steps=2)  # 100 warm-up steps
-    assert lm.warmup_steps == 2
+    assert lm.sched.warmup_steps == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "ns_cifar recipe's warm-up of 10 epochs" in err[0] and "cut to the run's 1 epoch " in err[0]
     assert "lm recipe's warm-up of 100 steps" in err[1] and "--warmup-steps" in err[1]
@@ -129,7 +129,7 @@ def test_compile_on_the_cpu_refuses_a_temporary_directory_with_a_space(tmp_path,
     cfg = make_config("demo", compile=True, device="cpu", runs_dir=str(tmp_path / "runs"))
     with pytest.raises(ConfigError, match="set TMPDIR to a directory without spaces"):
         Run(cfg).plan()
-    Run(dataclasses.replace(cfg, compile=False)).plan()  # without --compile the path does not matter
+    Run(cfg.replace(compile=False)).plan()  # without --compile the path does not matter
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     Run(cfg).plan()
     assert not (tmp_path / "runs").exists()

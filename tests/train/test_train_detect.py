@@ -156,6 +156,6 @@ def test_a_short_run_on_shapes_learns(tmp_path):
     cfg = _cfg(tmp_path, epochs=4, batch_size=4, lr=1e-3, warmup_steps=10, data_options=options)
     torch.manual_seed(cfg.seed)
     untrained = evaluate_detector(build_detector("vitdet_tiny", img_size=96), build_dataset(
-        "shapes", False, data_dir=cfg.data_dir, **options))["box_AP50"]
+        "shapes", False, data_dir=cfg.run.data_dir, **options))["box_AP50"]
     result = train(cfg)
     assert result["box_AP50"] > untrained + 10, (untrained, result["box_AP50"])

@@ -3,8 +3,6 @@ pipeline's batches, and that a resumed run sees the same images as an uninterrup
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import yaml
@@ -30,13 +28,13 @@ def test_default_on_cuda_for_tensor_datasets_only():
     cfg = tiny("runs")
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     for name in ("cifar10", "cifar100", "digits", "synthetic"):
-        assert data_on_device(dataclasses.replace(cfg, dataset=name), cuda)
-        assert not data_on_device(dataclasses.replace(cfg, dataset=name), cpu)
-    assert not data_on_device(dataclasses.replace(cfg, dataset="imagefolder"), cuda)
-    assert data_on_device(dataclasses.replace(cfg, data_on_device=True), cpu)
-    assert not data_on_device(dataclasses.replace(cfg, data_on_device=False), cuda)
+        assert data_on_device(cfg.replace(dataset=name), cuda)
+        assert not data_on_device(cfg.replace(dataset=name), cpu)
+    assert not data_on_device(cfg.replace(dataset="imagefolder"), cuda)
+    assert data_on_device(cfg.replace(data_on_device=True), cpu)
+    assert not data_on_device(cfg.replace(data_on_device=False), cuda)
     with pytest.raises(ConfigError, match="device pipeline holds cifar10, cifar100, digits, synthetic, not imagefolder"):
-        data_on_device(dataclasses.replace(cfg, dataset="imagefolder", data_on_device=True), cpu)
+        data_on_device(cfg.replace(dataset="imagefolder", data_on_device=True), cpu)
 
 
 def test_training_consumes_the_pipeline_batches(tmp_path, monkeypatch):

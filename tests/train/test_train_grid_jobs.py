@@ -1,7 +1,6 @@
 """run_grid with jobs=N: spawned workers give the same runs as one after another, placed on devices as documented
 in attnlab.train.launch (slot k of N trains on cuda:(k mod G) of G visible devices; cpu and cuda:K stay)."""
 
-import dataclasses
 import json
 import os
 import time
@@ -31,8 +30,8 @@ def record_then_train_on_cpu(cfg, probe=None):
     """Test stand-in for launch.train_placed in the workers: log the device the parent placed the run on, then train
     it on the CPU through the worker's own (unpatched) train_placed (this machine has no CUDA device)."""
     with open(os.environ["ATTNLAB_TEST_PLACEMENT_LOG"], "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "device": cfg.device, "start": time.time()}) + "\n")
-    result = launch.train_placed(dataclasses.replace(cfg, device="cpu"), probe)
+        f.write(json.dumps({"pid": os.getpid(), "device": cfg.run.device, "start": time.time()}) + "\n")
+    result = launch.train_placed(cfg.replace(device="cpu"), probe)
     with open(os.environ["ATTNLAB_TEST_PLACEMENT_LOG"], "a") as f:
         f.write(json.dumps({"pid": os.getpid(), "end": time.time()}) + "\n")
     return result

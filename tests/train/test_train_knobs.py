@@ -1,7 +1,5 @@
 """Recipe knobs usable with any variant: post-LN blocks, LARS, no warm-up / no weight decay, grid variations."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -43,11 +41,12 @@ def test_lars_step_follows_the_trust_ratio():
 
 
 def test_knobs_train_end_to_end(tmp_path):
-    cfg = dataclasses.replace(RECIPES["demo"], epochs=1, optimizer="lars", lr=0.5, warmup_epochs=0,
+    cfg = RECIPES["demo"].replace(epochs=1, optimizer="lars", lr=0.5, warmup_epochs=0,
                               weight_decay=0.0, norm="post", runs_dir=str(tmp_path), progress=False)
     result = train(cfg)
     saved = attnlab.train.load_config(tmp_path / result["name"] / "config.yaml")
-    assert (saved.optimizer, saved.norm, saved.warmup_epochs, saved.weight_decay) == ("lars", "post", 0, 0.0)
+    assert (saved.optim.optimizer, saved.norm, saved.sched.warmup_epochs, saved.optim.weight_decay) == \
+        ("lars", "post", 0, 0.0)
     model, _ = attnlab.train.load_run(tmp_path / result["name"])
     assert isinstance(model.blocks[0], PostNormBlock)
 
@@ -60,7 +59,7 @@ def test_variations_make_separate_tagged_runs(tmp_path):
     configs = grid_runs(grid["base"], grid["variants"], grid["seeds"], None, None, tmp_path, grid["variations"])
     assert len(configs) == 2 * 2 * 2
     assert {c.tag for c in configs} == {"paper", "no_warmup"}
-    assert all(c.warmup_epochs == 0 for c in configs if c.tag == "no_warmup")
-    assert all(c.warmup_epochs == RECIPES["demo"].warmup_epochs for c in configs if c.tag == "paper")
+    assert all(c.sched.warmup_epochs == 0 for c in configs if c.tag == "no_warmup")
+    assert all(c.sched.warmup_epochs == RECIPES["demo"].sched.warmup_epochs for c in configs if c.tag == "paper")
     names = {attnlab.train.run_name(c) for c in configs}
     assert len(names) == 8 and "vit_digits-digits-no_warmup-ns-s1" in names

@@ -3,7 +3,6 @@ uninterrupted one (weights, every metrics line), with gradient accumulation and 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import subprocess
@@ -19,8 +18,8 @@ from attnlab.errors import ConfigError
 
 SCRIPT = ARM_KILL + textwrap.dedent("""
     runs_dir = sys.argv[1]
-    cfg = dataclasses.replace(
-        RECIPES["lm"], max_steps=6, eval_every=2, eval_iters=1, warmup_steps=2, batch_size=4, block_size=32,
+    cfg = RECIPES["lm"].replace(
+        max_steps=6, eval_every=2, eval_iters=1, warmup_steps=2, batch_size=4, block_size=32,
         grad_accum=2, z_loss=1e-4, model_options={"embed_dim": 32, "depth": 1, "num_heads": 2}, threads=1,
         runs_dir=runs_dir, progress=False, resume=True)
     print(json.dumps(train(cfg)))
@@ -64,11 +63,12 @@ def test_recipe_values_and_checks():
     from attnlab.train.config import validate
 
     lm = RECIPES["lm"]
-    assert (lm.beta2, lm.weight_decay, lm.clip_grad, lm.min_lr / lm.lr) == (0.95, 0.1, 1.0, 0.1)
+    assert (lm.optim.beta2, lm.optim.weight_decay, lm.optim.clip_grad, lm.sched.min_lr / lm.optim.lr) == \
+        (0.95, 0.1, 1.0, 0.1)
     for bad, match in ((dict(block_size=0), "block_size"), (dict(eval_iters=0), "eval_iters"),
                        (dict(z_loss=-1.0), "z_loss"), (dict(beta2=1.0), "beta2")):
         with pytest.raises(ConfigError, match=match):
-            validate(dataclasses.replace(lm, **bad))
+            validate(lm.replace(**bad))
 
 
 def test_loss_at_initialisation_is_the_untrained_models(tmp_path):
@@ -77,8 +77,8 @@ def test_loss_at_initialisation_is_the_untrained_models(tmp_path):
     from attnlab.train import RECIPES, train
 
     def run(lr):
-        return train(dataclasses.replace(
-            RECIPES["lm"], max_steps=2, eval_every=2, eval_iters=1, warmup_steps=0, batch_size=2, block_size=16,
+        return train(RECIPES["lm"].replace(
+            max_steps=2, eval_every=2, eval_iters=1, warmup_steps=0, batch_size=2, block_size=16,
             lr=lr, min_lr=lr / 10, weight_decay=0.0, model_options={"embed_dim": 16, "depth": 1, "num_heads": 2},
             threads=1, runs_dir=str(tmp_path / f"lr{lr}"), progress=False))
 
@@ -91,8 +91,8 @@ def test_loss_at_initialisation_is_the_untrained_models(tmp_path):
 def _lm_run(runs_dir, **overrides):
     from attnlab.train import RECIPES, train
 
-    return train(dataclasses.replace(
-        RECIPES["lm"], max_steps=4, eval_every=4, eval_iters=1, warmup_steps=1, batch_size=2, block_size=16,
+    return train(RECIPES["lm"].replace(
+        max_steps=4, eval_every=4, eval_iters=1, warmup_steps=1, batch_size=2, block_size=16,
         model_options={"embed_dim": 32, "depth": 1, "num_heads": 2}, threads=1, runs_dir=str(runs_dir),
         progress=False, **overrides))
 
@@ -137,8 +137,8 @@ def test_the_lm_recipe_learns(tmp_path):
     the smallest measured drop (3.53)."""
     from attnlab.train import RECIPES, train
 
-    result = train(dataclasses.replace(
-        RECIPES["lm"], max_steps=80, eval_every=80, eval_iters=4, warmup_steps=10, batch_size=16, block_size=64,
+    result = train(RECIPES["lm"].replace(
+        max_steps=80, eval_every=80, eval_iters=4, warmup_steps=10, batch_size=16, block_size=64,
         lr=3e-3, min_lr=3e-4, model_options={"embed_dim": 64, "depth": 2, "num_heads": 4}, threads=1,
         runs_dir=str(tmp_path), progress=False, seed=0))
     assert result["init"]["bits_per_byte"] > 7.5
@@ -151,8 +151,8 @@ def test_the_llama_shaped_decoder_learns(tmp_path):
     2 s each), drops of 3.85-4.05 bits. The test asks for a drop of 2.8 bits, 1 bit below the smallest."""
     from attnlab.train import RECIPES, train
 
-    result = train(dataclasses.replace(
-        RECIPES["lm"], model="llama_tiny", max_steps=80, eval_every=80, eval_iters=4, warmup_steps=10, batch_size=16,
+    result = train(RECIPES["lm"].replace(
+        model="llama_tiny", max_steps=80, eval_every=80, eval_iters=4, warmup_steps=10, batch_size=16,
         block_size=64, lr=3e-3, min_lr=3e-4, threads=1, runs_dir=str(tmp_path), progress=False, seed=0,
         model_options={"embed_dim": 64, "depth": 2, "num_heads": 4, "num_kv_heads": 2, "mlp_hidden": 176}))
     assert result["init"]["bits_per_byte"] > 7.5

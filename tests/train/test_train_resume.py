@@ -18,8 +18,8 @@ from train_helpers import ARM_KILL, weights
 # workers, Mixup/CutMix, repeated augmentation (1280 images = 20 batches of 64 per epoch), drop-path, label smoothing.
 SCRIPT = ARM_KILL + textwrap.dedent("""
     runs_dir = sys.argv[1]
-    cfg = dataclasses.replace(
-        RECIPES["demo"], epochs=3, batch_size=64, augment="recipe", mixup=0.8, cutmix=1.0, mixup_prob=0.5,
+    cfg = RECIPES["demo"].replace(
+        epochs=3, batch_size=64, augment="recipe", mixup=0.8, cutmix=1.0, mixup_prob=0.5,
         label_smoothing=0.1, repeated_aug=3, drop_path=0.1, num_workers=2, runs_dir=runs_dir, progress=False,
         resume=True)
     print(json.dumps(train(cfg)))

@@ -4,7 +4,6 @@ space-only model, blind to frame order, cannot tell opposite directions apart.""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import subprocess
@@ -27,7 +26,7 @@ SMALL = {"num_train": 64, "num_test": 32}
 def _cfg(runs_dir, **overrides):
     base = dict(epochs=1, runs_dir=str(runs_dir), progress=False, data_options=dict(SMALL))
     base.update(overrides)
-    return dataclasses.replace(RECIPES["moving_digits"], **base)
+    return RECIPES["moving_digits"].replace(**base)
 
 
 def frame_clips(root, classes=("jump", "walk"), per_class=3, frames=10, size=(20, 24), seed=0):
@@ -102,8 +101,8 @@ def test_eval_of_a_video_run_prints_its_task_metrics_over_the_views(tmp_path, ca
 # crop and flip in 2 DataLoader workers, drop-path.
 SCRIPT = ARM_KILL + textwrap.dedent("""
     runs_dir, data_dir = sys.argv[1], sys.argv[2]
-    cfg = dataclasses.replace(
-        RECIPES["moving_digits"], dataset="video", data_dir=data_dir, augment="recipe", epochs=2, batch_size=2,
+    cfg = RECIPES["moving_digits"].replace(
+        dataset="video", data_dir=data_dir, augment="recipe", epochs=2, batch_size=2,
         drop_path=0.2, num_workers=2, runs_dir=runs_dir, progress=False, resume=True,
         data_options={"num_frames": 4, "image_size": 16, "in_chans": 1, "crops": 1})
     print(json.dumps(train(cfg)))

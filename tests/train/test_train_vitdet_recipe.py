@@ -75,9 +75,12 @@ def test_step_schedule_by_hand():
 
 def test_the_vitdet_recipe_is_the_papers():
     cfg = RECIPES["vitdet"]
-    assert (cfg.lr, cfg.weight_decay, cfg.layer_decay, cfg.drop_path, cfg.lr_schedule) == (1e-4, 0.1, 0.7, 0.1, "step")
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.layer_decay, cfg.drop_path, cfg.sched.lr_schedule) == \
+        (1e-4, 0.1, 0.7, 0.1, "step")
     assert (cfg.epochs, cfg.batch_size, cfg.model, cfg.dataset) == (50, 32, "vitdet_base_224", "coco")
-    assert cfg.mixup_prob == 0 and cfg.repeated_aug == 1 and cfg.label_smoothing == 0
+    assert cfg.detect.augment == "recipe"  # large-scale jitter; a detection run has no mixing or smoothing keys
+    with pytest.raises(ConfigError, match="belongs to the image family"):
+        make_config("vitdet", mixup_prob=0.5)
     with pytest.raises(ConfigError, match="layer_decay"):
         make_config("vitdet", layer_decay=1.5)
     with pytest.raises(ConfigError, match="lr_schedule"):
@@ -97,4 +100,4 @@ def test_the_papers_detection_configs():
     assert table9["variants"][0] == "standard" and "dna" in table9["variants"] and base.pretrained
     swin = load_grid(configs / "speccond_swin_coco.yaml")
     assert swin["models"] == ["swin_small_maskrcnn", "swin_base_maskrcnn"]
-    assert swin["variants"] == ["standard", "speccond"] and swin["base"].layer_decay is None
+    assert swin["variants"] == ["standard", "speccond"] and swin["base"].optim.layer_decay is None

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from safetensors.torch import load_file
 
 from attnlab.train import RECIPES
@@ -16,7 +14,7 @@ def tiny(runs_dir, **overrides):
     """The demo recipe cut to 2 epochs of batch 64 (about a second per epoch on one free core)."""
     base = dict(epochs=2, batch_size=64, runs_dir=str(runs_dir), progress=False)
     base.update(overrides)
-    return dataclasses.replace(RECIPES["demo"], **base)
+    return RECIPES["demo"].replace(**base)
 
 
 def weights(path):

@@ -2,17 +2,22 @@
 owns and what it asks the Task: docs/training.md, "A run, its task, its data". It asks, in this order: ``check``,
 ``build_model``, ``train_data``, then per step ``loss`` and per epoch ``train_stats``, ``evaluate`` and ``line``, at
 the end ``result``. A subclass sets ``name``, ``metrics``, ``headline``, ``higher_is_better`` (and for the report
-``report_columns`` and ``percent``).
+``report_columns`` and ``percent``), and declares its family's config section (``section``: the keys only its runs
+read, with their defaults and help; ``cfg.<name>`` in a run's config) and the models it trains. A module here
+imports no torch at load time: the config reads the sections from it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol
 
-import torch
-from torch import nn
+from attnlab.errors import ConfigError
+from attnlab.train.section import NoKeys
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch import nn
+
     from attnlab.train.run import Run
 
 
@@ -30,6 +35,16 @@ class Task:
     """One run's task family; see the module docstring."""
 
     name: ClassVar[str] = ""
+    #: the family's config section (a :class:`~attnlab.train.section.Section` subclass defined beside the Task)
+    section: ClassVar[type] = NoKeys
+    #: what the family trains, in words ("a language model"), for the one line that refuses another family's model
+    trains: ClassVar[str] = ""
+    #: "module:Class" of the attnlab model classes whose presets the family trains (:meth:`presets`)
+    model_classes: ClassVar[tuple[str, ...]] = ()
+    #: the families whose presets this one trains too (a detector's backbone is an image model)
+    also_trains: ClassVar[tuple[str, ...]] = ()
+    #: further models it takes, in words (a timm model name), after its presets
+    other_models: ClassVar[str] = ""
     metrics: ClassVar[tuple[str, ...]] = ()
     headline: ClassVar[str] = ""
     higher_is_better: ClassVar[bool] = True
@@ -50,6 +65,32 @@ class Task:
     def __init__(self, run: Run) -> None:
         self.run = run
         self.cfg = run.cfg
+        self.options = run.cfg.families[self.name]  # the run's own section (cfg.<name>)
+
+    # ---- which models ------------------------------------------------------------------------------------------
+    @classmethod
+    def presets(cls) -> list[str]:
+        """The attnlab model presets this family trains: those whose class is one of ``model_classes``."""
+        import importlib
+
+        from attnlab.models import PRESETS
+
+        bases = tuple(getattr(importlib.import_module(m), c) for m, _, c in (t.partition(":") for t in cls.model_classes))
+        return [n for n, p in PRESETS.items() if bases and issubclass(p.cls, bases)]
+
+    def check_model_name(self) -> None:
+        """ConfigError when the model is a preset of another family than the run's (a GPT for video clips, a
+        detector for text), naming both families and the models that fit."""
+        from . import TASKS, family_of_model, task_class
+
+        family = family_of_model(self.cfg.model)
+        if family is None or family == self.name or family in self.also_trains:
+            return
+        fits = [n for f in (self.name, *self.also_trains) for n in task_class(f).presets()]
+        names = ", ".join(fits + ([self.other_models] if self.other_models else []))
+        other = task_class(family) if family in TASKS else None
+        raise ConfigError(f"model {self.cfg.model} is {other.trains if other else family} ({family} family), but "
+                          f"dataset {self.cfg.dataset} trains {self.trains} ({self.name} family); use one of {names}.")
 
     # ---- before training -------------------------------------------------------------------------------------
     def check(self, cache: dict) -> None:
@@ -79,8 +120,9 @@ class Task:
         from attnlab.data import build_dataset
 
         cfg = self.cfg
-        return build_dataset(cfg.dataset, train, data_dir=cfg.data_dir, download=cfg.download,
-                             augment=cfg.augment if train else "none", **cfg.data_options)
+        augment = getattr(self.options, "augment", "none")  # a family without augmentation has no such key
+        return build_dataset(cfg.dataset, train, data_dir=cfg.run.data_dir, download=cfg.run.download,
+                             augment=augment if train else "none", **cfg.data_options)
 
     # ---- training ----------------------------------------------------------------------------------------------
     def train_data(self, batch_size: int, device: torch.device) -> TrainData:  # pragma: no cover - abstract

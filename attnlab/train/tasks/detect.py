@@ -9,15 +9,26 @@ null for a size without objects; the headline is box AP.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-from torch import nn
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from attnlab.errors import ConfigError
+from attnlab.train.section import Section, option
 
 from .base import Task
 from .classify import _HostData, check_steps, train_sampler
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch import nn
+
+
+@dataclass(frozen=True)
+class DetectConfig(Section):
+    """detect: keys of detection runs (ViTDet's recipe)."""
+
+    augment: str = option("recipe", "'recipe' (large-scale jitter and flip, ViTDet's) or 'none'",
+                          choices=("recipe", "none"))
 
 BOX = ("box_AP", "box_AP50", "box_AP75", "box_APs", "box_APm", "box_APl")
 MASK = tuple(k.replace("box_", "mask_") for k in BOX)
@@ -39,6 +50,11 @@ class Detection(Task):
     """COCO-format detection with torchvision's R-CNNs (module docstring)."""
 
     name = "detect"
+    section = DetectConfig
+    trains = "a detector"
+    also_trains = ("image",)  # an image preset is a backbone
+    other_models = "a timm ViT/DeiT/Swin name"
+    repeats = 1
     metrics = BOX + MASK
     headline = "box_AP"
     higher_is_better = True
@@ -55,11 +71,19 @@ class Detection(Task):
     def prepare_eval(self) -> None:
         self.val_set()
 
+    @classmethod
+    def presets(cls) -> list[str]:
+        from attnlab.models import DETECTOR_PRESETS
+
+        return list(DETECTOR_PRESETS)
+
     def check(self, cache: dict) -> None:
+        import torch
+
         from attnlab.data.coco import check_same_categories
 
         cfg = self.cfg
-        key = ("data", cfg.dataset, cfg.data_dir, cfg.augment, repr(sorted(cfg.data_options.items())))
+        key = ("data", cfg.dataset, cfg.run.data_dir, self.options.augment, repr(sorted(cfg.data_options.items())))
         if key not in cache:
             train = self._split(True)  # each split checks its json, images and categories as it is built
             check_same_categories(train, self.val_set())
@@ -67,7 +91,7 @@ class Detection(Task):
         if self.cfg.model_options.get("masks", False) and not self._data_masks():
             raise ConfigError("model option masks is true but the dataset's masks option is false; a Mask R-CNN "
                               "needs instance masks, so drop one of them.")
-        check_steps(cfg, len(train_sampler(cfg, range(cache[key]), torch.Generator())))
+        check_steps(cfg, len(train_sampler(1, range(cache[key]), torch.Generator())))
 
     def build_model(self, pretrained: bool = True) -> nn.Module:
         """``attnlab.models.build_detector(cfg.model, ...)``: a detector preset or a timm ViT/DeiT/Swin name, sized
@@ -105,16 +129,19 @@ class Detection(Task):
 
         metrics = evaluate_detector(model, self.val_set(), device=device, amp_dtype=amp_dtype,
                                     batch_size=max(1, self.cfg.batch_size // max(self.cfg.grad_accum, 1)),
-                                    num_workers=self.cfg.num_workers)
+                                    num_workers=self.cfg.run.num_workers)
         return {k: (None if v != v else v) for k, v in metrics.items()}  # nan (no object of a size) -> null
 
     def example_input(self, batch: int = 1, device="cpu") -> list[torch.Tensor]:
+        import torch
+
         size = self.run.info.image_size
         return [torch.zeros(3, size, size, device=device) for _ in range(batch)]
 
     def inputs(self, n: int) -> torch.Tensor:
         """The first ``n`` evaluation images fitted into the square canvas (the longer side resized to it, the
         rest padded), in [0, 1]: what :meth:`instrument_model` takes."""
+        import torch
         import torch.nn.functional as F
 
         size, val = self.run.info.image_size, self.val_set()
@@ -139,4 +166,4 @@ class Detection(Task):
         return "  ".join(shown + [f"{record.get('img_per_s', 0.0):.1f} img/s"])
 
 
-__all__ = ["BOX", "Detection", "LOSSES", "MASK"]
+__all__ = ["BOX", "DetectConfig", "Detection", "LOSSES", "MASK"]

@@ -10,11 +10,27 @@ accuracy, bits per byte where the bytes per token are known. The headline is the
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from attnlab.errors import ConfigError
+from attnlab.train.section import Section, at_least, option, within
 
 from .base import Task
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+@dataclass(frozen=True)
+class LMConfig(Section):
+    """lm: keys of language-model runs (nanoGPT's manner)."""
+
+    block_size: int | None = option(None, "tokens per training block (default: the data's, else the model "
+                                          "preset's)", at_least(1))
+    eval_iters: int = option(20, "validation batches per evaluation (the same blocks every time)", at_least(1))
+    z_loss: float = option(0.0, "weight of the z-loss, mean (log sum exp logits)^2 (Wortsman et al. use 1e-4)",
+                           within(0, 1, open_high=True, hint="Wortsman et al.: 1e-4"))
 
 
 class _StreamData:
@@ -37,6 +53,9 @@ class LanguageModelling(Task):
     """Causal language modelling with attnlab's GPT presets."""
 
     name = "lm"
+    section = LMConfig
+    trains = "a language model"
+    model_classes = ("attnlab.models.gpt:GPT",)
     metrics = ("val_loss", "perplexity", "accuracy", "bits_per_byte")
     headline = "val_loss"
     higher_is_better = False
@@ -59,8 +78,8 @@ class LanguageModelling(Task):
     def block_size(self) -> int:
         """The training context: the config's ``block_size``, else the data's (MQAR), else the model's preset."""
         fixed = dict(self.run.info.model_args).get("block_size")
-        if self.cfg.block_size is not None:
-            return self.cfg.block_size
+        if self.options.block_size is not None:
+            return self.options.block_size
         if fixed:
             return fixed
         from attnlab.models import PRESETS
@@ -83,7 +102,7 @@ class LanguageModelling(Task):
 
     def check(self, cache: dict) -> None:
         cfg = self.cfg
-        key = ("lm-data", cfg.dataset, cfg.data_dir, repr(sorted(cfg.data_options.items())))
+        key = ("lm-data", cfg.dataset, cfg.run.data_dir, repr(sorted(cfg.data_options.items())))
         if key not in cache:
             for train in (True, False):
                 self._split(train).check_block_size(self.block_size)
@@ -104,7 +123,7 @@ class LanguageModelling(Task):
         from attnlab.data.lm_metrics import IGNORE, lm_loss
 
         x, y = batch
-        loss = lm_loss(model(x), y, z_loss=self.cfg.z_loss)
+        loss = lm_loss(model(x), y, z_loss=self.options.z_loss)
         return loss, {"seen": (y != IGNORE).sum()}
 
     def train_stats(self, sums, seconds):
@@ -115,12 +134,14 @@ class LanguageModelling(Task):
         from attnlab.data.lm_metrics import evaluate_lm
 
         val = self._split(False)
-        batches = val.eval_batches(self.cfg.batch_size, self.block_size, self.cfg.eval_iters, seed=self.cfg.seed)
+        batches = val.eval_batches(self.cfg.batch_size, self.block_size, self.options.eval_iters, seed=self.cfg.seed)
         out = evaluate_lm(model, batches, bytes_per_token=val.bytes_per_token, device=device, amp_dtype=amp_dtype)
         return {"val_loss": out["loss"], "perplexity": out["perplexity"], "accuracy": out["accuracy"],
                 **({"bits_per_byte": out["bits_per_byte"]} if "bits_per_byte" in out else {})}
 
     def example_input(self, batch: int = 1, device="cpu") -> torch.Tensor:
+        import torch
+
         return torch.zeros(batch, self.block_size, dtype=torch.long, device=device)
 
     def inputs(self, n: int) -> torch.Tensor:
@@ -132,4 +153,4 @@ class LanguageModelling(Task):
                 f"{record['perplexity']:.2f}  acc {record['accuracy']:.3f}{bpb}  {record['tokens_per_s']:.0f} tok/s")
 
 
-__all__ = ["LanguageModelling"]
+__all__ = ["LMConfig", "LanguageModelling"]
