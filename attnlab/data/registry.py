@@ -387,8 +387,8 @@ register(Dataset("digits_qa", "vlm", "multiple-choice questions about moving dig
                  fingerprint=_QA("digits_qa_fingerprint")))
 register(Dataset("video_qa", "vlm", "VisCoP/LLaVA instruction JSON (video files, frame folders or images with "
                  "conversations) under --data-dir", _QA("video_qa_info"), _QA("build_video_qa"),
-                 {"train": Option("train.json", help="training conversations (relative to data_dir)"),
-                  "val": Option("val.json", help="evaluation conversations with multiple-choice answers"),
+                 {"train_file": Option("train.json", help="training conversations (relative to data_dir)"),
+                  "val_file": Option("val.json", help="evaluation conversations with multiple-choice answers"),
                   "num_frames": Option(40, 1, help="frames sampled uniformly per video (the authors: 1 fps, at most "
                                                    "40)"),
                   "image_size": Option(384, 14, help="frames resized to this square side"),

@@ -156,9 +156,10 @@ class QAItem:
     options: str = "ABCD"
     clip: torch.Tensor | None = field(default=None, repr=False)
     digits: list[int] = field(default_factory=list)  # the embedded set: the digits shown (the encoder's labels)
+    file: str = ""  # the instruction file it came from
 
     def where(self, source: str) -> str:
-        return f"item {self.index} of {source}" + (f" ({self.media})" if self.media is not None else "")
+        return f"item {self.index} of {self.file or source}" + (f" ({self.media})" if self.media is not None else "")
 
 
 def _parse_turns(raw: Any, where: str) -> list[tuple[str, str]]:
@@ -218,7 +219,7 @@ def read_instructions(path: str | Path) -> list[QAItem]:
         media = media if media.is_absolute() else path.parent / media
         turns = _parse_turns(raw.get("conversations"), f"{where} ({media})")
         answer, letters = _mcq(turns)
-        items.append(QAItem(i, media, kinds[0], turns, str(raw.get("category", "")), answer, letters))
+        items.append(QAItem(i, media, kinds[0], turns, str(raw.get("category", "")), answer, letters, file=str(path)))
     return items
 
 
@@ -369,7 +370,7 @@ def build_video_qa(train: bool, *, data_dir="data", download: bool = False, augm
     from .registry import resolve_options
 
     opts = resolve_options("video_qa", options)
-    return read_instructions(_file(data_dir, opts["train" if train else "val"]))
+    return read_instructions(_file(data_dir, opts["train_file" if train else "val_file"]))
 
 
 def video_qa_fingerprint(data_dir="data", **options) -> dict[str, str]:
@@ -381,7 +382,7 @@ def video_qa_fingerprint(data_dir="data", **options) -> dict[str, str]:
     opts = resolve_options("video_qa", options)
     out = {}
     for split in ("train", "val"):
-        path = _file(data_dir, opts[split])
+        path = _file(data_dir, opts[f"{split}_file"])
         out[f"{split} instructions"] = file_sha256(path)
         try:
             items = read_instructions(path)
