@@ -319,7 +319,7 @@ def digits_qa(train: bool, *, num_items: int, num_frames: int, image_size: int, 
         else:
             question, answer, texts = "How many digits are there?", int(extra[i]), ["1", "2", "3", "4"]
         lines = "\n".join(f"{LETTERS[k]}. {t}" for k, t in enumerate(texts))
-        turns = [("user", f"<video>\n{question}\n{lines}\nAnswer with the option's letter."),
+        turns = [("user", f"<video>\n{question}\n{lines}"),
                  ("assistant", LETTERS[answer])]
         clip = torch.from_numpy(clips[i]).unsqueeze(1)  # (T, 1, S, S)
         items.append(QAItem(i, None, "video", turns, category, answer, "ABCD", clip=clip, digits=sorted(present[i])))

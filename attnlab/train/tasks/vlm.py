@@ -482,15 +482,18 @@ def add_lora(decoder, rank: int, alpha: float, dropout: float):
 
 def pretrain_encoder(encoder, items, *, steps: int, seed: int, batch_size: int = 64, lr: float = 2e-3) -> None:
     """Train ``encoder`` (a timm ViT) to name the digits a frame shows (multi-label, a linear head on its mean
-    token, dropped afterwards): the demo's stand-in for a pretrained encoder, seeded by the run's seed alone (so
-    that standard and DnA probes of one seed read the same encoder)."""
+    token) and to give back each patch's pixels from its own token (a linear head per token, so that the tokens
+    keep what is where); the heads are dropped afterwards. The demo's stand-in for a pretrained encoder, seeded by
+    the run's seed alone (so that standard and DnA probes of one seed read the same encoder)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed + 12345)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 12345)
         head = torch.nn.Linear(encoder.embed_dim, 10)
-        params = [*encoder.parameters(), *head.parameters()]
+        p = encoder.patch_embed.patch_size[0]
+        pixels = torch.nn.Linear(encoder.embed_dim, p * p * items[0].clip.shape[1])
+        params = [*encoder.parameters(), *head.parameters(), *pixels.parameters()]
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
         targets = torch.zeros(len(items), 10)
@@ -501,8 +504,10 @@ def pretrain_encoder(encoder, items, *, steps: int, seed: int, batch_size: int =
             idx = torch.randint(0, len(items), (batch_size,), generator=gen)
             t = torch.randint(0, items[0].clip.shape[0], (batch_size,), generator=gen)
             frames = torch.stack([items[i].clip[f] for i, f in zip(idx.tolist(), t.tolist())])
-            feats = encoder.forward_features(frames)[:, encoder.num_prefix_tokens:].mean(1)
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(head(feats), targets[idx])
+            tokens = encoder.forward_features(frames)[:, encoder.num_prefix_tokens:]
+            patches = torch.nn.functional.unfold(frames, p, stride=p).transpose(1, 2)  # (B, N, C p p), raster order
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(head(tokens.mean(1)), targets[idx]) + \
+                torch.nn.functional.mse_loss(pixels(tokens), patches) * 10
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
