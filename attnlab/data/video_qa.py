@@ -117,9 +117,9 @@ class HFChat:
         return [self.tok.encode(c, add_special_tokens=False)[0] for c in letters]
 
     def _render(self, turns, media_text: str, generation: bool) -> list[int]:
-        messages = [{"role": r, "content": t.replace("<video>", media_text).replace("<image>", media_text)}
-                    for r, t in turns]
-        return self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation)
+        messages = [{"role": r, "content": media_text.join(_split_placeholder(t))} for r, t in turns]
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        return self.tok.encode(text, add_special_tokens=False)
 
     def encode(self, turns, media):
         media_text = "".join("<image>" if i == self.image_id else "<probe>" for i in media)
