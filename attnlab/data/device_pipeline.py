@@ -140,7 +140,7 @@ class AugmentRecipe:
     """The augmentation numbers, named as ``TrainConfig`` and ``cifar_transform`` name them.
 
     ``crop_padding`` 0 and ``flip`` 0 switch crop and flip off; ``random_erasing`` is a probability; mixing is on
-    when ``mix_prob > 0`` and ``mixup`` or ``cutmix`` is positive (``attnlab.train.config.uses_mixing``).
+    when ``mix_prob > 0`` and ``mixup`` or ``cutmix`` is positive (``attnlab.train.tasks.classify.ImageConfig.mixing``).
     """
 
     crop_padding: int = 4

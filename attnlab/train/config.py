@@ -530,10 +530,20 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 def _check_data(cfg: TrainConfig) -> None:
-    """The dataset is in the table and takes the run's augmentation and mixing (the table is torch-free)."""
+    """The dataset is in the table and takes the run's augmentation and mixing, and the recipe's when the recipe is
+    made for another family (its augmentation or mixing would be dropped without a word; the table is torch-free)."""
     from attnlab.data.registry import dataset
 
     entry = dataset(cfg.dataset)
+    recipe = RECIPES.get(cfg.recipe)
+    if recipe is not None and recipe.family != entry.task:
+        made = getattr(recipe, recipe.family)
+        mixing, augment = getattr(made, "mixing", False), getattr(made, "augment", "none") != "none"
+        if mixing or augment:
+            fits = " or ".join(n for n, r in RECIPES.items() if r.family == entry.task)
+            what = "image augmentation and Mixup/CutMix" if mixing else f"{recipe.family} augmentation"
+            raise ConfigError(f"dataset {entry.name} ({entry.summary}) cannot take {what}; use --recipe {fits} (the "
+                              f"{cfg.recipe} recipe is made for {recipe.family} runs).")
     options = getattr(cfg, entry.task)
     augment = getattr(options, "augment", "none")
     mixing = getattr(options, "mixing", False)

@@ -60,12 +60,13 @@ def video_run(tmp_path_factory) -> Path:
 
 # ---- 10 and 12: flags and models of another family, refused before anything is built ------------------------------
 @pytest.mark.parametrize("argv, expected", [
-    ("--recipe detect_demo --z-loss 0.1", "--z-loss (config key 'z_loss', 0.1 here) applies to lm runs only, and "
-                                          "dataset shapes makes this a detect run"),
-    ("--recipe moving_digits --block-size 32", "--block-size (config key 'block_size', 32 here) applies to lm runs"),
-    ("--recipe lm --video-metric mean_class_accuracy", "applies to video runs only, and dataset stdlib makes this a "
-                                                       "lm run"),
-    ("--recipe detect_demo --eval-iters 3", "--eval-iters (config key 'eval_iters', 3 here) applies to lm runs"),
+    ("--recipe detect_demo --z-loss 0.1", "config key 'z_loss' (--z-loss) belongs to the lm family; detect_demo "
+                                          "trains a detector (dataset shapes, the detect family), which does not read "
+                                          "it; drop it."),
+    ("--recipe moving_digits --block-size 32", "config key 'block_size' (--block-size) belongs to the lm family"),
+    ("--recipe lm --video-metric mean_class_accuracy", "belongs to the video family; lm trains a language model "
+                                                       "(dataset stdlib, the lm family)"),
+    ("--recipe detect_demo --eval-iters 3", "config key 'eval_iters' (--eval-iters) belongs to the lm family"),
     ("--recipe moving_digits --model gpt_tiny", "model gpt_tiny is a language model (lm family), but dataset "
                                                 "moving_digits trains a video model (video family); use one of "
                                                 "timesformer_tiny, timesformer_base"),
@@ -354,12 +355,12 @@ def test_run_records_absolute_paths_and_opens_from_another_directory(lm_run, tmp
     import yaml
 
     cfg = yaml.safe_load((lm_run / "config.yaml").read_text())
-    assert os.path.isabs(cfg["data_dir"]) and cfg["data_dir"].endswith("corpus.txt")
+    assert os.path.isabs(cfg["run"]["data_dir"]) and cfg["run"]["data_dir"].endswith("corpus.txt")
     (tmp_path / "elsewhere").mkdir()
     out = in_process(["eval", lm_run], tmp_path / "elsewhere")
     assert out.returncode == 0, out.stderr
     moved = tmp_path / "moved.txt"
-    shutil.copy(cfg["data_dir"], moved)
+    shutil.copy(cfg["run"]["data_dir"], moved)
     again = in_process(["eval", lm_run, "--data-dir", moved], tmp_path / "elsewhere")
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["val_loss"] == json.loads(out.stdout)["val_loss"]

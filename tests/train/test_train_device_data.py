@@ -82,8 +82,8 @@ def test_command_line_flags(tmp_path):
     code = main(["train", "--recipe", "demo", "--epochs", "1", "--no-progress", "--data-on-device",
                  "--runs-dir", str(tmp_path), "--name", "on"])
     assert code == 0
-    assert yaml.safe_load((tmp_path / "on" / "config.yaml").read_text())["data_on_device"] is True
+    assert yaml.safe_load((tmp_path / "on" / "config.yaml").read_text())["image"]["data_on_device"] is True
     code = main(["train", "--recipe", "demo", "--epochs", "1", "--no-progress", "--no-data-on-device",
                  "--runs-dir", str(tmp_path), "--name", "off"])
     assert code == 0
-    assert yaml.safe_load((tmp_path / "off" / "config.yaml").read_text())["data_on_device"] is False
+    assert yaml.safe_load((tmp_path / "off" / "config.yaml").read_text())["image"]["data_on_device"] is False
