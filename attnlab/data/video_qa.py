@@ -13,9 +13,9 @@ processor writes both). The loss is on the answer (gpt) tokens only. For multipl
 the letter a gpt value starts with, the options are the question's lines ``A. ...`` (else A-D), and ``category``
 (optional) groups the accuracy, as Ego-in-Exo PerceptionMCQ reports it.
 
-The embedded set (:class:`DigitsQA`) is made from :mod:`attnlab.data.moving_digits`' generator: one moving digit and
+The embedded set (:func:`digits_qa`) is made from :mod:`attnlab.data.moving_digits`' generator: one moving digit and
 0-3 still ones per clip, four questions (which digit moves, which way, where it ends, how many digits), four options
-each, one category per question.
+each, one category per question; a training conversation asks all four in turn, an evaluation item one.
 """
 
 from __future__ import annotations
@@ -300,29 +300,36 @@ def digits_qa(train: bool, *, num_items: int, num_frames: int, image_size: int, 
             present[i].add(int(still_label[i] // 4))
     items = []
     for i in range(num_items):
-        category = CATEGORIES[i % 4]
         digit = int(move_label[i] // 4)
-        if category == "digit":
-            others = rng.permutation([d for d in range(10) if d != digit])[:3]
-            options = sorted([digit, *others.tolist()])
-            question, answer = "Which digit moves?", options.index(digit)
-            texts = [str(d) for d in options]
-        elif category == "direction":
-            question, answer, texts = "Which way does the digit move?", int(direction[i]), list(DIRECTION_WORDS)
-        elif category == "end":
-            last = moving[i, -1]
-            ys, xs = np.nonzero(last > 0)
-            cy, cx = (ys.mean(), xs.mean()) if len(ys) else (0, 0)
-            centre = (image_size - 1) / 2
-            answer = 2 * int(cy > centre) + int(cx > centre)
-            question, texts = "Where does the moving digit end?", list(ENDS)
-        else:
-            question, answer, texts = "How many digits are there?", int(extra[i]), ["1", "2", "3", "4"]
-        lines = "\n".join(f"{LETTERS[k]}. {t}" for k, t in enumerate(texts))
-        turns = [("user", f"<video>\n{question}\n{lines}"),
-                 ("assistant", LETTERS[answer])]
+        qa = {}
+        for category in CATEGORIES:
+            if category == "digit":
+                others = rng.permutation([d for d in range(10) if d != digit])[:3]
+                options = sorted([digit, *others.tolist()])
+                question, answer = "Which digit moves?", options.index(digit)
+                texts = [str(d) for d in options]
+            elif category == "direction":
+                question, answer, texts = "Which way does the digit move?", int(direction[i]), list(DIRECTION_WORDS)
+            elif category == "end":
+                ys, xs = np.nonzero(moving[i, -1] > 0)
+                cy, cx = (ys.mean(), xs.mean()) if len(ys) else (0, 0)
+                centre = (image_size - 1) / 2
+                answer = 2 * int(cy > centre) + int(cx > centre)
+                question, texts = "Where does the moving digit end?", list(ENDS)
+            else:
+                question, answer, texts = "How many digits are there?", int(extra[i]), ["1", "2", "3", "4"]
+            lines = "\n".join(f"{LETTERS[k]}. {t}" for k, t in enumerate(texts))
+            qa[category] = (f"{question}\n{lines}", answer)
+        # training: every question about the clip, in a random order, as turns of one conversation (LLaVA's
+        # multi-turn format: four answers learnt per clip); evaluation: one question per clip, the category in turn
+        asked = [CATEGORIES[k] for k in rng.permutation(4)] if train else [CATEGORIES[i % 4]]
+        turns = []
+        for k, category in enumerate(asked):
+            turns += [("user", ("<video>\n" if k == 0 else "") + qa[category][0]),
+                      ("assistant", LETTERS[qa[category][1]])]
         clip = torch.from_numpy(clips[i]).unsqueeze(1)  # (T, 1, S, S)
-        items.append(QAItem(i, None, "video", turns, category, answer, "ABCD", clip=clip, digits=sorted(present[i])))
+        items.append(QAItem(i, None, "video", turns, asked[0], qa[asked[0]][1], "ABCD", clip=clip,
+                            digits=sorted(present[i])))
     return items
 
 
@@ -400,7 +407,7 @@ def digits_qa_fingerprint(data_dir=None, **options) -> dict[str, str]:
     from .registry import resolve_options
 
     opts = resolve_options("digits_qa", options)
-    return {"generator": "moving digits QA v1 " + ", ".join(f"{k}={v}" for k, v in sorted(opts.items()))}
+    return {"generator": "moving digits QA v2 " + ", ".join(f"{k}={v}" for k, v in sorted(opts.items()))}
 
 
 __all__ = ["ByteChat", "CATEGORIES", "HFChat", "IGNORE", "QAItem", "check_media", "digits_qa", "load_clip",

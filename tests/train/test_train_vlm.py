@@ -47,7 +47,7 @@ def test_loss_reads_answer_tokens_only(tmp_path):
     picked = [(b, t) for b in range(4) for t in range(tokens.shape[1] - 1) if labels[b, t + 1] != -100]
     ref = sum(-torch.log_softmax(logits[b, t], -1)[labels[b, t + 1]] for b, t in picked) / len(picked)
     assert float(loss) == pytest.approx(float(ref), rel=1e-5) and int(sums["seen"]) == len(picked)
-    assert len(picked) == 8  # the letter and the end of each answer, nothing of the prompts
+    assert len(picked) == 4 * 4 * 2  # four answers per training conversation: each letter and its end, no prompt
 
 
 @pytest.mark.slow
