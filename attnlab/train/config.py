@@ -435,7 +435,7 @@ RECIPE_VALUES: dict[str, dict[str, Any]] = {
     # the digits of a frame (encoder_pretrain_steps), then is frozen; 8 probes at every encoder block, the
     # projectors and llama_tiny (trained from scratch, full fine-tuning) learn the questions
     "vlm_demo": dict(
-        model="viscop", dataset="digits_qa", epochs=1, batch_size=16, weight_decay=0.01, warmup_epochs=0.1,
+        model="viscop", dataset="digits_qa", epochs=1, batch_size=8, weight_decay=0.01, warmup_epochs=0.1,
         warmup_lr=1e-5, clip_grad=1.0, num_probes=8, frames_per_clip=8, encoder_pretrain_steps=300,
         num_workers=0, threads=1,
     ),
