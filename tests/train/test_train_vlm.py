@@ -41,9 +41,9 @@ def test_loss_reads_answer_tokens_only(tmp_path):
     model = run.task.build_model()
     batch = next(iter(run.task.train_data(4, torch.device("cpu")).batches(1)))
     tokens, labels, clips, frames = batch
-    loss, sums = run.task.loss(model, batch)
-    loss = loss.detach()
-    logits = model(tokens, clips, frames).double()
+    with torch.no_grad():
+        loss, sums = run.task.loss(model, batch)
+        logits = model(tokens, clips, frames).double()
     picked = [(b, t) for b in range(4) for t in range(tokens.shape[1] - 1) if labels[b, t + 1] != -100]
     ref = sum(-torch.log_softmax(logits[b, t], -1)[labels[b, t + 1]] for b, t in picked) / len(picked)
     assert float(loss) == pytest.approx(float(ref), rel=1e-5) and int(sums["seen"]) == len(picked)
