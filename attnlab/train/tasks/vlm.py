@@ -78,6 +78,7 @@ class VideoQA(Task):
     report_columns = ("test_loss",)
     percent = True
     labelled_inputs = False
+    default_instruments = False  # the instruments for the probes come with their own issue item
 
     def __init__(self, run) -> None:
         super().__init__(run)
@@ -379,10 +380,21 @@ class VideoQA(Task):
     def example_input(self, batch: int = 1, device="cpu"):
         import torch
 
+        if str(device) == "meta":  # the forward counts placeholders (a value on the host): no meta check
+            raise NotImplementedError("the video LLM's forward reads values")
         return torch.zeros(batch, 8, dtype=torch.long, device=device)  # text alone: the decoder's path
 
     def inputs(self, n: int):
-        raise ConfigError("the vlm family has no training probe (probe_every); use attnlab analyze on the probes.")
+        """The first ``n`` evaluation prompts' text (right-padded; their clips are not part of it)."""
+        import torch
+
+        rows = self.encoded(False)[:n]
+        tokens = torch.full((len(rows), max(len(r[2]) for r in rows)), self.template.pad_id, dtype=torch.long)
+        for b, r in enumerate(rows):
+            media = {self.template.image_id, self.template.probe_id}
+            text = [t if t not in media else self.template.pad_id for t in r[2]]
+            tokens[b, :len(text)] = torch.tensor(text)
+        return tokens
 
     def result(self, record: dict[str, Any]) -> dict[str, Any]:
         out = super().result(record)
