@@ -37,7 +37,7 @@ def grid_runs(base_cfg: TrainConfig, variants: Sequence[str], seeds: Sequence[in
     if variations:
         bases = [make_config(base_cfg, tag=tag, **(overrides or {})) for tag, overrides in variations.items()]
     return [base.replace(model=m, dataset=d, seed=int(s), attn=a, runs_dir=str(runs_dir),
-                                name=None, resume=True)
+                         name=None, resume=True)
             for base in bases for m in models for d in datasets for s in seeds for a in variants]
 
 

@@ -130,7 +130,7 @@ class Run:
         """What config.yaml holds: every field, with the canonical spec, the run's name and world size, ``resume``
         off."""
         return config_to_dict(self.cfg.replace(name=self.name, resume=False, accept_data_change=False,
-                                                  world_size=self.ranks.world_size))
+                                               world_size=self.ranks.world_size))
 
     # ---- the data it trains on -----------------------------------------------------------------------------
     @cached_property
@@ -389,7 +389,7 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with its data directory, data option paths and pretrained file absolute, so that config.yaml
     names what the run read wherever its directory is opened from (relative to the current directory)."""
     return cfg.replace(data_dir=_absolute(cfg.run.data_dir), data_options=_absolute_options(cfg.data_options),
-                               pretrained_file=_absolute(cfg.pretrained_file) if cfg.pretrained_file else None)
+                       pretrained_file=_absolute(cfg.pretrained_file) if cfg.pretrained_file else None)
 
 
 def run_dir_of(cfg: TrainConfig) -> Path:

@@ -17,7 +17,7 @@ from attnlab.train import RECIPES, load_run, train
 def run_dir(tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
     cfg = RECIPES["demo"].replace(epochs=1, probe_every=5, probe_images=32, runs_dir=str(runs),
-                              progress=False)
+                                  progress=False)
     result = train(cfg, probe=training_probe)
     return runs / result["name"]
 

@@ -22,8 +22,8 @@ def runs(tmp_path_factory):
     out = {}
     for attn in ("standard", "dna"):
         cfg = RECIPES["lm_demo"].replace(attn=attn, max_steps=4, eval_every=2, eval_iters=1,
-                                  block_size=16, batch_size=2, model_options=TINY, probe_every=2, probe_images=4,
-                                  runs_dir=str(root), progress=False)
+                                         block_size=16, batch_size=2, model_options=TINY, probe_every=2, probe_images=4,
+                                         runs_dir=str(root), progress=False)
         out[attn] = root / train(cfg, probe=training_probe)["name"]
     return out
 

@@ -53,7 +53,7 @@ def video_run(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("video39")
     cfg = RECIPES["moving_digits"].replace(epochs=1, data_options={"num_train": 16, "num_test": 4},
-                              runs_dir=str(root / "runs"), name="video", progress=False)
+                                           runs_dir=str(root / "runs"), name="video", progress=False)
     train(cfg)
     return root / "runs" / "video"
 

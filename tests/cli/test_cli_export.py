@@ -13,7 +13,7 @@ from attnlab.train import RECIPES, load_run, train
 
 def test_export_folds_sigma_into_plain_weights(tmp_path, capsys):
     result = train(RECIPES["demo"].replace(attn="ns+sigma", epochs=1, runs_dir=str(tmp_path),
-                                       progress=False))
+                                           progress=False))
     run = tmp_path / result["name"]
     out = tmp_path / "folded.safetensors"
     assert main(["export", str(run), "--out", str(out)]) == 0

@@ -109,7 +109,7 @@ def test_a_run_starts_from_its_pretrained_file_and_a_loaded_run_does_not_read_it
     src = attnlab.build_model("vit_digits", attn="standard")
     save_file(src.state_dict(), tmp_path / "d.safetensors")
     run = Run(RECIPES["demo"].replace(attn="dna(init=copy)",
-                                  pretrained_file=str(tmp_path / "d.safetensors")))
+                                      pretrained_file=str(tmp_path / "d.safetensors")))
     model = run.build_model()
     torch.testing.assert_close(model.blocks[0].attn.projection("k")[0], src.blocks[0].attn.qkv.weight[48:96])
     (tmp_path / "d.safetensors").unlink()  # a checkpoint replaces the weights: the file is not needed then

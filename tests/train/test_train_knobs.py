@@ -42,7 +42,7 @@ def test_lars_step_follows_the_trust_ratio():
 
 def test_knobs_train_end_to_end(tmp_path):
     cfg = RECIPES["demo"].replace(epochs=1, optimizer="lars", lr=0.5, warmup_epochs=0,
-                              weight_decay=0.0, norm="post", runs_dir=str(tmp_path), progress=False)
+                                  weight_decay=0.0, norm="post", runs_dir=str(tmp_path), progress=False)
     result = train(cfg)
     saved = attnlab.train.load_config(tmp_path / result["name"] / "config.yaml")
     assert (saved.optim.optimizer, saved.norm, saved.sched.warmup_epochs, saved.optim.weight_decay) == \
