@@ -43,10 +43,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", metavar="LIST", help="comma-separated model names (default: the recipe's)")
     parser.add_argument("--runs-dir", dest="runs_dir", metavar="DIR",
                         help="where the run directories and the report go (default: the preset's or grid file's, else runs)")
-    parser.add_argument("--analyze", default="spectra", metavar="LIST",
+    parser.add_argument("--analyze", default=None, metavar="LIST",
                         help="instruments run on each finished run's first 160 test images, their summaries added to "
-                             "result.json and shown as report columns (default: spectra, i.e. p1 and effective rank; "
-                             "'none' to skip)")
+                             "result.json and shown as report columns (default: spectra, i.e. p1 and effective rank, "
+                             "except on video-LLM grids; 'none' to skip)")
     parser.add_argument("--jobs", type=count(1), default=None, metavar="N",
                         help="train N runs at a time in worker processes (default 1: one after another; the demo "
                              "preset uses 2, one thread each), placed one per GPU when there are several "
@@ -87,18 +87,22 @@ def run(args: argparse.Namespace) -> int:
     preset = args.preset
     if preset is None and args.config is None and not any(getattr(args, k) for k in _GRID_FLAGS):
         preset = "demo"
+    from attnlab.train.tasks import task_class
+
     with deferred_notes() as notes:  # said once every check has passed: a refused grid prints its one line
         grid = load_grid(args.config, preset, variants=args.attn, seeds=args.seeds, datasets=args.datasets,
                          models=args.models, runs_dir=args.runs_dir, jobs=args.jobs, launcher=args.launcher,
                          launcher_options={k: getattr(args, "slurm_" + k) for k in _SLURM_FLAGS}, **base)
         progress = grid["base"].run.progress
-        what = [w.strip() for w in args.analyze.split(",") if w.strip() and w.strip() != "none"]
+        what = [w.strip() for w in (args.analyze or "spectra").split(",") if w.strip() and w.strip() != "none"]
         unknown = [w for w in what if w not in INSTRUMENTS]
         if unknown:
             raise ConfigError(f"unknown instrument {unknown[0]!r} in --analyze; choose from: "
                               f"{', '.join(INSTRUMENTS)} (or none).")
         plans = plan_grid(grid["base"], grid["variants"], grid["seeds"], grid["datasets"], grid["models"],
                           grid["runs_dir"], variations=grid["variations"])
+        if args.analyze is None and plans and not any(task_class(p["cfg"].family).default_instruments for p in plans):
+            what = []  # families whose models the instruments do not read yet (vlm) skip the default spectra
         if what:
             from attnlab.analysis.instruments import check_instruments
 

@@ -264,4 +264,6 @@ def _task_eval(args, run, device) -> int:
     metrics = task.evaluate(model, device=device, amp_dtype=resolve_amp(cfg.run.amp, device))
     print(json.dumps({"run": str(args.run_dir), "attn": cfg.attn, "dataset": cfg.dataset, "task": task.name,
                       **metrics}))
+    for line in getattr(task, "eval_table", lambda _: [])(metrics):  # a family's own table (vlm: per category)
+        print(line)
     return 0

@@ -259,7 +259,8 @@ def summarize(runs: list[dict], baseline: str = "standard") -> list[dict]:
         first = next(iter(next(iter(variants.values())).values()))
         metric, task = headline(first), _task(first)
         higher = task.higher_is_better if task is not None else True
-        columns = [c for c in getattr(task, "report_columns", ()) if c != metric]
+        own = getattr(task, "columns_of", None)  # a family whose columns depend on the runs (vlm: its categories)
+        columns = [c for c in (own(first) if own else getattr(task, "report_columns", ())) if c != metric]
         base_mean = _mean([r[metric] for r in base_runs.values()]) if base_runs else None
         order = ([baseline] if base_runs else []) + sorted(v for v in variants if v != baseline)
         for variant in order:

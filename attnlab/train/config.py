@@ -446,6 +446,14 @@ RECIPE_VALUES: dict[str, dict[str, Any]] = {
         model="vitdet_tiny", dataset="shapes", epochs=4, batch_size=8, lr=5e-4, warmup_epochs=0, warmup_steps=20,
         min_lr=1e-6, clip_grad=1.0, num_workers=0, threads=1,
     ),
+    # the video LLM on the embedded moving-digits QA set, on 2 CPU cores: the tiny frame encoder first learns to name
+    # the digits of a frame (encoder_pretrain_steps), then is frozen; 8 probes at every encoder block, the
+    # projectors and llama_tiny (trained from scratch, full fine-tuning) learn the questions
+    "vlm_demo": dict(
+        model="viscop", dataset="digits_qa", epochs=1, batch_size=8, weight_decay=0.01, warmup_epochs=0.1,
+        warmup_lr=1e-5, clip_grad=1.0, num_probes=8, frames_per_clip=8, encoder_pretrain_steps=300,
+        num_workers=0, threads=1,
+    ),
 }
 RECIPES: dict[str, TrainConfig] = {
     name: _apply(TrainConfig(recipe=name), _layer(values, f"recipe {name}"))[0]
@@ -474,6 +482,9 @@ GRID_PRESETS: dict[str, dict[str, Any]] = {
                        "jobs": 2, "runs_dir": "runs/lm_ladder_demo",
                        "variations": {"lr_1e-3": {"lr": 1e-3, "min_lr": 1e-4}, "lr_1e-2": {"lr": 1e-2, "min_lr": 1e-3},
                                       "lr_1e-1": {"lr": 1e-1, "min_lr": 1e-2}}},
+    # the video LLM's probes, standard versus DnA cross-attention, on the embedded moving-digits QA set
+    "vlm_demo": {"recipe": "vlm_demo", "variants": ["standard", "dna"], "seeds": [0], "datasets": ["digits_qa"],
+                 "models": ["viscop"], "jobs": 2, "runs_dir": "runs/vlm_demo"},
     # NS-Attn Table 1: both backbones and datasets, seeds 0, 1, 3 (hours per run on a GPU)
     "ns_table1": {"recipe": "ns_cifar", "variants": ["standard", "ns"], "seeds": [0, 1, 3],
                   "datasets": ["cifar10", "cifar100"], "models": ["vit_cifar", "swin_cifar"],

@@ -32,7 +32,7 @@ def _default(key: str, family: str):
 
 def test_the_common_section_is_small_and_the_families_come_from_the_task_registry():
     assert len(dataclasses.fields(TrainConfig)) <= 25
-    assert list(family_sections()) == list(TASKS) == ["image", "sequence", "lm", "video", "detect"]
+    assert list(family_sections()) == list(TASKS) == ["image", "sequence", "lm", "video", "detect", "vlm"]
     for family, cls in family_sections().items():
         assert task_class(family).section is cls and cls.__module__ == task_class(family).__module__
     cfg = TrainConfig()

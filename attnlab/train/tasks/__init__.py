@@ -18,6 +18,7 @@ TASKS: dict[str, str] = {
     "lm": "attnlab.train.tasks.lm:LanguageModelling",
     "video": "attnlab.train.tasks.video:VideoClassification",
     "detect": "attnlab.train.tasks.detect:Detection",
+    "vlm": "attnlab.train.tasks.vlm:VideoQA",
 }
 
 

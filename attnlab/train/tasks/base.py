@@ -61,6 +61,8 @@ class Task:
     #: the evaluation split is (input, label) pairs that the instruments index (``attnlab analyze``); False: the
     #: instruments take :meth:`inputs` and no labels (a language model's token blocks)
     labelled_inputs: ClassVar[bool] = True
+    #: ``attnlab compare`` runs its default instruments (spectra) on the family's runs
+    default_instruments: ClassVar[bool] = True
 
     def __init__(self, run: Run) -> None:
         self.run = run
