@@ -82,68 +82,6 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def checkpoint_blocks(model: nn.Module) -> nn.Module:
-    """Activation checkpointing: each block's activations recomputed in the backward instead of kept (PyTorch's
-    composable ``checkpoint``, which FSDP2 and torch.compile compose with). Returns ``model``."""
-    from torch.distributed._composable import checkpoint
-
-    blocks = blocks_of(model)
-    if not blocks:
-        raise ConfigError(f"{type(model).__name__} has no transformer blocks (a ModuleList or Sequential named "
-                          "'blocks') to checkpoint; train it without --activation-checkpointing.")
-    for block in blocks:
-        checkpoint(block)
-    return model
-
-
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
-def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict on the CPU, on rank 0 (empty on the others); a collective: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """The sharded model and optimizer state into directory ``path``, replaced whole: written beside it, then
-    renamed by rank 0 once every rank has written (a kill leaves the old directory or the new one, never a mix)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    if dist.get_rank() == 0 and tmp.exists():
-        shutil.rmtree(tmp)
-    dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        old = path.with_name(f".{path.name}.old")
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        if old.exists():
-            shutil.rmtree(old)
-    dist.barrier()
-
-
-def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Model and optimizer state from :func:`save`'s directory ``path``, resharded to this world size."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=Path(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-
 OPTIMIZER_PREFIX = "optimizer-"  # a sharded run's optimizer state: RUN_DIR/optimizer-<save id>/
 
 
