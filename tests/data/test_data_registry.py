@@ -10,8 +10,8 @@ from attnlab.errors import AttnlabError, ConfigError, DatasetError
 
 def test_dataset_names():
     assert data.DATASETS == ("cifar10", "cifar100", "digits", "synthetic", "imagefolder", "listops", "lra_text",
-                             "stdlib", "text", "nanogpt", "stdlib_bpe", "mqar", "video", "moving_digits", "shapes",
-                             "coco")
+                             "stdlib", "text", "nanogpt", "stdlib_bpe", "mqar", "video", "moving_digits", "digits_qa",
+                             "video_qa", "shapes", "coco")
     assert data.DEFAULT_DATASET in data.DATASETS
 
 
