@@ -354,7 +354,8 @@ def _train(run: Run, probe=None, lock: RunLock | None = None) -> dict[str, Any]:
             probes.append({"step": step, **probe(model, probe_inputs)})
             model.train()
 
-    if task.eval_at_init and found is None and main:  # the loss at initialisation (LR sensitivity), eager
+    # the loss at initialisation (LR sensitivity), eager; on every rank of a sharded model (its forward gathers)
+    if task.eval_at_init and found is None and (main or sharded):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             init_eval = task.evaluate(model, device=device, amp_dtype=amp_dtype)
         if progress:

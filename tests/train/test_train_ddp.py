@@ -256,10 +256,12 @@ def test_non_finite_loss_stops_every_rank_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_train_a_language_model(tmp_path):
+@pytest.mark.parametrize("parallel", [[], ["--parallel", "fsdp"]], ids=["ddp", "fsdp"])
+def test_two_ranks_train_a_language_model(tmp_path, parallel):
     """The lm recipe under torchrun (each rank draws its own blocks, data/lm.py): it finishes, records both ranks,
-    evaluates every --eval-every steps and ends below its loss at initialisation."""
-    args = ["train", "--recipe", "lm", "--max-steps", "4", "--eval-every", "2", "--eval-iters", "1",
+    evaluates every --eval-every steps and ends below its loss at initialisation (sharded: every rank takes part in
+    each evaluation, the one at initialisation included)."""
+    args = ["train", *parallel, "--recipe", "lm", "--max-steps", "4", "--eval-every", "2", "--eval-iters", "1",
             "--batch-size", "4", "--block-size", "16", "--warmup-steps", "1", "--threads", "1", "--no-progress",
             "--model-options", "{embed_dim: 32, depth: 1, num_heads: 2}", "--runs-dir", str(tmp_path)]
     proc = _torchrun(args)
