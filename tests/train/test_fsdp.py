@@ -62,3 +62,13 @@ def test_a_sharded_run_refuses_what_it_cannot_do_before_it_starts():
         with pytest.raises(ConfigError, match=f"^{flag} .* not available with --parallel fsdp; drop it or use "
                                               f"--parallel ddp"):
             _check_sharded(make_config("demo", **{key: value}))
+
+
+def test_a_model_without_blocks_is_refused_for_checkpointing_and_sharding():
+    import timm
+
+    from attnlab.errors import ConfigError
+    from attnlab.train.fsdp import checkpoint_blocks
+
+    with pytest.raises(ConfigError, match="^ResNet has no transformer blocks .* without --activation-checkpointing"):
+        checkpoint_blocks(timm.create_model("resnet18", pretrained=False))

@@ -152,7 +152,8 @@ SHARDED = ["--parallel", "fsdp", "--activation-checkpointing"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("repeated_aug", "parallel"), [(1, []), (3, []), (1, SHARDED)], ids=["ddp", "ddp-ra3", "fsdp"])
+@pytest.mark.parametrize(("repeated_aug", "parallel"), [(1, []), (3, []), (1, [*SHARDED, "--grad-accum", "2"])],
+                         ids=["ddp", "ddp-ra3", "fsdp-accum"])
 def test_two_ranks_train_the_one_process_model(tmp_path, repeated_aug, parallel):
     args = [*DEMO, "--epochs", "1", "--repeated-aug", str(repeated_aug), "--threads", "1"]
     one = _single([*args, "--runs-dir", str(tmp_path / "one")])
