@@ -269,6 +269,20 @@ def test_parquet_through_pyarrow(tmp_path, gpt2_like, monkeypatch):
     assert r.returncode == 2 and "no 'body' column (it has text, n)" in r.stderr
 
 
+def test_a_real_parquet_file(tmp_path, gpt2_like):
+    """The same through pyarrow itself (the test extra installs it): a file of two row groups, a null row skipped."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = make_docs(23)
+    path = tmp_path / "part-0.parquet"
+    pq.write_table(pa.table({"text": docs[:10] + [None] + docs[10:], "n": list(range(24))}), path, row_group_size=7)
+    prep.prepare(prep.resolve_source(str(path)), gpt2_like, tmp_path / "out", val=prep.Val(count=2))
+    want = expected_shards(docs, gpt2_like, "<|endoftext|>", 10**8, lambda i: i < 2)
+    assert shard_bytes(tmp_path / "out", "train") == want["train"]
+    assert shard_bytes(tmp_path / "out", "val") == want["val"]
+
+
 def test_parquet_without_pyarrow_names_the_extra(tmp_path, gpt2_like, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
