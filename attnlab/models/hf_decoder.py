@@ -37,7 +37,7 @@ _LAYER = {"input_layernorm.weight": "norm1.weight", "post_attention_layernorm.we
           **{f"mlp.{n}.weight": f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}}
 
 
-def _files(path: str | Path) -> tuple[Path, Path]:
+def checkpoint_files(path: str | Path) -> tuple[Path, Path]:
     """(config.json, weights file) of a checkpoint directory or of a safetensors file with its config beside it."""
     path = Path(path)
     weights = path / "model.safetensors" if path.is_dir() else path
@@ -50,7 +50,7 @@ def _files(path: str | Path) -> tuple[Path, Path]:
 
 
 def read_config(path: str | Path) -> dict:
-    config_file, _ = _files(path)
+    config_file, _ = checkpoint_files(path)
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as err:
@@ -71,7 +71,7 @@ def weight_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     """name -> shape of the checkpoint's tensors, read from the safetensors header alone ({} where it cannot be read:
     reading the weights reports that)."""
     try:
-        with open_safetensors(_files(path)[1]) as f:
+        with open_safetensors(checkpoint_files(path)[1]) as f:
             return {k: shape for k, (_, shape) in safetensors_header(f).items()}
     except Exception:  # noqa: BLE001 - read_state_dict names what is wrong with the file
         return {}
@@ -191,7 +191,7 @@ def load_hf_decoder(model: nn.Module, path: str | Path) -> nn.Module:
     """Load Hugging Face Llama / Qwen2 / Qwen3 weights into ``model`` (a :class:`Llama` of the same geometry):
     what ``build_model("llama_tiny", pretrained_file=path, ...)`` uses. ConfigError naming the first difference."""
     source = f"Hugging Face checkpoint {path}"
-    geometry = hf_geometry(read_config(path), source, weight_shapes(path), owner=str(_files(path)[0]))
+    geometry = hf_geometry(read_config(path), source, weight_shapes(path), owner=str(checkpoint_files(path)[0]))
     if not isinstance(model, Llama):
         raise ConfigError(f"{source} holds Llama-shaped weights; load them into a Llama preset, not "
                           f"{type(model).__name__}.")
@@ -209,7 +209,7 @@ def load_hf_decoder(model: nn.Module, path: str | Path) -> nn.Module:
         if key != "block_size" and ours[key] != value:
             raise ConfigError(f"{source} has {key}={value} where the model has {ours[key]}; build it with "
                               f"{key}={value} (or use llama_from_hf).")
-    return load_strict(model, to_attnlab(read_state_dict(_files(path)[1]), geometry, source), source)
+    return load_strict(model, to_attnlab(read_state_dict(checkpoint_files(path)[1]), geometry, source), source)
 
 
 def llama_from_hf(path: str | Path, **overrides) -> Llama:
@@ -221,10 +221,10 @@ def llama_from_hf(path: str | Path, **overrides) -> Llama:
     if unknown is not None:
         raise ConfigError(f"{unknown!r} is not an argument of Llama{did_you_mean(unknown, valid)}; give one of "
                           f"{', '.join(valid)}.")
-    geometry = hf_geometry(read_config(path), source, weight_shapes(path), owner=str(_files(path)[0]))
+    geometry = hf_geometry(read_config(path), source, weight_shapes(path), owner=str(checkpoint_files(path)[0]))
     model = Llama(**{**geometry, **overrides})
     model.attnlab_model = "llama"
-    state = read_state_dict(_files(path)[1])
+    state = read_state_dict(checkpoint_files(path)[1])
     dtype = next((t.dtype for t in state.values() if t.is_floating_point()), None)
     if dtype is None:
         raise ConfigError(f"{source} holds no floating-point tensor ({next(iter(state.values())).dtype} and the "
@@ -298,4 +298,4 @@ def export_hf(model: nn.Module, out_dir: str | Path) -> Path:
     return out_dir
 
 
-__all__ = ["MODEL_TYPES", "export_hf", "hf_geometry", "llama_from_hf", "load_hf_decoder", "read_config", "to_attnlab"]
+__all__ = ["MODEL_TYPES", "checkpoint_files", "export_hf", "hf_geometry", "llama_from_hf", "load_hf_decoder", "read_config", "to_attnlab"]

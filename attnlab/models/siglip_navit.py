@@ -20,7 +20,6 @@ in one line. :func:`navit_from_hf` reads a checkpoint as Hugging Face writes it 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
@@ -33,6 +32,7 @@ from torch import nn
 from ..attention.standard import StandardAttention
 from ..errors import ConfigError
 from ..ops.rotary2d import Rotary2D
+from .hf_decoder import checkpoint_files, read_config
 from .pretrained import load_strict, read_state_dict
 
 #: the config.json model types of VideoLLaMA3's encoder and of VisCoP's copy of it
@@ -191,20 +191,8 @@ def navit_to_attnlab(state: Mapping[str, torch.Tensor], depth: int, source: str)
 def navit_from_hf(path: str | Path, **overrides) -> SigLIPNaViT:
     """A :class:`SigLIPNaViT` of the checkpoint's geometry and weights (in their dtype), from a directory with
     ``config.json`` and ``model.safetensors`` (or the safetensors file with its config beside it)."""
-    path = Path(path)
-    weights = path / "model.safetensors" if path.is_dir() else path
-    config_file = weights.parent / "config.json"
+    config, weights = read_config(path), checkpoint_files(path)[1]
     source = f"SigLIP-NaViT checkpoint {path}"
-    for file, what in ((config_file, "config.json"), (weights, "model.safetensors")):
-        if not file.is_file():
-            raise ConfigError(f"{path} has no {what}; give a directory written by save_pretrained (config.json and "
-                              f"one model.safetensors).")
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{config_file} is not readable JSON ({err}); give the config.json save_pretrained wrote.")
-    if not isinstance(config, dict):
-        raise ConfigError(f"{config_file} holds no JSON object; give the config.json save_pretrained wrote.")
     geometry = {**navit_geometry(config, source), **overrides}
     model = SigLIPNaViT(**geometry)
     model.attnlab_model = "siglip_navit"
