@@ -97,17 +97,22 @@ def _split(name: str, tokens: np.ndarray, train: bool, val_fraction: float) -> n
 
 
 # ---- text: bytes or a tokenizer the user brings -----------------------------------------------------------------
+def files_under(folder: Path) -> list[Path]:
+    """Every non-hidden file under ``folder`` (hidden folders skipped), in sorted relative-path order."""
+    files = []
+    for parent, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        files += [Path(parent) / n for n in names if not n.startswith(".")]
+    return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
+
+
 def text_files(path: Path) -> list[Path]:
     """``path`` itself, or every non-hidden file under the folder ``path`` in sorted relative-path order."""
     if path.is_file():
         return [path]
     if not path.is_dir():
         raise DatasetError(f"text corpus {path} does not exist; give a text file or a folder of them (--data-dir).")
-    files = []
-    for folder, dirs, names in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        files += [Path(folder) / n for n in names if not n.startswith(".")]
-    files.sort(key=lambda p: p.relative_to(path).as_posix())
+    files = files_under(path)
     if not files:
         raise DatasetError(f"text corpus folder {path} holds no files; give a text file or a folder of them.")
     return files

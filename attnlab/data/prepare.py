@@ -176,11 +176,9 @@ def local_files(path: Path) -> list[Path]:
     """``path``, or every non-hidden file under the folder ``path`` in sorted relative-path order."""
     if path.is_file():
         return [path]
-    files = []
-    for folder, dirs, names in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        files += [Path(folder) / n for n in names if not n.startswith(".")]
-    files.sort(key=lambda p: p.relative_to(path).as_posix())
+    from attnlab.data.lm import files_under
+
+    files = files_under(path)
     if not files:
         raise DatasetError(f"input folder {path} holds no files; give JSONL, Parquet or text files.")
     return files
