@@ -126,6 +126,7 @@ def train_one_epoch(model, batches: Iterator[Any], optimizer, scheduler, step_lo
     batches = iter(batches)
     bar = tqdm(range(1, steps + 1), total=steps, desc=f"epoch {epoch}/{epochs}", disable=not progress, leave=False,
                dynamic_ncols=True)
+    trained = [p for group in optimizer.param_groups for p in group["params"]]
     for step in bar:
         optimizer.zero_grad(set_to_none=True)
         step_loss_sum = zero(torch.float32)
@@ -145,7 +146,8 @@ def train_one_epoch(model, batches: Iterator[Any], optimizer, scheduler, step_lo
             for key, v in batch_sums.items():
                 sums[key] = sums[key] + v if key in sums else v.detach().double()
         if clip_grad:
-            nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+            # the optimizer's tensors only: a frozen one may hold a gradient from elsewhere (a warm-up of its own)
+            nn.utils.clip_grad_norm_(trained, clip_grad)
         optimizer.step()
         num_updates += 1
         scheduler.step_update(num_updates)

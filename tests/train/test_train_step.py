@@ -145,3 +145,19 @@ def test_cuda_graph_steps_are_marked(monkeypatch):
     assert compile_mode("auto", torch.device("cuda")) == "reduce-overhead"
     assert compile_mode("auto", torch.device("cpu")) == "default"
     assert compile_mode("max-autotune", torch.device("cpu")) == "max-autotune"
+
+
+def test_clip_reads_the_optimizer_tensors_only():
+    """A frozen tensor that still holds a gradient from elsewhere (the vlm demo's encoder warm-up left one) does
+    not change the clipped step: the total norm is over the tensors the optimizer updates (issue 47's resume)."""
+    def trained(stale: bool):
+        model = Tiny()
+        model.frozen = nn.Linear(2, 2)
+        model.frozen.requires_grad_(False)
+        if stale:
+            model.frozen.weight.grad = torch.full((2, 2), 1e3)
+        _epoch(model, 3, log_every=3, clip_grad=0.1)
+        return model.net.state_dict()
+
+    clean, stale = trained(False), trained(True)
+    assert all(torch.equal(clean[k], stale[k]) for k in clean)

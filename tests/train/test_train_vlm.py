@@ -89,9 +89,6 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="known bug, open in issue 47: after Ctrl-C in epoch 2 and --resume, epoch 2's "
-                                      "train loss differs in the 8th digit and 30 trained tensors differ (two "
-                                      "uninterrupted runs are bit-identical); the cause is not found yet")
 def test_ctrl_c_mid_epoch_then_resume_gives_identical_weights(tmp_path):
     def go(where, kill_at):
         return forked.run([sys.executable, "-c", SCRIPT, str(tmp_path / where), str(kill_at)], capture_output=True,

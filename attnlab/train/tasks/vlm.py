@@ -524,6 +524,7 @@ def pretrain_encoder(encoder, items, *, steps: int, seed: int, batch_size: int =
             loss.backward()
             opt.step()
             sched.step()
+        encoder.zero_grad(set_to_none=True)  # no gradient outlives the warm-up (a resumed run has none)
         encoder.eval()
 
 
