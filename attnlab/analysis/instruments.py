@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from ..models.vlm import VideoPrompts
 from .dna import branch_instruments
 from .entropy import attention_entropy, max_logits, qk_spectral_norms
 from .jacobian import jacobian_conditioning
@@ -83,7 +84,10 @@ def _qk_norms(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Cont
 
 
 def _branches(model: nn.Module, images: torch.Tensor, batch_size: int, ctx: Context) -> dict:
-    measured = branch_instruments(model, images, batch_size=batch_size)
+    return _branch_result(model, branch_instruments(model, images, batch_size=batch_size))
+
+
+def _branch_result(model: nn.Module, measured) -> dict:
     summary = measured.summary()
     flat = {k: v for k, v in summary.items() if k.endswith("_mean") and isinstance(v, float)}
     flat.update(by_group(model, measured.layers, {f"{k}_mean": [float(t.double().mean()) for t in getattr(measured, k)]
@@ -145,11 +149,51 @@ INSTRUMENTS: dict[str, Callable[[nn.Module, torch.Tensor, int, Context], dict]] 
 }
 
 
-def analyze_model(model: nn.Module, images: torch.Tensor, what: list[str], batch_size: int = 32, *,
+def _probe_relevance(model: nn.Module, prompts: VideoPrompts, batch_size: int, ctx: Context) -> dict:
+    from .probe_relevance import plot_probe_relevance, vlm_probe_relevance
+
+    shown = prompts[:RELEVANCE_IMAGES]
+    rel = vlm_probe_relevance(model, shown.tokens, shown.clips, shown.num_frames, position=shown.lengths - 1)
+    figures = []
+    for i in range(len(shown)):
+        path = ctx.figure(f"probe_relevance_{i}.png")
+        if path is not None:
+            figures.append(str(plot_probe_relevance(shown.clips, rel, path, sample=i)))
+    detail = {"layers": list(rel.layers), "targets": rel.targets.tolist(), "scores": rel.scores.tolist(),
+              "maps": {b: rel.total(b).tolist() for b in rel.maps}}
+    return {"summary": {}, "detail": detail, "figures": figures}
+
+
+def _probe_branches(model: nn.Module, prompts: VideoPrompts, batch_size: int, ctx: Context) -> dict:
+    from .probe_dna import probe_branch_instruments
+
+    return _branch_result(model, probe_branch_instruments(model.vision, prompts.clips, prompts.num_frames,
+                                                          merge_size=model.merge_size, batch_size=batch_size))
+
+
+#: on a video LLM (its inputs :class:`VideoPrompts`) the instruments measure the visual probes' interaction modules
+PROBE_INSTRUMENTS: dict[str, Callable[[nn.Module, VideoPrompts, int, Context], dict]] = {
+    "relevance": _probe_relevance,  # DnA Sec. 4.3, Figs. 4(b) and 14: each probe's relevance over the video tokens
+    "branches": _probe_branches,    # DnA Sec. 4.4 on the probes' cross-DnA: intruders, C(V+, V-), branch cosine
+}
+
+
+def _instrument(name: str, images):
+    if not isinstance(images, VideoPrompts):
+        return INSTRUMENTS[name]
+    if name not in PROBE_INSTRUMENTS:
+        raise UnsupportedModelError(f"{name} measures a transformer's self-attention on images or token blocks; on a "
+                                    f"video LLM attnlab measures the visual probes: "
+                                    f"{', '.join(PROBE_INSTRUMENTS)}.")
+    return PROBE_INSTRUMENTS[name]
+
+
+def analyze_model(model: nn.Module, images: torch.Tensor | VideoPrompts, what: list[str], batch_size: int = 32, *,
                   labels: torch.Tensor | None = None, out_dir: str | Path | None = None, prefix: str = "",
                   skip_unsupported: bool = False, progress: bool = False) -> dict:
     """Run the instruments ``what`` on ``model``; returns ``{"summary": {...}, name: detail, ..., "figures": [...]}``.
 
+    ``images``: what the model takes (a video LLM's :class:`VideoPrompts`: the probe instruments run).
     ``labels`` (one per image) feed the instruments that need them (robustness's top-1); per-run figures go to
     ``out_dir`` (file names start with ``prefix``). With ``skip_unsupported`` an instrument that does not apply to
     the model is recorded under ``"skipped"`` (name -> the one-line reason) and the others run. ``progress`` shows
@@ -171,7 +215,7 @@ def analyze_model(model: nn.Module, images: torch.Tensor, what: list[str], batch
             outer.set_postfix_str(name)
             inner.reset()
             try:
-                result = INSTRUMENTS[name](model, images, batch_size, ctx)
+                result = _instrument(name, images)(model, images, batch_size, ctx)
             except UnsupportedModelError as err:
                 if not skip_unsupported:
                     raise
@@ -244,7 +288,7 @@ def annotate_runs(run_dirs: list[str | Path], what: list[str], images: int = 160
         model, cfg = _instrumented(run, run.load_model()), run.cfg
         key = (cfg.dataset, cfg.run.data_dir, repr(sorted(cfg.data_options.items())))
         if key not in cache:
-            cache[key] = run.task.inputs(images)
+            cache[key] = run.task.instrument_inputs(images)
         out = analyze_model(model, cache[key], todo, batch_size=batch_size, skip_unsupported=True)
         summary = out["summary"]
         result.setdefault("extra", {}).update(summary)
@@ -273,7 +317,7 @@ def check_instruments(what: list[str], configs: list) -> None:
         seen.add(key)
         with torch.random.fork_rng(devices=[]):
             model = _instrumented(run, run.build_model(pretrained=False).eval())
-        inputs = run.task.inputs(2)
+        inputs = run.task.instrument_inputs(2)
         skipped = analyze_model(model, inputs, [w for w in what if w not in applies], batch_size=2,
                                 skip_unsupported=True).get("skipped", {})
         applies |= {w for w in what if w not in skipped}

@@ -21,7 +21,6 @@ ViT's prefix tokens kept apart), padded frames are zero.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,31 +50,19 @@ def probe_norm(visual: torch.Tensor, valid: torch.Tensor, probes: torch.Tensor) 
 def interaction_intermediates(vision: nn.Module, want: Want, record: Callable[[int, Intermediates], None]
                               ) -> Iterator[list[nn.Module]]:
     """While open, every forward of ``vision``'s interaction modules (a :class:`VisCoPEncoder` or its
-    :class:`VisualProbes`) computes what ``want`` asks and calls ``record(k, intermediates)`` for module k. A module
-    with the observer contract is observed; DnA's cross-attention is called through its ``run(..., want=)``."""
+    :class:`VisualProbes`) computes what ``want`` asks and calls ``record(k, intermediates)`` for module k (the
+    attention contract's observer: every cross-attention is an attnlab mechanism)."""
     probes = getattr(vision, "probes", vision)
     modules = list(getattr(probes, "interaction_modules", ()))
     if not modules:
         raise UnsupportedModelError(f"{type(vision).__name__} has no visual probes; give a VisCoPEncoder (or a "
                                     f"VisionLanguageModel's .vision).")
-    handles, patched = [], []
-    for k, module in enumerate(modules):
-        if hasattr(module, "observe"):
-            handles.append(module.observe(want, lambda mod, found, k=k: record(k, found)))
-        else:  # DnACrossAttention: the same forward, asked for its intermediates
-            def forward(self, x, context, attn_mask=None, k=k):
-                out, found = self.run(x, context, attn_mask, want=want)
-                record(k, found)
-                return out
-            module.forward = types.MethodType(forward, module)
-            patched.append(module)
+    handles = [module.observe(want, lambda mod, found, k=k: record(k, found)) for k, module in enumerate(modules)]
     try:
         yield modules
     finally:
         for h in handles:
             h.remove()
-        for module in patched:
-            del module.forward
 
 
 def token_layout(encoder: nn.Module, height: int, width: int, merge_size: int) -> tuple[int, int, int, torch.Tensor]:
@@ -230,7 +217,7 @@ def plot_probe_relevance(clips: torch.Tensor, relevance: ProbeRelevance, path: s
                         ha="right", va="center", fontsize="small")
     head = f"target token {int(relevance.targets[sample])}, " if relevance.targets is not None else ""
     fig.suptitle(title or f"{head}relevance summed over layers {list(relevance.layers)}", fontsize="small")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.25 / (1 + len(rows))))  # the title above the frames' own titles
     return save_png(fig, path, dpi=100)
 
 

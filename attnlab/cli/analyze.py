@@ -120,7 +120,7 @@ def run(args) -> int:
             continue
         # a detector (its transformer measured) or a language model (its first validation blocks, token ids)
         if hasattr(task, "instrument_model") or not task.labelled_inputs:
-            image_cache[label] = (task.inputs(args.images).to(device), None)
+            image_cache[label] = (task.instrument_inputs(args.images).to(device), None)
         if hasattr(task, "instrument_model"):
             model = task.instrument_model(model)
         targets.append((label, cfg.attn, model, cfg.dataset, args.data_dir or cfg.run.data_dir))
@@ -143,7 +143,8 @@ def run(args) -> int:
             model, images, model_what, batch_size=args.batch_size, labels=labels, out_dir=out,
             prefix="" if len(targets) == 1 else f"{label}-", skip_unsupported=True, progress=progress)}
         skipped += [(label, name, why) for name, why in results[label].get("skipped", {}).items()]
-        print(f"{label}: " + ", ".join(f"{k} {v:.4g}" for k, v in results[label]["summary"].items()))
+        if results[label]["summary"]:  # relevance and predictions draw figures and summarise nothing
+            print(f"{label}: " + ", ".join(f"{k} {v:.4g}" for k, v in results[label]["summary"].items()))
     if skipped and len(skipped) == len(targets) * len(model_what) and not (runs and "curves" in what) and not drawn:
         raise UnsupportedModelError(skipped[0][2])  # nothing was measured: the reason is the error
     for label, name, why in skipped:

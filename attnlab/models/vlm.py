@@ -17,6 +17,7 @@ task to add through ``peft``; full fine-tuning needs nothing.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -25,6 +26,27 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import ConfigError
 from .llama import Llama
 from .viscop import VisCoPEncoder
+
+
+@dataclass
+class VideoPrompts:
+    """Prompts and their clips as :meth:`VisionLanguageModel.forward` takes them: ``tokens`` (B, L) right-padded,
+    ``clips`` (B, T, C, H, W), ``num_frames`` (B,) real frames per clip, ``lengths`` (B,) tokens per prompt (what
+    the instruments of ``attnlab analyze`` read on a video LLM run)."""
+
+    tokens: torch.Tensor
+    clips: torch.Tensor
+    num_frames: torch.Tensor
+    lengths: torch.Tensor
+
+    def to(self, device) -> "VideoPrompts":
+        return VideoPrompts(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+    def __getitem__(self, rows: slice) -> "VideoPrompts":
+        return VideoPrompts(*(getattr(self, f.name)[rows] for f in fields(self)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
 
 
 class Projector(nn.Module):

@@ -106,3 +106,31 @@ def test_ctrl_c_mid_epoch_then_resume_gives_identical_weights(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads(again.stdout.strip().splitlines()[-1])["accuracy"] == \
         json.loads(whole.stdout.strip().splitlines()[-1])["accuracy"]
+
+
+def test_analyze_measures_the_probes_of_a_vlm_run(tmp_path, capsys):
+    """`attnlab analyze` on a DnA video LLM run: relevance explains each prompt's first predicted token (the same
+    token the model predicts from that prompt alone, unpadded), branches measures the probes' two branches, and an
+    instrument of self-attention says in one line that it does not apply."""
+    from attnlab.cli import main
+
+    cfg = RECIPES["vlm_demo"].replace(runs_dir=str(tmp_path), name="qa", attn="dna",
+                                      **{**TINY, "epochs": 1, "encoder_pretrain_steps": 0})
+    train(cfg)
+    run_dir = tmp_path / "qa"
+    capsys.readouterr()
+    assert main(["analyze", str(run_dir), "--what", "relevance,branches,spectra", "--images", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "spectra does not apply" in err and "visual probes: relevance, branches" in err
+    found = json.loads((run_dir / "analysis.json").read_text())["qa"]
+    assert set(found["relevance"]["maps"]) == {"neg", "pos"} and len(found["relevance"]["targets"]) == 3
+    assert found["summary"]["branch_cosine_mean"] == found["branches"]["branch_cosine_mean"]
+    assert all((run_dir / f"probe_relevance_{i}.png").stat().st_size > 0 for i in range(3))
+
+    opened = Run.open(run_dir)
+    model, prompts = opened.load_model(torch.device("cpu")).eval(), opened.task.instrument_inputs(3)
+    with torch.no_grad():
+        alone = [int(model(prompts.tokens[i:i + 1, :n], prompts.clips[i:i + 1], prompts.num_frames[i:i + 1])[0, -1]
+                     .argmax()) for i, n in enumerate(prompts.lengths.tolist())]
+    assert len(set(prompts.lengths.tolist())) > 1  # right padding: the last token is not every prompt's
+    assert found["relevance"]["targets"] == alone

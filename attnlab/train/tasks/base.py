@@ -160,6 +160,11 @@ class Task:
         """The first ``n`` test inputs, as the model takes them (probes, instruments)."""
         raise NotImplementedError
 
+    def instrument_inputs(self, n: int) -> Any:
+        """What the instruments of ``attnlab analyze`` read: the first ``n`` test inputs (:meth:`inputs`), unless a
+        family's model takes more than one tensor (the video LLM: its prompts with their clips)."""
+        return self.inputs(n)
+
     def line(self, record: dict[str, Any]) -> str:
         """One progress line for an epoch's metrics record."""
         shown = [f"train_loss {record['train_loss']:.4f}"] + [f"{k} {record[k]:.4f}" for k in self.metrics

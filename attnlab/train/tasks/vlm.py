@@ -78,7 +78,8 @@ class VideoQA(Task):
     report_columns = ("test_loss",)
     percent = True
     labelled_inputs = False
-    default_instruments = False  # the instruments for the probes come with their own issue item
+    curve_panels = (("train_loss", "train loss"), ("test_loss", "test loss"), ("accuracy", "test accuracy (%)"))
+    default_instruments = False  # compare's default (spectra) reads self-attention; the probes': --analyze relevance
 
     def __init__(self, run) -> None:
         super().__init__(run)
@@ -339,15 +340,15 @@ class VideoQA(Task):
                                              enabled=amp_dtype is not None):
             for start in range(0, len(rows), per):
                 idx = list(range(start, min(start + per, len(rows))))
-                prompts = [(r[2], r[2], r[2], r[3]) for r in (rows[i] for i in idx)]
-                tokens, _, clips, frames = (t.to(device) for t in self._collate(prompts, False, idx))
+                prompts = [rows[i][2] for i in idx]
+                tokens, clips, frames = (t.to(device) for t in self.prompt_batch(idx))
                 if self.options.eval_mode == "generate":
-                    chosen += [self._generate_choice(model, tokens[b:b + 1, :len(prompts[b][0])], clips[b:b + 1],
+                    chosen += [self._generate_choice(model, tokens[b:b + 1, :len(prompts[b])], clips[b:b + 1],
                                                      frames[b:b + 1], items[i]) for b, i in enumerate(idx)]
                     continue
                 logits = model(tokens, clips, frames).float()
                 for b, i in enumerate(idx):
-                    last = logits[b, len(prompts[b][0]) - 1]
+                    last = logits[b, len(prompts[b]) - 1]
                     letters = torch.tensor(self.template.letter_ids(items[i].options), device=device)
                     chosen.append(int(last[letters].argmax()))
                     if items[i].answer >= 0:
@@ -355,6 +356,14 @@ class VideoQA(Task):
                                                                                                   None])))
         model.train(was)
         return mcq_metrics(items, chosen, losses)
+
+    def prompt_batch(self, indices: list[int]):
+        """The evaluation prompts ``indices`` (up to the first answer) as (tokens (B, L) right-padded, clips (B, T,
+        C, H, W), real frames (B,)): what evaluation and ``attnlab analyze`` feed the model."""
+        rows = self.encoded(False)
+        prompts = [(rows[i][2], rows[i][2], rows[i][2], rows[i][3]) for i in indices]
+        tokens, _, clips, frames = self._collate(prompts, False, indices)
+        return tokens, clips, frames
 
     def _generate_choice(self, model, tokens, clips, frames, item) -> int:
         """Greedy generation (no cache: the answers are short), then the first option letter in the text."""
@@ -395,6 +404,16 @@ class VideoQA(Task):
             text = [t if t not in media else self.template.pad_id for t in r[2]]
             tokens[b, :len(text)] = torch.tensor(text)
         return tokens
+
+    def instrument_inputs(self, n: int):
+        """The first ``n`` evaluation prompts with their clips (:class:`~attnlab.models.vlm.VideoPrompts`)."""
+        import torch
+
+        from attnlab.models.vlm import VideoPrompts
+
+        idx = list(range(min(n, len(self.encoded(False)))))
+        lengths = torch.tensor([len(self.encoded(False)[i][2]) for i in idx])
+        return VideoPrompts(*self.prompt_batch(idx), lengths)
 
     def result(self, record: dict[str, Any]) -> dict[str, Any]:
         out = super().result(record)
