@@ -110,8 +110,9 @@ def test_ctrl_c_mid_epoch_then_resume_gives_identical_weights(tmp_path):
 
 def test_analyze_measures_the_probes_of_a_vlm_run(tmp_path, capsys):
     """`attnlab analyze` on a DnA video LLM run: relevance explains each prompt's first predicted token (the same
-    token the model predicts from that prompt alone, unpadded), branches measures the probes' two branches, and an
-    instrument of self-attention says in one line that it does not apply."""
+    token the model predicts from that prompt alone, unpadded), branches measures the probes' two branches, an
+    instrument of self-attention says in one line that it does not apply, and the curves read the family's
+    metrics (accuracy, not top-1)."""
     from attnlab.cli import main
 
     cfg = RECIPES["vlm_demo"].replace(runs_dir=str(tmp_path), name="qa", attn="dna",
@@ -119,13 +120,15 @@ def test_analyze_measures_the_probes_of_a_vlm_run(tmp_path, capsys):
     train(cfg)
     run_dir = tmp_path / "qa"
     capsys.readouterr()
-    assert main(["analyze", str(run_dir), "--what", "relevance,branches,spectra", "--images", "3"]) == 0
+    assert main(["analyze", str(run_dir), "--what", "relevance,branches,spectra,curves", "--images", "3"]) == 0
     err = capsys.readouterr().err
     assert "spectra does not apply" in err and "visual probes: relevance, branches" in err
     found = json.loads((run_dir / "analysis.json").read_text())["qa"]
     assert set(found["relevance"]["maps"]) == {"neg", "pos"} and len(found["relevance"]["targets"]) == 3
     assert found["summary"]["branch_cosine_mean"] == found["branches"]["branch_cosine_mean"]
     assert all((run_dir / f"probe_relevance_{i}.png").stat().st_size > 0 for i in range(3))
+    curves = json.loads((run_dir / "analysis.json").read_text())["curves"]["dna"]  # the family's own metrics
+    assert [p[0] for p in curves["panels"]] == ["train_loss", "test_loss", "accuracy"] and curves["runs"] == 1
 
     opened = Run.open(run_dir)
     model, prompts = opened.load_model(torch.device("cpu")).eval(), opened.task.instrument_inputs(3)
