@@ -58,8 +58,8 @@ def finite_above(owner: str, key: str, value: object, low: float, right: str, hi
 
 
 def _yaml_text(value: object) -> str:
-    """A note for a number YAML read as text (PyYAML reads 1e6 and 1.0e6 as strings: its floats need a dot and a
-    signed exponent), with the spelling it reads as that number."""
+    """A note for a number given as text (quoted in YAML, a string in a config.json), with the spelling that is the
+    number."""
     try:
         number = float(value) if isinstance(value, str) else None
     except ValueError:
@@ -68,7 +68,7 @@ def _yaml_text(value: object) -> str:
         return ""
     mantissa, _, exponent = repr(number).partition("e")
     spelled = f"{mantissa if '.' in mantissa else mantissa + '.0'}e{exponent}" if exponent else repr(number)
-    return f" (YAML reads {value} as text; it reads {spelled} as the number)"
+    return f" ('{value}' is text; write the number {spelled} without quotes)"
 
 
 def divisors(n: int) -> list[int]:

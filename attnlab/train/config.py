@@ -347,7 +347,7 @@ def coerce(key: str, value: Any) -> Any:
             return str(value)
         if typ is dict:
             if isinstance(value, str):
-                value = yaml.safe_load(value) or {}
+                value = yaml.load(value, Loader=_BoundedLoader) or {}
             if not isinstance(value, dict):
                 raise ValueError
             for k, v in value.items():
@@ -695,6 +695,12 @@ class _BoundedLoader(yaml.SafeLoader):
         if node is not None:
             size(node)
         return node
+
+
+# YAML 1.2's floats without a dot or an exponent sign (1e6, 3e-4): YAML 1.1, which PyYAML follows, reads them as text
+_BoundedLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                     re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                     list("-+0123456789"))
 
 
 def read_yaml(path: str | Path, what: str) -> Any:

@@ -75,11 +75,11 @@ def _checkpoint(files: Path, tmp_path: Path, change: dict | None = None, drop=()
     ("{rope_theta: 0}", "Llama's rope_theta is 0, not a finite number above 1 and at most 3.403e+38; give one such as "
                         "10000.0"),
     ("{rope_theta: -10000.0}", "Llama's rope_theta is -10000.0, not a finite number above 1"),
-    ("{rope_theta: 1e6}", "Llama's rope_theta is '1e6', not a finite number above 1 and at most 3.403e+38; give one "
-                          "such as 10000.0 (Llama 2; Llama 3: 500000.0, Qwen: 1000000.0) (YAML reads 1e6 as text; it "
-                          "reads 1000000.0 as the number)"),
-    ("{norm_eps: 1e-6}", "Llama's norm_eps is '1e-6', not a finite number above 0; give one such as 1.0e-06 (Llama: "
-                         "1.0e-05) (YAML reads 1e-6 as text; it reads 1.0e-06 as the number)"),
+    ("{rope_theta: '1e6'}", "Llama's rope_theta is '1e6', not a finite number above 1 and at most 3.403e+38; give "
+                            "one such as 10000.0 (Llama 2; Llama 3: 500000.0, Qwen: 1000000.0) ('1e6' is text; write "
+                            "the number 1000000.0 without quotes)"),
+    ("{norm_eps: \"1e-6\"}", "Llama's norm_eps is '1e-6', not a finite number above 0; give one such as 1.0e-06 "
+                            "(Llama: 1.0e-05) ('1e-6' is text; write the number 1.0e-06 without quotes)"),
     ("{rope_theta: .nan}", "Llama's rope_theta is nan, not a finite number above 1"),
     ("{rope_theta: .inf}", "Llama's rope_theta is inf, not a finite number above 1"),
     ("{norm_eps: -1}", "Llama's norm_eps is -1, not a finite number above 0; give one such as 1.0e-06"),

@@ -133,3 +133,16 @@ def test_compile_on_the_cpu_refuses_a_temporary_directory_with_a_space(tmp_path,
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     Run(cfg).plan()
     assert not (tmp_path / "runs").exists()
+
+
+def test_yaml_numbers_without_a_dot_are_numbers_in_files_and_flags(tmp_path):
+    """1e6 and 3e-4 are floats (YAML 1.2) in --model-options and in config files, as a researcher writes them;
+    PyYAML alone (YAML 1.1) reads them as text. Integers, dates and words stay what they were."""
+    from attnlab.train.config import load_config, make_config
+
+    cfg = make_config("lm_demo_llama", model_options="{rope_theta: 1e6, norm_eps: 1e-6, depth: 2, name: 1e}")
+    assert cfg.model_options == {"rope_theta": 1e6, "norm_eps": 1e-6, "depth": 2, "name": "1e"}
+    assert type(cfg.model_options["depth"]) is int
+    (tmp_path / "c.yaml").write_text("recipe: lm_demo_llama\nmodel_options: {rope_theta: 5e5}\noptim: {lr: 3e-4}\n")
+    loaded = load_config(tmp_path / "c.yaml")
+    assert loaded.model_options == {"rope_theta": 5e5} and loaded.optim.lr == 3e-4
