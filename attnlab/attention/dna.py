@@ -23,7 +23,6 @@ for the self- and the cross-attention module on four backends. docs/methods.md, 
 from __future__ import annotations
 
 import math
-from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -35,7 +34,7 @@ from ..errors import SpecError
 from ..ops import dna_cpu
 from ..ops.dna_triton import call_error as triton_call_error
 from ..ops.dna_triton import dna_attention_triton
-from .base import AttnlabAttention, Branch, Intermediates, Want
+from .base import AttnlabAttention, Branch, Intermediates, Want, block_rows, copy_rows
 from .capabilities import Capabilities
 from .mask import Mask
 
@@ -97,15 +96,6 @@ class Pair(NamedTuple):
 def _branch(name: str) -> str:
     """A block's name by its branch: a shared "q" or "v" serves as q_pos or v_pos."""
     return {"q": "q_pos", "v": "v_pos"}.get(name, name)
-
-
-def block_rows(linear: nn.Linear, names: tuple[str, ...], widths) -> dict[str, tuple]:
-    """Views (weight rows, bias entries) of each named block of a fused Linear (``widths``: one per block), a shared
-    block also under its branch's name (``q`` as ``q_pos``, ``v`` as ``v_pos``)."""
-    ends = list(accumulate(widths))
-    rows = {name: (linear.weight.data[end - w:end], None if linear.bias is None else linear.bias.data[end - w:end])
-            for name, w, end in zip(names, widths, ends)}
-    return {**rows, **{_branch(name): rows[name] for name in names}}
 
 
 def _slots(names: tuple[str, ...], items) -> tuple:
@@ -170,11 +160,7 @@ class DnAAttention(AttnlabAttention):
         src_rows = module.rows() if ours else block_rows(src, ("q", "k", "v"), super().qkv_widths())
         dst_rows = block_rows(fused, self.qkv_blocks, self.qkv_widths())
         with torch.no_grad():
-            for (w, b), (sw, sb) in ((dst_rows[n], src_rows[_branch(n)]) for n in self.qkv_blocks
-                                     if _branch(n) in src_rows):  # not a negative branch the source lacks
-                w.copy_(sw)
-                if b is not None:
-                    b.copy_(sb) if sb is not None else b.zero_()
+            copy_rows(dst_rows, src_rows)  # the blocks both have: not a negative branch the source lacks
             self._init_negative(dst_rows, only=tuple(n for n in ("q_neg", "v_neg") if n not in src_rows))
         self.qkv = fused
         alpha = getattr(module, "alpha", None)
@@ -345,4 +331,4 @@ class DnAAttention(AttnlabAttention):
         return f"{super().extra_repr()}, variant={self.variant}, scale={self.scale_mode}"
 
 
-__all__ = ["DnAAttention", "Pair", "Queries", "VARIANTS", "block_names", "block_rows", "combine", "negates_query"]
+__all__ = ["DnAAttention", "Pair", "Queries", "VARIANTS", "block_names", "combine", "negates_query"]
