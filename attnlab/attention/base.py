@@ -257,7 +257,9 @@ class AttnlabAttention(Declares, nn.Module):
             geo["backend"] = "auto"
         if options.get("backend") == "auto":  # the spec's default keeps the module's own path
             del options["backend"]
-        new = cls(**{**geo, **options}, layer_index=layer_index, num_layers=num_layers)
+        # what the new module builds itself (DnA's fused projection, diff's lambdas) on the weights' device and dtype
+        ref = next(module.qkv.parameters())  # the stored weight: a parametrisation is not run
+        new = cls(**{**geo, **options}, layer_index=layer_index, num_layers=num_layers).to(ref.device, ref.dtype)
         new.adopt(module)
         return new
 

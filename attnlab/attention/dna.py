@@ -155,18 +155,16 @@ class DnAAttention(AttnlabAttention):
         fill what is new according to ``init``."""
         fused = self.qkv
         super().adopt(module)  # takes module.qkv (and proj, norms, position bias) as the base class does
-        src, ours = module.qkv, isinstance(module, DnAAttention)
-        fused = fused.to(device=src.weight.device, dtype=src.weight.dtype)
-        src_rows = module.rows() if ours else block_rows(src, ("q", "k", "v"), super().qkv_widths())
+        ours = isinstance(module, DnAAttention)
+        src_rows = module.rows() if ours else block_rows(module.qkv, ("q", "k", "v"), super().qkv_widths())
         dst_rows = block_rows(fused, self.qkv_blocks, self.qkv_widths())
         with torch.no_grad():
             copy_rows(dst_rows, src_rows)  # the blocks both have: not a negative branch the source lacks
             self._init_negative(dst_rows, only=tuple(n for n in ("q_neg", "v_neg") if n not in src_rows))
         self.qkv = fused
         alpha = getattr(module, "alpha", None)
-        if self.alpha is not None:
-            same = isinstance(alpha, nn.Parameter) and alpha.shape == self.alpha.shape
-            self.alpha = alpha if same else nn.Parameter(self.alpha.detach().to(src.weight.device, src.weight.dtype))
+        if self.alpha is not None and isinstance(alpha, nn.Parameter) and alpha.shape == self.alpha.shape:
+            self.alpha = alpha
 
     def _init_negative(self, rows: dict, only: tuple[str, ...] = ("q_neg", "v_neg")) -> None:
         """Fill the q_neg / v_neg rows (those in ``only``) in place: ``init=copy`` gives Q- = |neg_init| * Q+ and
