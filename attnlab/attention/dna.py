@@ -50,17 +50,6 @@ def block_names(variant: str) -> tuple[str, ...]:
     return (("q_pos", "q_neg") if sep_q else ("q",)) + ("k",) + (("v_pos", "v_neg") if sep_v else ("v",))
 
 
-def _check_options(variant: str, alpha_init: float, scale: str, init: str, neg_init: float) -> None:
-    for key, value, allowed in (("variant", variant, VARIANTS), ("scale", scale, SCALES), ("init", init, INITS)):
-        if value not in allowed:
-            raise SpecError(f"dna({key}={value}) is not valid; {key} is one of: {', '.join(allowed)}.")
-    if variant == "sum" and alpha_init != 0.5:
-        raise SpecError("dna(variant=sum) fixes alpha at 1; drop alpha_init, or use variant=shared for a "
-                        "learnable alpha.")
-    if not math.isfinite(alpha_init) or not math.isfinite(neg_init):
-        raise SpecError("dna's alpha_init and neg_init must be finite numbers.")
-
-
 def negates_query(device: torch.device, is_causal: bool = False) -> bool:
     """How SDPA computes the softmin branch: with -Q- (True) or a negated scale (False: free, on the CPU without
     ``is_causal``, whose kernels scale before taking the row maximum; CUDA's flash kernels take it before scaling,
@@ -125,7 +114,14 @@ class DnAAttention(AttnlabAttention):
     def __init__(self, dim: int, num_heads: int = 8, *, variant: str = "qv", alpha_init: float = 0.5,
                  scale: str = "both", init: str = "random", neg_init: float = 1e-4, **kwargs) -> None:
         super().__init__(dim, num_heads, **kwargs)
-        _check_options(variant, alpha_init, scale, init, neg_init)
+        for key, value, allowed in (("variant", variant, VARIANTS), ("scale", scale, SCALES), ("init", init, INITS)):
+            if value not in allowed:
+                raise SpecError(f"dna({key}={value}) is not valid; {key} is one of: {', '.join(allowed)}.")
+        if variant == "sum" and alpha_init != 0.5:
+            raise SpecError("dna(variant=sum) fixes alpha at 1; drop alpha_init, or use variant=shared for a "
+                            "learnable alpha.")
+        if not math.isfinite(alpha_init) or not math.isfinite(neg_init):
+            raise SpecError("dna's alpha_init and neg_init must be finite numbers.")
         self.variant, self.alpha_init, self.scale_mode = variant, alpha_init, scale
         self.init, self.neg_init = init, neg_init
         self.qkv_blocks = block_names(variant)
