@@ -87,10 +87,12 @@ def _branch(name: str) -> str:
     return {"q": "q_pos", "v": "v_pos"}.get(name, name)
 
 
-def _pair(t: torch.Tensor, stacked: bool, dim: int = 1) -> tuple:
-    """(positive, negative) branch of a query or value block: the halves of ``t`` along ``dim`` (the negative heads
-    stacked after the positive ones), or ``t`` twice (one block shared by both branches)."""
-    return t.chunk(2, dim) if stacked else (t, t)
+def _slots(names: tuple[str, ...], items) -> tuple:
+    """(q_pos, q_neg, k, v_pos, v_neg) from one item per named block; a shared query or value (the same object) fills
+    both of its slots."""
+    named = {_branch(name): item for name, item in zip(names, items)}
+    q_pos, v_pos = named["q_pos"], named["v_pos"]
+    return q_pos, named.get("q_neg", q_pos), named["k"], v_pos, named.get("v_neg", v_pos)
 
 
 class DnAAttention(AttnlabAttention):
@@ -262,12 +264,15 @@ class DnAAttention(AttnlabAttention):
         Pair as they are."""
         if isinstance(q, Queries):
             return q, k, v
-        sep_q, sep_v, bias = "q_neg" in self.qkv_blocks, "v_neg" in self.qkv_blocks, self.deferred_bias()
-        b = None if bias is None else bias.view(-1, self.head_dim).split([q.shape[1], k.shape[1], v.shape[1]])
-        if b is not None and backend != "kernel":
-            q, k, v, b = q + b[0][:, None], k + b[1][:, None], v + b[2][:, None], None
-        input_bias = None if b is None else (*_pair(b[0], sep_q, 0), b[1], *_pair(b[2], sep_v, 0))
-        return Queries(*_pair(q, sep_q), input_bias), k, Pair(*_pair(v, sep_v))
+        bias = self.deferred_bias()
+        if bias is not None and backend != "kernel":
+            b = bias.view(-1, 1, self.head_dim).split([q.shape[1], k.shape[1], v.shape[1]])
+            q, k, v, bias = q + b[0], k + b[1], v + b[2], None
+        (q_pos, q_neg), (v_pos, v_neg) = ((t.chunk(2, dim=1) if neg in self.qkv_blocks else (t, t))
+                                          for t, neg in ((q, "q_neg"), (v, "v_neg")))
+        input_bias = None if bias is None else _slots(self.qkv_blocks, bias.view(-1, self.head_dim).split(
+            self.block_heads()))
+        return Queries(q_pos, q_neg, input_bias), k, Pair(v_pos, v_neg)
 
     def kernel(self, q, k: torch.Tensor, v, mask: Mask | None, want: Want, backend: str
                ) -> tuple[torch.Tensor, Intermediates]:
