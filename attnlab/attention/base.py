@@ -258,7 +258,7 @@ class AttnlabAttention(Declares, nn.Module):
         if options.get("backend") == "auto":  # the spec's default keeps the module's own path
             del options["backend"]
         # what the new module builds itself (DnA's fused projection, diff's lambdas) on the weights' device and dtype
-        ref = next(module.qkv.parameters())  # the stored weight: a parametrisation is not run
+        ref = next(module.qkv.parameters())  # a stored parameter: reading it runs no parametrisation
         new = cls(**{**geo, **options}, layer_index=layer_index, num_layers=num_layers).to(ref.device, ref.dtype)
         new.adopt(module)
         return new
