@@ -131,8 +131,7 @@ def plot_branch_instruments(results: dict[str, BranchInstruments], out_dir: str 
     layer; one PNG each in ``out_dir``. Returns the paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    k, width = max(r.k for r in results.values()), 0.8 / max(len(results), 1)
-    paths, first = [], next(iter(results.values()))
+    k, paths, first = max(r.k for r in results.values()), [], next(iter(results.values()))
 
     def save(fig, name):
         fig.axes[-1].legend()
@@ -141,10 +140,9 @@ def plot_branch_instruments(results: dict[str, BranchInstruments], out_dir: str 
 
     fig = agg_figure(figsize=(6, 4))
     ax = fig.add_subplot()
-    for i, (name, r) in enumerate(results.items()):
-        counts = torch.bincount(r.pooled("intruders").long(), minlength=k + 1).double()
-        ax.bar((torch.arange(k + 1).double() + (i - (len(results) - 1) / 2) * width).numpy(),
-               (counts / counts.sum()).numpy(), width=width, label=name)
+    # one bar per count 0..k and model, side by side, each model's bars summing to 1
+    ax.hist([r.pooled("intruders").numpy() for r in results.values()], bins=torch.arange(k + 2).numpy() - 0.5,
+            density=True, label=list(results))
     ax.set(xlabel=f"intruder dimensions (k={first.k}, eps={first.eps:.3g})", ylabel="fraction of (sample, head, layer)",
            title="Intruder dimensions between the two branches")
     save(fig, "intruders.png")

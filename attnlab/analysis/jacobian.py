@@ -109,13 +109,6 @@ def head_rows(module: nn.Module, head: int) -> list[slice]:
     return [slice(start, start + D) for start in (head * D, A + g * D, A + module.kv_dim + g * D)]
 
 
-def _check(module: nn.Module, name: str) -> None:
-    if "head" not in capabilities_of(module).intermediates:
-        raise UnsupportedModelError(
-            f"the attention Jacobian is defined for softmax attention, but {name} is {type(module).__name__}; "
-            f"measure a model built with a softmax kernel (standard, optionally with ns, sigma, speccond, qknorm).")
-
-
 def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Sequence[int] | None = None,
                           heads: Sequence[int] | None = None, sequences: Sequence[int] | None = None,
                           dtype: torch.dtype = torch.float64) -> JacobianConditioning:
@@ -127,7 +120,10 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
     found = attention_modules(model)
     chosen = [found[i] for i in (range(len(found)) if blocks is None else blocks)]
     for name, module in chosen:
-        _check(module, name)
+        if "head" not in capabilities_of(module).intermediates:
+            raise UnsupportedModelError(
+                f"the attention Jacobian is defined for softmax attention, but {name} is {type(module).__name__}; "
+                f"measure a model built with a softmax kernel (standard, optionally with ns, sigma, speccond, qknorm).")
     sequences = [0] if sequences is None else list(sequences)
     inputs, masks, results = {}, {}, []
     with eval_mode(model):

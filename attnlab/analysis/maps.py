@@ -52,17 +52,11 @@ def map_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def not_called(name: str) -> UnsupportedModelError:
-    """The refusal for an attention module whose forward a pass never called (its hooks saw nothing)."""
-    return UnsupportedModelError(
-        f"attention module {name!r} was not called through its forward (its block runs the module's steps itself), "
-        f"so this instrument cannot see it; call the attention module itself in the block.")
-
-
 @contextmanager
 def _watching(modules, handles=()) -> Iterator[None]:
     """While open, notes which of ``modules`` (name, module) are called; after, removes the hooks ``handles`` and
-    its own, whatever happens, then raises :func:`not_called` for the first module never called."""
+    its own, whatever happens, then raises UnsupportedModelError for the first module never called (its hooks saw
+    nothing)."""
     called: set[int] = set()
     handles = [*handles, *(m.register_forward_pre_hook(lambda mod, args: called.add(id(mod))) for _, m in modules)]
     try:
@@ -71,7 +65,9 @@ def _watching(modules, handles=()) -> Iterator[None]:
         for h in handles:
             h.remove()
     if (missed := next((name for name, m in modules if id(m) not in called), None)) is not None:
-        raise not_called(missed)
+        raise UnsupportedModelError(
+            f"attention module {missed!r} was not called through its forward (its block runs the module's steps "
+            f"itself), so this instrument cannot see it; call the attention module itself in the block.")
 
 
 @contextmanager
@@ -79,7 +75,7 @@ def capture_maps(model: nn.Module, record: Callable[[int, str, nn.Module, dict[s
                  ) -> Iterator[list[tuple[str, nn.Module]]]:
     """While open, every forward of an attention module of ``model`` runs its explicit backend and calls
     ``record(index, name, module, branches)`` with its weight maps (in the autograd graph). Yields the modules;
-    UnsupportedModelError (:func:`not_called`) when one of them was never called."""
+    UnsupportedModelError when one of them was never called."""
     modules = map_modules(model)
     observers = [m.observe(Want(weights=True), lambda mod, found, i=i, n=n: record(i, n, mod, found.weights))
                  for i, (n, m) in enumerate(modules)]
@@ -102,12 +98,11 @@ def eval_mode(model: nn.Module) -> Iterator[torch.device]:
 def forward_batches(model: nn.Module, images: torch.Tensor, batch_size: int, handles=(),
                     watch: list[tuple[str, nn.Module]] = ()) -> None:
     """``images`` through ``model`` in chunks of ``batch_size`` under :func:`eval_mode`; the hooks ``handles`` (what
-    measures the forwards) are removed after, whatever happens. UnsupportedModelError (:func:`not_called`) when a
-    module of ``watch`` (name, module), the ones the hooks measure, was never called."""
+    measures the forwards) are removed after, whatever happens. UnsupportedModelError when a module of ``watch``
+    (name, module), the ones the hooks measure, was never called."""
     with _watching(watch, handles), eval_mode(model) as device:
         for chunk in images.split(batch_size):
             model(chunk.to(device))
 
 
-__all__ = ["Branch", "capture_maps", "eval_mode", "forward_batches", "map_modules", "measured_modules", "not_called",
-           "unconverted"]
+__all__ = ["Branch", "capture_maps", "eval_mode", "forward_batches", "map_modules", "measured_modules", "unconverted"]

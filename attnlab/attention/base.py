@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import Callable, NamedTuple
 
 import torch
@@ -113,6 +114,26 @@ def make_call(module: nn.Module, x: torch.Tensor, keys: int, mask: Mask | None, 
                 torch.compiler.is_compiling())
 
 
+def block_rows(linear: nn.Linear, names: tuple[str, ...], widths) -> dict[str, tuple]:
+    """Views (weight rows, bias entries) of each named block of a fused Linear (``widths``: one per block), a shared
+    query or value block (``q``, ``v``) also under its positive branch's name (``q_pos``, ``v_pos``, as DnA's)."""
+    ends = list(accumulate(widths))
+    rows = {name: (linear.weight.data[end - w:end], None if linear.bias is None else linear.bias.data[end - w:end])
+            for name, w, end in zip(names, widths, ends)}
+    return {**rows, **{f"{name}_pos": rows[name] for name in ("q", "v") if name in rows}}
+
+
+def copy_rows(dst: dict, src: dict) -> None:
+    """Copy each (weight, bias) block of ``src`` into the block of ``dst`` (:func:`block_rows`) of the same name, if
+    it has one; a bias without a source bias is zeroed."""
+    for name, (weight, bias) in src.items():
+        if name in dst:
+            w, b = dst[name]
+            w.copy_(weight)
+            if b is not None:
+                b.copy_(bias) if bias is not None else b.zero_()
+
+
 class LayerCache:
     """One layer's keys and values of the tokens seen so far (as ``project`` returns them), for ``forward(x,
     cache=...)``."""
@@ -155,6 +176,7 @@ class AttnlabAttention(Declares, nn.Module):
     """
 
     adopts_wide_qkv = False  # True for mechanisms that read a wider fused projection (DnA)
+    qkv_blocks: tuple[str, ...] = ("q", "k", "v")  # the fused projection's row blocks, in order (DnA: its variant's)
     takes_context = False  # True for cross-attention: keys and values from a second sequence (``context``)
     #: every mask part honoured, the explicit backend only; a subclass that writes its own ``kernel`` without
     #: declaring a record keeps only the mask and backend fields
@@ -235,7 +257,9 @@ class AttnlabAttention(Declares, nn.Module):
             geo["backend"] = "auto"
         if options.get("backend") == "auto":  # the spec's default keeps the module's own path
             del options["backend"]
-        new = cls(**{**geo, **options}, layer_index=layer_index, num_layers=num_layers)
+        # what the new module builds itself (DnA's fused projection, diff's lambdas) on the weights' device and dtype
+        ref = next(module.qkv.parameters())  # a stored parameter: reading it runs no parametrisation
+        new = cls(**{**geo, **options}, layer_index=layer_index, num_layers=num_layers).to(ref.device, ref.dtype)
         new.adopt(module)
         return new
 
@@ -418,4 +442,4 @@ def is_supported(module: nn.Module) -> bool:
 
 
 __all__ = ["AttentionMask", "AttnlabAttention", "Branch", "Call", "Capabilities", "Intermediates", "LayerCache", "Mask",
-           "SUPPORTED_TYPES", "Want", "is_supported", "make_call"]
+           "SUPPORTED_TYPES", "Want", "block_rows", "copy_rows", "is_supported", "make_call"]

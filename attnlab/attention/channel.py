@@ -58,12 +58,6 @@ class ChannelMapAttention(AttnlabAttention):
                                               f"D x D over features, for which it has no form")
         return CHANNEL_REFUSALS.get(term)
 
-    @staticmethod
-    def geometry(module) -> dict:
-        geo = AttnlabAttention.geometry(module)
-        geo.pop("window_size", None)
-        return geo
-
 
 class DaViTChannelAttention(ChannelMapAttention):
     """DaViT's channel attention (timm ``ChannelAttention``), or with ``v2`` timm's ``ChannelAttentionV2``, whose
@@ -78,7 +72,7 @@ class DaViTChannelAttention(ChannelMapAttention):
 
     @staticmethod
     def geometry(module) -> dict:
-        geo = ChannelMapAttention.geometry(module)
+        geo = AttnlabAttention.geometry(module)
         if isinstance(module, DaViTChannelAttention):
             geo.update(v2=module.v2, dynamic_scale=module.dynamic_scale)
         elif isinstance(module, TimmChannelAttentionV2):

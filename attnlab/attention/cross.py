@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .base import block_rows, copy_rows
 from .capabilities import Capabilities
 from .standard import StandardAttention
 
@@ -28,11 +29,19 @@ class CrossAttention:
 
     takes_context = True
 
-    def cross_projections(self, kv_dim: int | None, q_blocks: int, kv_blocks: int, bias: bool) -> None:
+    def cross_projections(self, kv_dim: int | None, bias: bool) -> None:
         del self.qkv  # the self-attention projection
         self.context_dim = kv_dim or self.dim
-        self.q = nn.Linear(self.dim, q_blocks * self.attn_dim, bias=bias)
-        self.kv = nn.Linear(self.context_dim, kv_blocks * self.attn_dim, bias=bias)
+        self.query_blocks = sum(name.startswith("q") for name in self.qkv_blocks)
+        self.q = nn.Linear(self.dim, self.query_blocks * self.attn_dim, bias=bias)
+        self.kv = nn.Linear(self.context_dim, (len(self.qkv_blocks) - self.query_blocks) * self.attn_dim, bias=bias)
+
+    def rows(self) -> dict:
+        """(weight, bias) views of each named block (:func:`~attnlab.attention.base.block_rows`): the query blocks of
+        ``q``, the key and value blocks of ``kv``."""
+        n, widths = self.query_blocks, self.qkv_widths()
+        return {**block_rows(self.q, self.qkv_blocks[:n], widths[:n]),
+                **block_rows(self.kv, self.qkv_blocks[n:], widths[n:])}
 
     def row_stride(self) -> int:
         return self.q.out_features
@@ -46,6 +55,15 @@ class CrossAttention:
         """x: (B, N, dim), context: (B, M, kv_dim) -> (B, N, dim); ``attn_mask`` broadcastable to (B, H, N, M), bool
         (True = attend) or additive, or an :class:`AttentionMask` (key padding over the context)."""
         return self.run(x, attn_mask, context=context)[0]
+
+    @torch.no_grad()
+    def copy_from(self, q: nn.Linear, k: nn.Linear, v: nn.Linear, proj: nn.Linear | None = None):
+        """Warm start from a softmax cross-attention's q, k, v (and output) projections, copied into the query, key
+        and value blocks (DnA: Q+, K, V+); returns self."""
+        copy_rows(self.rows(), {"q_pos": (q.weight, q.bias), "k": (k.weight, k.bias), "v_pos": (v.weight, v.bias)})
+        if proj is not None:
+            self.proj.load_state_dict(proj.state_dict())
+        return self
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kv_dim={self.context_dim}"
@@ -65,20 +83,7 @@ class StandardCrossAttention(CrossAttention, StandardAttention):
                  backend: str = "auto") -> None:
         super().__init__(dim, num_heads, head_dim=head_dim, proj_bias=proj_bias, attn_drop=attn_drop,
                          proj_drop=proj_drop, backend=backend)
-        self.cross_projections(kv_dim, 1, 2, qkv_bias)
-
-    @torch.no_grad()
-    def copy_from(self, q: nn.Linear, k: nn.Linear, v: nn.Linear, proj: nn.Linear | None = None
-                  ) -> "StandardCrossAttention":
-        """Warm start from a softmax cross-attention's q, k, v (and output) projections; returns self."""
-        for dst, srcs in ((self.q, (q,)), (self.kv, (k, v))):
-            dst.weight.copy_(torch.cat([s.weight for s in srcs]))
-            if dst.bias is not None:
-                dst.bias.copy_(torch.cat([s.weight.new_zeros(len(s.weight)) if s.bias is None else s.bias
-                                          for s in srcs]))
-        if proj is not None:
-            self.proj.load_state_dict(proj.state_dict())
-        return self
+        self.cross_projections(kv_dim, qkv_bias)
 
 
 __all__ = ["CrossAttention", "StandardCrossAttention", "cross_causal"]

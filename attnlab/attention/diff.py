@@ -74,12 +74,6 @@ class DiffAttention(AttnlabAttention):
             for name in self._OWN:
                 setattr(self, name, getattr(module, name))
             self.sub_norm = module.sub_norm
-        ref = module.qkv.weight  # parameters created here follow the adopted weights' device and dtype
-        for name in self._OWN:
-            p = getattr(self, name)
-            if p is not None and (p.device, p.dtype) != (ref.device, ref.dtype):
-                setattr(self, name, nn.Parameter(p.detach().to(ref.device, ref.dtype)))
-        self.sub_norm.to(ref.device, ref.dtype)
 
     # ---- the mechanism ---------------------------------------------------------------------------------------------
     def normed(self, q, k, v):

@@ -23,7 +23,6 @@ for the self- and the cross-attention module on four backends. docs/methods.md, 
 from __future__ import annotations
 
 import math
-from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -35,7 +34,7 @@ from ..errors import SpecError
 from ..ops import dna_cpu
 from ..ops.dna_triton import call_error as triton_call_error
 from ..ops.dna_triton import dna_attention_triton
-from .base import AttnlabAttention, Branch, Intermediates, Want
+from .base import AttnlabAttention, Branch, Intermediates, Want, block_rows, copy_rows
 from .capabilities import Capabilities
 from .mask import Mask
 
@@ -49,17 +48,6 @@ def block_names(variant: str) -> tuple[str, ...]:
     shared query is named ``"q"`` and a shared value ``"v"``."""
     sep_q, sep_v = variant in ("qv", "q"), variant in ("qv", "v")
     return (("q_pos", "q_neg") if sep_q else ("q",)) + ("k",) + (("v_pos", "v_neg") if sep_v else ("v",))
-
-
-def _check_options(variant: str, alpha_init: float, scale: str, init: str, neg_init: float) -> None:
-    for key, value, allowed in (("variant", variant, VARIANTS), ("scale", scale, SCALES), ("init", init, INITS)):
-        if value not in allowed:
-            raise SpecError(f"dna({key}={value}) is not valid; {key} is one of: {', '.join(allowed)}.")
-    if variant == "sum" and alpha_init != 0.5:
-        raise SpecError("dna(variant=sum) fixes alpha at 1; drop alpha_init, or use variant=shared for a "
-                        "learnable alpha.")
-    if not math.isfinite(alpha_init) or not math.isfinite(neg_init):
-        raise SpecError("dna's alpha_init and neg_init must be finite numbers.")
 
 
 def negates_query(device: torch.device, is_causal: bool = False) -> bool:
@@ -99,15 +87,6 @@ def _branch(name: str) -> str:
     return {"q": "q_pos", "v": "v_pos"}.get(name, name)
 
 
-def block_rows(linear: nn.Linear, names: tuple[str, ...], widths) -> dict[str, tuple]:
-    """Views (weight rows, bias entries) of each named block of a fused Linear (``widths``: one per block), a shared
-    block also under its branch's name (``q`` as ``q_pos``, ``v`` as ``v_pos``)."""
-    ends = list(accumulate(widths))
-    rows = {name: (linear.weight.data[end - w:end], None if linear.bias is None else linear.bias.data[end - w:end])
-            for name, w, end in zip(names, widths, ends)}
-    return {**rows, **{_branch(name): rows[name] for name in names}}
-
-
 def _slots(names: tuple[str, ...], items) -> tuple:
     """(q_pos, q_neg, k, v_pos, v_neg) from one item per named block; a shared query or value (the same object) fills
     both of its slots."""
@@ -137,7 +116,14 @@ class DnAAttention(AttnlabAttention):
     def __init__(self, dim: int, num_heads: int = 8, *, variant: str = "qv", alpha_init: float = 0.5,
                  scale: str = "both", init: str = "random", neg_init: float = 1e-4, **kwargs) -> None:
         super().__init__(dim, num_heads, **kwargs)
-        _check_options(variant, alpha_init, scale, init, neg_init)
+        for key, value, allowed in (("variant", variant, VARIANTS), ("scale", scale, SCALES), ("init", init, INITS)):
+            if value not in allowed:
+                raise SpecError(f"dna({key}={value}) is not valid; {key} is one of: {', '.join(allowed)}.")
+        if variant == "sum" and alpha_init != 0.5:
+            raise SpecError("dna(variant=sum) fixes alpha at 1; drop alpha_init, or use variant=shared for a "
+                            "learnable alpha.")
+        if not math.isfinite(alpha_init) or not math.isfinite(neg_init):
+            raise SpecError("dna's alpha_init and neg_init must be finite numbers.")
         self.variant, self.alpha_init, self.scale_mode = variant, alpha_init, scale
         self.init, self.neg_init = init, neg_init
         self.qkv_blocks = block_names(variant)
@@ -165,22 +151,16 @@ class DnAAttention(AttnlabAttention):
         fill what is new according to ``init``."""
         fused = self.qkv
         super().adopt(module)  # takes module.qkv (and proj, norms, position bias) as the base class does
-        src, ours = module.qkv, isinstance(module, DnAAttention)
-        fused = fused.to(device=src.weight.device, dtype=src.weight.dtype)
-        src_rows = module.rows() if ours else block_rows(src, ("q", "k", "v"), super().qkv_widths())
+        ours = isinstance(module, DnAAttention)
+        src_rows = module.rows() if ours else block_rows(module.qkv, ("q", "k", "v"), super().qkv_widths())
         dst_rows = block_rows(fused, self.qkv_blocks, self.qkv_widths())
         with torch.no_grad():
-            for (w, b), (sw, sb) in ((dst_rows[n], src_rows[_branch(n)]) for n in self.qkv_blocks
-                                     if _branch(n) in src_rows):  # not a negative branch the source lacks
-                w.copy_(sw)
-                if b is not None:
-                    b.copy_(sb) if sb is not None else b.zero_()
+            copy_rows(dst_rows, src_rows)  # the blocks both have: not a negative branch the source lacks
             self._init_negative(dst_rows, only=tuple(n for n in ("q_neg", "v_neg") if n not in src_rows))
         self.qkv = fused
         alpha = getattr(module, "alpha", None)
-        if self.alpha is not None:
-            same = isinstance(alpha, nn.Parameter) and alpha.shape == self.alpha.shape
-            self.alpha = alpha if same else nn.Parameter(self.alpha.detach().to(src.weight.device, src.weight.dtype))
+        if self.alpha is not None and isinstance(alpha, nn.Parameter) and alpha.shape == self.alpha.shape:
+            self.alpha = alpha
 
     def _init_negative(self, rows: dict, only: tuple[str, ...] = ("q_neg", "v_neg")) -> None:
         """Fill the q_neg / v_neg rows (those in ``only``) in place: ``init=copy`` gives Q- = |neg_init| * Q+ and
@@ -345,4 +325,4 @@ class DnAAttention(AttnlabAttention):
         return f"{super().extra_repr()}, variant={self.variant}, scale={self.scale_mode}"
 
 
-__all__ = ["DnAAttention", "Pair", "Queries", "VARIANTS", "block_names", "block_rows", "combine", "negates_query"]
+__all__ = ["DnAAttention", "Pair", "Queries", "VARIANTS", "block_names", "combine", "negates_query"]

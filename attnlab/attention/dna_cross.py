@@ -11,7 +11,7 @@ from torch import nn
 
 from .capabilities import Capabilities
 from .cross import CrossAttention, cross_causal
-from .dna import DnAAttention, block_rows
+from .dna import DnAAttention
 
 
 class DnACrossAttention(CrossAttention, DnAAttention):
@@ -41,30 +41,18 @@ class DnACrossAttention(CrossAttention, DnAAttention):
                          proj_drop=proj_drop, backend=backend, variant=variant, alpha_init=alpha_init, scale=scale,
                          neg_init=neg_init)
         self.init = init
-        self.q_blocks = tuple(b for b in self.qkv_blocks if b.startswith("q"))
-        self.kv_blocks = tuple(b for b in self.qkv_blocks if not b.startswith("q"))
-        self.cross_projections(kv_dim, len(self.q_blocks), len(self.kv_blocks), qkv_bias)
+        self.cross_projections(kv_dim, qkv_bias)
         if init == "copy":
             with torch.no_grad():
                 self._init_negative(self.rows())
 
-    def rows(self) -> dict:
-        return {**block_rows(self.q, self.q_blocks, [self.attn_dim] * len(self.q_blocks)),
-                **block_rows(self.kv, self.kv_blocks, [self.attn_dim] * len(self.kv_blocks))}
-
     @torch.no_grad()
     def copy_from(self, q: nn.Linear, k: nn.Linear, v: nn.Linear, proj: nn.Linear | None = None) -> "DnACrossAttention":
-        """Warm start from a pretrained softmax cross-attention: Q+, K, V+ (and the output projection) copied, the
-        negative branch filled according to ``init`` (``copy``: the paper's scaled-down copies). Returns self."""
-        rows = self.rows()
-        for name, src in (("q_pos", q), ("k", k), ("v_pos", v)):
-            w, b = rows[name]
-            w.copy_(src.weight)
-            if b is not None:
-                b.copy_(src.bias) if src.bias is not None else b.zero_()
-        self._init_negative(rows)
-        if proj is not None:
-            self.proj.load_state_dict(proj.state_dict())
+        """:meth:`CrossAttention.copy_from <attnlab.attention.cross.CrossAttention.copy_from>` (Q+, K, V+ and the
+        output projection), the negative branch filled according to ``init`` (``copy``: the paper's scaled-down
+        copies). Returns self."""
+        super().copy_from(q, k, v, proj)
+        self._init_negative(self.rows())
         return self
 
 

@@ -47,23 +47,21 @@ class QKClip(nn.Module):
         return f"num_heads={self.num_heads}, tau={self.tau:g}, alpha={self.alpha:g}"
 
 
-def _check(module: nn.Module, index: int) -> None:
-    if has_qk_norm(module):
-        raise SpecError(
-            f"qkclip cannot act on attention module {index}: it normalises q and k after the projection (QK-norm), "
-            f"which divides out any rescaling of W_q and W_k, so the clip would have no effect; use qknorm or qkclip.")
-    if not module.capabilities.plain_softmax:
-        raise SpecError(
-            f"qkclip needs softmax attention (the standard kernel, optionally with ns), but attention module {index} "
-            f"is {type(module).__name__}, whose logits are not q_h k_h^T / sqrt(D) of the fused projection.")
-
-
 def apply(model: nn.Module, modules: list[nn.Module], tau: float = 100.0, alpha: float = 0.5) -> None:
     """Give every attention module a :class:`QKClip` state ``qk_clip`` and an observer that folds each training
     forward's per-head max logits into it (the weights change only when :func:`clip_` runs). SpecError for modules
     with QK-norm or a non-softmax kernel."""
     for index, module in enumerate(modules):
-        _check(module, index)
+        if has_qk_norm(module):
+            raise SpecError(
+                f"qkclip cannot act on attention module {index}: it normalises q and k after the projection (QK-norm), "
+                f"which divides out any rescaling of W_q and W_k, so the clip would have no effect; use qknorm or "
+                f"qkclip.")
+        if not module.capabilities.plain_softmax:
+            raise SpecError(
+                f"qkclip needs softmax attention (the standard kernel, optionally with ns), but attention module "
+                f"{index} is {type(module).__name__}, whose logits are not q_h k_h^T / sqrt(D) of the fused "
+                f"projection.")
     for module in modules:
         module.qk_clip = QKClip(module.num_heads, tau, alpha).to(module.qkv.weight.device)
         module.observe(Want(max_logits=module.qk_clip.tau), _record, training_only=True)
