@@ -75,7 +75,7 @@ class Straightforward(DnAAttention):
         vn = self.v_neg(x).reshape(B, N, H, D).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v) + self.alpha.view(-1, 1, 1) * \
             F.scaled_dot_product_attention(-qn, k, vn)
-        return self.merge(o, x)
+        return self.finish(o, None, x)
 
 
 class TritonKernel(DnAAttention):
@@ -105,7 +105,7 @@ class OneSDPA(DnAAttention):
         k = y[:, :, 2:3].expand(B, N, 2, H, D).reshape(B, N, 2 * H, D).transpose(1, 2)
         v = y[:, :, 3:5].reshape(B, N, 2 * H, D).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v)
-        return self.merge(torch.addcmul(o[:, :H], self.alpha.view(-1, 1, 1), o[:, H:]), x)
+        return self.finish(torch.addcmul(o[:, :H], self.alpha.view(-1, 1, 1), o[:, H:]), None, x)
 
 
 def build(model_name: str, specs: list[str], seed: int = 0, **options) -> dict[str, nn.Module]:

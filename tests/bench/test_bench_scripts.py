@@ -101,6 +101,14 @@ def test_dna_rows_record_their_difference_and_a_wrong_one_is_flagged_not_raised(
     assert dna.tolerance("bf16", cuda) == 0.1
 
 
+def test_the_other_dna_implementations_compute_dna():
+    """Each alternative Q±V± of the benchmark (separate Linears, one SDPA over 2H heads, two SDPA calls) gives the
+    registered dna's output on shared weights (the first two once called a merge method attnlab no longer has)."""
+    models = dna.build("vit_digits", ["dna", "dna[straightforward]", "dna[one-sdpa]", "dna[sdpa]"])
+    got = dna.differences({k: m.eval() for k, m in models.items()}, torch.randn(2, 1, 8, 8), tol=1e-4)
+    assert all(got[k].endswith("| ok") for k in ("dna[straightforward]", "dna[one-sdpa]", "dna[sdpa]")), got
+
+
 def test_the_packing_barrier_gives_up_after_its_timeout(tmp_path, monkeypatch, capsys):
     assert pack.barrier(tmp_path, 0, 2, timeout=0.2) == 1  # the other process never came
     assert pack.barrier(tmp_path, 1, 2, timeout=0.2) == 2
