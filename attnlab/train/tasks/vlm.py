@@ -411,9 +411,9 @@ class VideoQA(Task):
 
         from attnlab.models.vlm import VideoPrompts
 
-        idx = list(range(min(n, len(self.encoded(False)))))
-        lengths = torch.tensor([len(self.encoded(False)[i][2]) for i in idx])
-        return VideoPrompts(*self.prompt_batch(idx), lengths)
+        rows = self.encoded(False)[:n]
+        lengths = torch.tensor([len(r[2]) for r in rows])
+        return VideoPrompts(*self.prompt_batch(list(range(len(rows)))), lengths)
 
     def result(self, record: dict[str, Any]) -> dict[str, Any]:
         out = super().result(record)
