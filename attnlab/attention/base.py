@@ -332,19 +332,31 @@ class AttnlabAttention(Declares, nn.Module):
     def project(self, x: torch.Tensor, context: torch.Tensor | None = None) -> tuple:
         """q (B, H, N, D), k and v (B, num_kv_heads, N, D), normalised (:meth:`normed`); a mechanism with more
         query or value blocks stacks each block's heads after the first's (cross-attention: k, v from ``context``)."""
-        B, N, _ = x.shape
-        H, H_kv = self.num_heads, self.num_kv_heads
-        if H == H_kv:
-            return self.normed(*self.qkv(x).reshape(B, N, 3, H, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0))
-        return self.normed(*self.qkv(x).view(B, N, -1, self.head_dim).transpose(1, 2).split([H, H_kv, H_kv], dim=1))
+        return self.split_heads(self.qkv(x))
+
+    def split_heads(self, y: torch.Tensor) -> tuple:
+        """The fused projection's output (B, N, .) as :meth:`project` returns it: views of the query blocks' heads,
+        the key heads and the value blocks' heads, normalised (:meth:`normed`)."""
+        q_heads = self.num_heads * sum(name.startswith("q") for name in self.qkv_blocks)
+        heads = y.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        return self.normed(*heads.tensor_split([q_heads, q_heads + self.num_kv_heads], dim=1))
 
     def row_stride(self) -> int:
         """The token stride of q, k and v as :meth:`project` returns them: the fused projection's width."""
         return self.qkv.out_features
 
+    def block_heads(self) -> list[int]:
+        """Heads per block of the fused projection (:attr:`qkv_blocks`): queries num_heads, keys and values
+        num_kv_heads."""
+        return [self.num_heads if name.startswith("q") else self.num_kv_heads for name in self.qkv_blocks]
+
     def qkv_widths(self) -> list[int]:
-        """Rows per block of the fused projection ``qkv``: q, k, v."""
-        return [self.attn_dim, self.kv_dim, self.kv_dim]
+        """Rows per block of the fused projection ``qkv``."""
+        return [heads * self.head_dim for heads in self.block_heads()]
+
+    def rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) views of every block of the projection by name (:func:`block_rows`)."""
+        return block_rows(self.qkv, self.qkv_blocks, self.qkv_widths())
 
     def normed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """The per-head steps after the projection: QK-norm on q and k."""

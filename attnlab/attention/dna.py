@@ -23,8 +23,6 @@ for the self- and the cross-attention module on four backends. docs/methods.md, 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,35 +62,9 @@ def combine(o_pos: torch.Tensor, o_neg: torch.Tensor, alpha: torch.Tensor | None
     return torch.addcmul(o_pos, alpha.to(o_pos.dtype).view(-1, 1, 1), o_neg)
 
 
-class Queries(NamedTuple):
-    """DnA's queries (B, H, N, D) per branch, as a caller hands them to :meth:`DnAAttention.kernel` (a shared query:
-    the same tensor twice); ``input_bias``: the fused projection's bias still to be added, five (H, D) tensors for
-    q+, q-, k, v+, v- (the ``kernel`` backend adds it as it reads each head), or None."""
-
-    pos: torch.Tensor
-    neg: torch.Tensor
-    input_bias: tuple | None = None
-
-
-class Pair(NamedTuple):
-    """DnA's values (B, H, M, D) per branch, as a caller hands them to :meth:`DnAAttention.kernel` (a shared value:
-    the same tensor twice)."""
-
-    pos: torch.Tensor
-    neg: torch.Tensor
-
-
 def _branch(name: str) -> str:
     """A block's name by its branch: a shared "q" or "v" serves as q_pos or v_pos."""
     return {"q": "q_pos", "v": "v_pos"}.get(name, name)
-
-
-def _slots(names: tuple[str, ...], items) -> tuple:
-    """(q_pos, q_neg, k, v_pos, v_neg) from one item per named block; a shared query or value (the same object) fills
-    both of its slots."""
-    named = {_branch(name): item for name, item in zip(names, items)}
-    q_pos, v_pos = named["q_pos"], named["v_pos"]
-    return q_pos, named.get("q_neg", q_pos), named["k"], v_pos, named.get("v_neg", v_pos)
 
 
 class DnAAttention(AttnlabAttention):
@@ -151,8 +123,8 @@ class DnAAttention(AttnlabAttention):
         fill what is new according to ``init``."""
         fused = self.qkv
         super().adopt(module)  # takes module.qkv (and proj, norms, position bias) as the base class does
-        ours = isinstance(module, DnAAttention)
-        src_rows = module.rows() if ours else block_rows(module.qkv, ("q", "k", "v"), super().qkv_widths())
+        src_rows = module.rows() if isinstance(module, AttnlabAttention) else \
+            block_rows(module.qkv, ("q", "k", "v"), [self.attn_dim] * 3)  # timm's: no grouped keys
         dst_rows = block_rows(fused, self.qkv_blocks, self.qkv_widths())
         with torch.no_grad():
             copy_rows(dst_rows, src_rows)  # the blocks both have: not a negative branch the source lacks
@@ -194,18 +166,6 @@ class DnAAttention(AttnlabAttention):
                                 f"needs.")
             state_dict[prefix + f"qkv.{kind}"] = torch.cat([parts[_branch(n)] for n in self.qkv_blocks])
 
-    def block_heads(self) -> list[int]:
-        """Heads per block of the fused projection: queries num_heads, keys and values num_kv_heads."""
-        return [self.num_heads if name.startswith("q") else self.num_kv_heads for name in self.qkv_blocks]
-
-    def qkv_widths(self) -> list[int]:
-        """Rows per block of the fused projection."""
-        return [h * self.head_dim for h in self.block_heads()]
-
-    def rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        """(weight, bias) views of every block of the projection by name (:func:`block_rows`)."""
-        return block_rows(self.qkv, self.qkv_blocks, self.qkv_widths())
-
     def projection(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) views of one block of the projection: ``q_pos``, ``q_neg``, ``k``, ``v_pos``, ``v_neg``
         (or ``q`` / ``v`` when shared)."""
@@ -228,17 +188,11 @@ class DnAAttention(AttnlabAttention):
         return qkv.bias if plain and self.rotary is None and self.num_kv_heads == self.num_heads else None
 
     def project(self, x: torch.Tensor, context: torch.Tensor | None = None) -> tuple:
-        """q (B, H or 2H, N, D): the Q+ heads, then the Q- heads; k (B, H_kv, N, D); v (B, H_kv or 2 H_kv, N, D):
-        the V+ heads, then the V- heads; a shared query or value once; views of the one fused projection, QK-norm on
-        q and k. Where :meth:`deferred_bias` holds (the C kernel's forwards) the projection is one bias-free GEMM
-        and the bias is left to the kernel (one pass fewer over the (B, N, 5 dim) output; forward hooks on ``qkv``
-        do not see that GEMM). ``qkv.weight`` is read once (a parametrisation runs on each read)."""
-        B, N, _ = x.shape
-        y = self.qkv(x) if self.deferred_bias() is None else F.linear(x, self.qkv.weight)
-        q_heads = self.num_heads * (1 + ("q_neg" in self.qkv_blocks))
-        q, k, v = y.view(B, N, -1, self.head_dim).transpose(1, 2).split(
-            [q_heads, self.num_kv_heads, self.num_kv_heads * (1 + ("v_neg" in self.qkv_blocks))], dim=1)
-        return self.normed(q, k, v)
+        """The heads of :meth:`split_heads`: the Q+ then the Q- heads, the K heads, the V+ then the V- heads (a shared
+        query or value once). Where :meth:`deferred_bias` holds (the C kernel's forwards) the projection is one
+        bias-free GEMM and the bias is left to the kernel (one pass fewer over the (B, N, 5 dim) output; forward hooks
+        on ``qkv`` do not see that GEMM). ``qkv.weight`` is read once (a parametrisation runs on each read)."""
+        return self.split_heads(self.qkv(x) if self.deferred_bias() is None else F.linear(x, self.qkv.weight))
 
     # ---- the mechanism -----------------------------------------------------------------------------------------
     def supports(self, backend: str, call) -> str | None:
@@ -258,30 +212,30 @@ class DnAAttention(AttnlabAttention):
             torch.float16, torch.bfloat16, torch.float32), bias=call.masked, needs_grad=call.needs_grad,
             head_dim=call.head_dim, batch_heads=call.batch_heads, queries=call.queries, row_stride=call.row_stride)
 
-    def branches(self, q, k: torch.Tensor, v, backend: str) -> tuple:
-        """(:class:`Queries`, k, :class:`Pair`) from :meth:`project`'s heads, the deferred bias added here unless the
-        C kernel adds it (K's too: a constant per query row, yet cached keys must hold it); a caller's Queries and
-        Pair as they are."""
-        if isinstance(q, Queries):
-            return q, k, v
-        bias = self.deferred_bias()
-        if bias is not None and backend != "kernel":
-            b = bias.view(-1, 1, self.head_dim).split([q.shape[1], k.shape[1], v.shape[1]])
-            q, k, v, bias = q + b[0], k + b[1], v + b[2], None
-        (q_pos, q_neg), (v_pos, v_neg) = ((t.chunk(2, dim=1) if neg in self.qkv_blocks else (t, t))
-                                          for t, neg in ((q, "q_neg"), (v, "v_neg")))
-        input_bias = None if bias is None else _slots(self.qkv_blocks, bias.view(-1, self.head_dim).split(
-            self.block_heads()))
-        return Queries(q_pos, q_neg, input_bias), k, Pair(v_pos, v_neg)
+    def branches(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> tuple:
+        """(q+, q-, k, v+, v-, input bias) from :meth:`project`'s heads, a shared query or value in both of its
+        slots. The deferred bias is added here unless the C kernel adds it (K's too: a constant per query row, yet
+        cached keys must hold it); then it is the kernel's input bias, five (H, 1, D) views in the same order."""
+        heads, bias = (q, k, v), self.deferred_bias()
+        if bias is not None:
+            bias = bias.view(-1, 1, self.head_dim).split([t.shape[1] for t in heads])
+            if backend != "kernel":
+                heads, bias = tuple(t + b for t, b in zip(heads, bias)), None
+
+        def pair(t, neg):  # the positive and the negative branch's heads, stacked along dim -3 by project
+            return t.chunk(2, dim=-3) if neg in self.qkv_blocks else (t, t)
+        q, k, v = heads
+        (q_pos, q_neg), (v_pos, v_neg) = pair(q, "q_neg"), pair(v, "v_neg")
+        input_bias = None if bias is None else (*pair(bias[0], "q_neg"), bias[1], *pair(bias[2], "v_neg"))
+        return q_pos, q_neg, k, v_pos, v_neg, input_bias
 
     def kernel(self, q, k: torch.Tensor, v, mask: Mask | None, want: Want, backend: str
                ) -> tuple[torch.Tensor, Intermediates]:
         """A_h = softmax(s^+) V^+ + alpha_h softmin(s^-) V^-, (B, H, N, D), on ``backend``, from :meth:`project`'s
-        heads or a :class:`Queries` and :class:`Pair`; the branches (before alpha) and the weight maps when ``want``
-        asks. The explicit path with a shared V (variants q, shared, sum) forms [softmax(s^+) + alpha softmin(s^-)]
-        V, one product with V, as Table 12 writes it; a shared query's q k^T is computed once, as in the paper's
-        operation count."""
-        (q_pos, q_neg, input_bias), k, (v_pos, v_neg) = self.branches(q, k, v, backend)
+        heads (:meth:`branches`); the branches (before alpha) and the weight maps when ``want`` asks. The explicit
+        path with a shared V (variants q, shared, sum) forms [softmax(s^+) + alpha softmin(s^-)] V, one product with
+        V, as Table 12 writes it; a shared query's q k^T is computed once, as in the paper's operation count."""
+        q_pos, q_neg, k, v_pos, v_neg, input_bias = self.branches(q, k, v, backend)
         dtype, p, found = q_pos.dtype, self.attn_drop.p if self.training else 0.0, Intermediates()
         if backend == "kernel":
             return dna_cpu.dna_attention(q_pos, q_neg, k, v_pos, v_neg, self.alpha, scale_pos=self.scale_pos,
@@ -325,4 +279,4 @@ class DnAAttention(AttnlabAttention):
         return f"{super().extra_repr()}, variant={self.variant}, scale={self.scale_mode}"
 
 
-__all__ = ["DnAAttention", "Pair", "Queries", "VARIANTS", "block_names", "combine", "negates_query"]
+__all__ = ["DnAAttention", "VARIANTS", "block_names", "combine", "negates_query"]

@@ -14,7 +14,6 @@ import attnlab
 from attnlab.attention.mask import AttentionMask
 from attnlab.attention import DnAAttention, DnACrossAttention
 from attnlab.attention.base import Want
-from attnlab.attention.dna import Pair, Queries
 from attnlab.attention.mask import Mask
 from attnlab.attention.standard import StandardAttention
 from attnlab.errors import SpecError
@@ -178,9 +177,10 @@ def test_masked_positions_get_exactly_zero_softmin_weight(fused):
     # make the masked keys the most attractive ones for softmin: very negative logits
     eye = torch.eye(N, dtype=torch.float64).expand(4, 2, N, N)
     backend = "sdpa" if fused else "explicit"
+    heads = torch.cat([q, q], 1), k, torch.cat([eye, eye], 1)  # as project stacks them: Q+ then Q-, V+ then V-
     with torch.no_grad():
         resolved = Mask.resolve(window=mask, B=4, N=N, M=N, device=q.device, bias=m.rel_pos_bias())
-        w_neg = m.kernel(Queries(q, q), k, Pair(eye, eye), resolved, Want(branches=True), backend)[1].branches[1]
+        w_neg = m.kernel(*heads, resolved, Want(branches=True), backend)[1].branches[1]
     blocked = (mask < 0).repeat(2, 1, 1).unsqueeze(1).expand(-1, 2, -1, -1)
     assert torch.all(w_neg[blocked] == 0)
     assert torch.all(w_neg[~blocked] > 0)
@@ -190,7 +190,7 @@ def test_masked_positions_get_exactly_zero_softmin_weight(fused):
     allowed |= torch.eye(N, dtype=torch.bool)
     with torch.no_grad():
         resolved = Mask.resolve(allowed, B=4, N=N, M=N, device=q.device)
-        w = m.kernel(Queries(q, q), k, Pair(eye, eye), resolved, Want(branches=True), backend)[1].branches[1]
+        w = m.kernel(*heads, resolved, Want(branches=True), backend)[1].branches[1]
     assert torch.all(w[..., ~allowed] == 0) and torch.all(w[..., allowed] > 0)
 
 
@@ -298,7 +298,7 @@ def test_dna_kernel_gradcheck_float64(backend):
     m.scale_pos, m.scale_neg = 0.6, 0.4
 
     def f(qp, qn, k, vp, vn):
-        return m.kernel(Queries(qp, qn), k, Pair(vp, vn), mask, Want(), backend)[0]
+        return m.kernel(torch.cat([qp, qn], 1), k, torch.cat([vp, vn], 1), mask, Want(), backend)[0]
 
     assert torch.autograd.gradcheck(f, inputs)
 
