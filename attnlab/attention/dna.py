@@ -48,23 +48,11 @@ def block_names(variant: str) -> tuple[str, ...]:
     return (("q_pos", "q_neg") if sep_q else ("q",)) + ("k",) + (("v_pos", "v_neg") if sep_v else ("v",))
 
 
-def negates_query(device: torch.device, is_causal: bool = False) -> bool:
-    """How SDPA computes the softmin branch: with -Q- (True) or a negated scale (False: free, on the CPU without
-    ``is_causal``, whose kernels scale before taking the row maximum; CUDA's flash kernels take it before scaling,
-    and the CPU's causal path returns NaN for a negative scale)."""
-    return device.type != "cpu" or is_causal
-
-
 def combine(o_pos: torch.Tensor, o_neg: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor:
     """o_pos + alpha_h * o_neg for (B, H, N, D) branches; ``alpha`` (H,), or None for alpha fixed at 1."""
     if alpha is None:
         return o_pos + o_neg
     return torch.addcmul(o_pos, alpha.to(o_pos.dtype).view(-1, 1, 1), o_neg)
-
-
-def _branch(name: str) -> str:
-    """A block's name by its branch: a shared "q" or "v" serves as q_pos or v_pos."""
-    return {"q": "q_pos", "v": "v_pos"}.get(name, name)
 
 
 class DnAAttention(AttnlabAttention):
@@ -109,13 +97,9 @@ class DnAAttention(AttnlabAttention):
                 self._init_negative(self.rows())
         self._register_load_state_dict_pre_hook(self._fuse_separate_projections)
 
-    def alpha_values(self) -> torch.Tensor:
-        """alpha_h per head, (H,): the learned values, or ones for ``variant=sum``."""
-        return torch.ones(self.num_heads) if self.alpha is None else self.alpha.detach()
-
     def branch_coefficients(self) -> tuple[str, torch.Tensor]:
-        """("alpha", alpha_h per head (H,)): the negative branch's coefficient."""
-        return "alpha", self.alpha_values()
+        """("alpha", alpha_h per head (H,)): the negative branch's coefficient, ones for ``variant=sum``."""
+        return "alpha", torch.ones(self.num_heads) if self.alpha is None else self.alpha.detach()
 
     # ---- the projection ----------------------------------------------------------------------------------------
     def adopt(self, module: nn.Module) -> None:
@@ -158,13 +142,14 @@ class DnAAttention(AttnlabAttention):
             qkv = state_dict.get(prefix + f"qkv.{kind}")
             if qkv is None:
                 continue
-            parts = dict(zip(("q_pos", "k", "v_pos"), qkv.split([self.attn_dim, self.kv_dim, self.kv_dim])))
+            q, k, v = qkv.split([self.attn_dim, self.kv_dim, self.kv_dim])
+            parts = dict(q=q, q_pos=q, k=k, v=v, v_pos=v)
             parts.update((n, t) for n in sep if (t := state_dict.pop(prefix + f"{n}.{kind}", None)) is not None)
-            missing = [n for n in self.qkv_blocks if _branch(n) not in parts]
+            missing = [n for n in self.qkv_blocks if n not in parts]
             if missing:
                 raise SpecError(f"checkpoint at {prefix!r} lacks {missing[0]}.{kind} that dna(variant={self.variant}) "
                                 f"needs.")
-            state_dict[prefix + f"qkv.{kind}"] = torch.cat([parts[_branch(n)] for n in self.qkv_blocks])
+            state_dict[prefix + f"qkv.{kind}"] = torch.cat([parts[n] for n in self.qkv_blocks])
 
     def projection(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) views of one block of the projection: ``q_pos``, ``q_neg``, ``k``, ``v_pos``, ``v_neg``
@@ -248,7 +233,9 @@ class DnAAttention(AttnlabAttention):
         if backend == "sdpa":
             bias_pos, causal = (None, False) if mask is None else mask.sdpa(dtype)
             bias_neg = None if mask is None or causal else mask.negated(dtype)
-            negate = negates_query(q_neg.device, causal)
+            # softmin with a negated scale is free where SDPA scales before the row maximum (the CPU); CUDA's flash
+            # kernels take the maximum first, and the CPU's causal path returns NaN for a negative scale: -Q- there
+            negate = q_neg.device.type != "cpu" or causal
             o_pos = F.scaled_dot_product_attention(q_pos, k, v_pos, attn_mask=bias_pos, dropout_p=p,
                                                    scale=self.scale_pos, is_causal=causal)
             o_neg = F.scaled_dot_product_attention(-q_neg if negate else q_neg, k, v_neg, attn_mask=bias_neg,
@@ -279,4 +266,4 @@ class DnAAttention(AttnlabAttention):
         return f"{super().extra_repr()}, variant={self.variant}, scale={self.scale_mode}"
 
 
-__all__ = ["DnAAttention", "VARIANTS", "block_names", "combine", "negates_query"]
+__all__ = ["DnAAttention", "VARIANTS", "block_names", "combine"]

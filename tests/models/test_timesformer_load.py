@@ -86,7 +86,7 @@ def test_dna_authors_video_layout(tmp_path):
     assert torch.equal(attn.projection("k")[0], state[pre + "qkv.weight"][D:2 * D])
     assert torch.equal(attn.projection("q_neg")[0], state[pre + "q_neg.weight"])
     assert torch.equal(attn.projection("v_neg")[1], state[pre + "v_neg.bias"])
-    assert torch.equal(attn.alpha_values(), state[pre + "neg_scalers"])
+    assert torch.equal(attn.branch_coefficients()[1], state[pre + "neg_scalers"])
     with pytest.raises(ConfigError, match="attn='dna'"):  # build_model reads the file before converting
         _model(pretrained_file=tmp_path / "dna.pyth")
 
