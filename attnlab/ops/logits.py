@@ -106,9 +106,7 @@ def screened_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, tau: flo
     heads = over.nonzero().flatten()
     if heads.numel() == 0:
         return bound
-    out = bound.clone()
-    out[heads] = max_scaled_logits(q, k, scale, heads=heads, block=block, keep=keep, causal=causal)
-    return out
+    return bound.index_put((heads,), max_scaled_logits(q, k, scale, heads=heads, block=block, keep=keep, causal=causal))
 
 
 __all__ = ["BOUND_MARGIN", "CHUNK_ELEMENTS", "max_scaled_logits", "screened_max_logits"]
