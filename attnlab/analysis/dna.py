@@ -92,14 +92,12 @@ class BranchInstruments:
     def summary(self) -> dict:
         """Means and medians of each measure over every (sample, head, layer), and the intruder histogram 0..k."""
         intr = self.pooled("intruders")
-        out = {"k": self.k, "eps": self.eps, "values": int(intr.numel()),
-               "intruders_mean": float(intr.mean()), "intruders_median": float(intr.median()),
-               "intruders_hist": torch.bincount(intr.long(), minlength=self.k + 1).tolist()}
-        for key in ("value_similarity", "branch_cosine"):
+        out = {"k": self.k, "eps": self.eps, "values": int(intr.numel())}
+        for key in MEASURES:
             v = self.pooled(key)
             out[f"{key}_mean"], out[f"{key}_median"] = float(v.mean()), float(v.median())
-        out["alpha_mean_per_layer"] = [a["mean"] for a in self.alpha]
-        return out
+        return out | {"intruders_hist": torch.bincount(intr.long(), minlength=self.k + 1).tolist(),
+                      "alpha_mean_per_layer": [a["mean"] for a in self.alpha]}
 
 
 @torch.no_grad()

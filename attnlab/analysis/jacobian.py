@@ -77,27 +77,27 @@ class JacobianConditioning:
                 "sigma_max": self.sigma_max.tolist(), "sigma_min": self.sigma_min.tolist()}
 
 
-def head_function(module: nn.Module, head: int, mask=None, sequence: int | None = None) -> Callable[..., torch.Tensor]:
-    """One head of ``module`` (an attention module in the Jacobian's dtype) as a function of x (N, C) and that head's
-    rows of the effective fused projection, weights (D, C) and biases (D,): the module's own forward (explicit
-    backend, ``mask`` its resolved :class:`~attnlab.attention.mask.Mask`) read from its per-head output intermediate
-    (``Want(heads=True)``: padded queries' rows zeroed, the head transform applied). With ``sequence``, x is the
-    batch (B, N, C) the mask was resolved for and that row of it is measured."""
-    own = copy.deepcopy(module)
-    own.qkv = nn.Linear(own.dim, len(own.qkv.weight), bias=own.qkv.bias is not None)  # plain: the rows given are
-    own.use_backend("explicit")  # the effective weight's (parametrisations applied)
-    D, starts = own.head_dim, [r.start for r in head_rows(own, head)]
-    with torch.no_grad():
-        weight, bias = module.qkv.weight.detach(), None if module.qkv.bias is None else module.qkv.bias.detach()
+def head_function(module: nn.Module, head: int, mask=None, sequence: int | None = None,
+                  dtype: torch.dtype | None = None) -> Callable[..., torch.Tensor]:
+    """One head of ``module`` (an attention module, copied in ``dtype``: the Jacobian's) as a function of x (N, C)
+    and that head's rows of the effective fused projection, weights (D, C) and biases (D,; one not given is zero): the
+    module's own forward (explicit backend, ``mask`` its resolved :class:`~attnlab.attention.mask.Mask`) read from its
+    per-head output intermediate (``Want(heads=True)``: padded queries' rows zeroed, the head transform applied). With
+    ``sequence``, x is the batch (B, N, C) the mask was resolved for and that row of it is measured."""
+    own = copy.deepcopy(module).to(dtype)  # its norms, kernel and head transform in the Jacobian's dtype
+    weight = own.qkv.weight.detach()  # the effective weight (parametrisations applied)
+    bias = None if own.qkv.bias is None else own.qkv.bias.detach()
+    own.qkv = nn.Linear(own.dim, len(weight), bias=bias is not None)  # plain: the rows given are the effective ones
+    own.use_backend("explicit")
+    rows = torch.cat([torch.arange(r.start, r.stop) for r in head_rows(own, head)])  # the head's q, k, v rows
     seen = []
     own.observe(Want(heads=True), lambda mod, found: seen.append(found.heads))
 
     def f(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None):
-        w, b = weight, bias if bias is not None or b_q is None else weight.new_zeros(len(weight))
-        for start, w_h, b_h in zip(starts, (w_q, w_k, w_v), (b_q, b_k, b_v)):
-            w = torch.cat([w[:start], w_h, w[start + D:]])
-            b = b if b is None else torch.cat([b[:start], b.new_zeros(D) if b_h is None else b_h, b[start + D:]])
-        params = {"qkv.weight": w} if b is None else {"qkv.weight": w, "qkv.bias": b}
+        params = {"qkv.weight": weight.index_copy(0, rows, torch.cat([w_q, w_k, w_v]))}
+        if bias is not None or b_q is not None:
+            b_h = torch.cat([weight.new_zeros(len(w_q)) if b is None else b for b in (b_q, b_k, b_v)])
+            params["qkv.bias"] = (weight.new_zeros(len(weight)) if bias is None else bias).index_copy(0, rows, b_h)
         functional_call(own, params, (x[None] if sequence is None else x,), {"attn_mask": mask})
         return seen.pop()[0 if sequence is None else sequence, head]
     return f
@@ -148,14 +148,13 @@ def jacobian_conditioning(model: nn.Module, images: torch.Tensor, *, blocks: Seq
             with torch.no_grad():
                 weight = module.qkv.weight.to(dtype)  # effective weight (parametrisations applied)
                 bias = None if module.qkv.bias is None else module.qkv.bias.to(dtype)
-            own = copy.deepcopy(module).to(dtype)  # its norms, kernel and head transform in the Jacobian's dtype
             kappas = []
             for h, s in itertools.product(head_list, sequences):
                 rows = head_rows(module, h)
                 b_q, b_k, b_v = (None,) * 3 if bias is None else (bias[r] for r in rows)
                 real = None if mask is None or mask.key_padding is None else mask.key_padding[s]
-                j = attention_jacobian(x_all.to(dtype), *(weight[r] for r in rows), head_function(own, h, mask, s),
-                                       rows=real, b_q=b_q, b_k=b_k, b_v=b_v)
+                j = attention_jacobian(x_all.to(dtype), *(weight[r] for r in rows),
+                                       head_function(module, h, mask, s, dtype), rows=real, b_q=b_q, b_k=b_k, b_v=b_v)
                 kappas.append(torch.stack(condition_number(j)))
             results.append((head_list, torch.stack(kappas).view(len(head_list), len(sequences), 3)))
     # Swin's stages differ in head count: heads a block does not have are NaN

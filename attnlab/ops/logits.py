@@ -25,18 +25,17 @@ def _tile_sizes(B: int, H: int, N: int, M: int, D: int, block: int) -> tuple[int
 
 
 def max_scaled_logits(q: torch.Tensor, k: torch.Tensor, scale: float, heads: torch.Tensor | None = None,
-                      block: int | None = None, keep: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+                      keep: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
     """Per-head max of (q_i . k_j) * scale over batch, i and j, in float32, computed tile by tile.
 
     q: (B, H, N, D), k: (B, H, M, D); ``heads``: indices of the heads to compute (default all); ``keep``: bool,
     broadcastable to (B, 1, N, M), True where a position counts; ``causal``: only j <= i counts. Returns
-    (len(heads),) or (H,), -inf for a head without any position. No intermediate holds more than ``block`` (default
-    :data:`CHUNK_ELEMENTS`) elements when ``block >= D``.
+    (len(heads),) or (H,), -inf for a head without any position. No intermediate holds more than
+    :data:`CHUNK_ELEMENTS` elements when that is >= D.
     """
-    block = CHUNK_ELEMENTS if block is None else block
     (B, H, N, D), M = q.shape, k.shape[-2]
     count = H if heads is None else heads.numel()
-    tb, th, tr, tc = _tile_sizes(B, count, N, M, D, block)
+    tb, th, tr, tc = _tile_sizes(B, count, N, M, D, CHUNK_ELEMENTS)
     keep = None if keep is None else keep.expand(B, 1, N, M)  # a view: tiles slice it without copying
     out = torch.full((count,), float("-inf"), device=q.device, dtype=torch.float32)
 
@@ -58,12 +57,12 @@ def max_scaled_logits(q: torch.Tensor, k: torch.Tensor, scale: float, heads: tor
     return out * scale
 
 
-def _max_norms(t: torch.Tensor, block: int) -> torch.Tensor:
-    """max over tokens of ||t_i|| per sample and head, (B, H) float32, from float32 tiles of at most max(block, H D)
-    elements."""
+def _max_norms(t: torch.Tensor) -> torch.Tensor:
+    """max over tokens of ||t_i|| per sample and head, (B, H) float32, from float32 tiles of at most
+    max(CHUNK_ELEMENTS, H D) elements."""
     B, H, N, D = t.shape
-    tokens = min(N, max(1, block // (H * D)))
-    samples = min(B, max(1, block // (tokens * H * D)))
+    tokens = min(N, max(1, CHUNK_ELEMENTS // (H * D)))
+    samples = min(B, max(1, CHUNK_ELEMENTS // (tokens * H * D)))
     out = torch.full((B, H), float("-inf"), device=t.device, dtype=torch.float32)
     for b0 in range(0, B, samples):
         for n0 in range(0, N, tokens):
@@ -74,8 +73,7 @@ def _max_norms(t: torch.Tensor, block: int) -> torch.Tensor:
 
 def screened_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, tau: float, *,
                         keep: torch.Tensor | None = None, causal: bool = False,
-                        query_padding: torch.Tensor | None = None, select: bool | None = None,
-                        block: int | None = None) -> torch.Tensor:
+                        query_padding: torch.Tensor | None = None, select: bool | None = None) -> torch.Tensor:
     """Per-head max logit where it matters for a threshold ``tau``: exact S_max,h for every head that could exceed
     it, and for the others the Cauchy-Schwarz bound (<= tau) that shows it cannot.
 
@@ -88,7 +86,6 @@ def screened_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, tau: flo
     :func:`max_scaled_logits`; ``query_padding`` (B, M) bool, True at real tokens, the queries being the last N:
     padded queries (and keys, when M = N) are out of the bound and the maximum. Returns (H,) float32.
     """
-    block = CHUNK_ELEMENTS if block is None else block
     if select is None:  # torch.compile: the dense path, one graph (selecting needs a data-dependent shape)
         select = q.device.type == "cpu" and not torch.compiler.is_compiling()
     if keep is not None:
@@ -99,16 +96,14 @@ def screened_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, tau: flo
         real = query_padding[:, None, -q.shape[-2]:, None]
         qb, kb = q * real, k * real if k.shape[-2] == q.shape[-2] else k
         keep = None if keep is None else keep & real  # the keep map opens padded queries' rows: closed here
-    bound = (_max_norms(qb, block) * _max_norms(kb, block)).amax(dim=0) * (scale * (1 + BOUND_MARGIN))
+    bound = (_max_norms(qb) * _max_norms(kb)).amax(dim=0) * (scale * (1 + BOUND_MARGIN))
     over = bound > tau
     if not select:
-        return torch.where(over, max_scaled_logits(q, k, scale, block=block, keep=keep, causal=causal), bound)
+        return torch.where(over, max_scaled_logits(q, k, scale, keep=keep, causal=causal), bound)
     heads = over.nonzero().flatten()
     if heads.numel() == 0:
         return bound
-    out = bound.clone()
-    out[heads] = max_scaled_logits(q, k, scale, heads=heads, block=block, keep=keep, causal=causal)
-    return out
+    return bound.index_put((heads,), max_scaled_logits(q, k, scale, heads=heads, keep=keep, causal=causal))
 
 
 __all__ = ["BOUND_MARGIN", "CHUNK_ELEMENTS", "max_scaled_logits", "screened_max_logits"]
