@@ -95,7 +95,6 @@ class DnAAttention(AttnlabAttention):
         if init == "copy":
             with torch.no_grad():
                 self._init_negative(self.rows())
-        self._register_load_state_dict_pre_hook(self._fuse_separate_projections)
 
     def branch_coefficients(self) -> tuple[str, torch.Tensor]:
         """("alpha", alpha_h per head (H,)): the negative branch's coefficient, ones for ``variant=sum``."""
@@ -131,25 +130,6 @@ class DnAAttention(AttnlabAttention):
                     trunc_normal_(w, std=0.02)
                 if b is not None:
                     b.copy_(pb * factor) if self.init == "copy" else b.zero_()
-
-    def _fuse_separate_projections(self, state_dict, prefix, *args) -> None:
-        """Load-time hook: a checkpoint with a 3-block ``qkv`` (Q+, K, V+) and separate ``q_neg`` / ``v_neg``
-        Linears becomes this module's fused ``qkv``."""
-        sep = [n for n in ("q_neg", "v_neg") if prefix + f"{n}.weight" in state_dict]
-        if not sep or prefix + "qkv.weight" not in state_dict:
-            return
-        for kind in ("weight", "bias"):
-            qkv = state_dict.get(prefix + f"qkv.{kind}")
-            if qkv is None:
-                continue
-            q, k, v = qkv.split([self.attn_dim, self.kv_dim, self.kv_dim])
-            parts = dict(q=q, q_pos=q, k=k, v=v, v_pos=v)
-            parts.update((n, t) for n in sep if (t := state_dict.pop(prefix + f"{n}.{kind}", None)) is not None)
-            missing = [n for n in self.qkv_blocks if n not in parts]
-            if missing:
-                raise SpecError(f"checkpoint at {prefix!r} lacks {missing[0]}.{kind} that dna(variant={self.variant}) "
-                                f"needs.")
-            state_dict[prefix + f"qkv.{kind}"] = torch.cat([parts[n] for n in self.qkv_blocks])
 
     def projection(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) views of one block of the projection: ``q_pos``, ``q_neg``, ``k``, ``v_pos``, ``v_neg``

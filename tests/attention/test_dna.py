@@ -17,6 +17,7 @@ from attnlab.attention.base import Want
 from attnlab.attention.mask import Mask
 from attnlab.attention.standard import StandardAttention
 from attnlab.errors import SpecError
+from attnlab.models.pretrained import dna_authors_state_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference_dna as ref  # noqa: E402
@@ -247,7 +248,7 @@ def test_random_init_draws_fresh_negative_branch_and_keeps_positive():
     torch.testing.assert_close(attn.alpha, torch.full((4,), 0.5))
 
 
-def test_loads_checkpoint_with_separate_negative_projections():
+def test_authors_loader_reads_separate_negative_projections():
     torch.manual_seed(0)
     model = attnlab.build_model("vit_digits", **TINY_VIT, attn="dna")
     sd = model.state_dict()
@@ -262,7 +263,7 @@ def test_loads_checkpoint_with_separate_negative_projections():
         else:
             separate[key] = value
     fresh = attnlab.build_model("vit_digits", **TINY_VIT, attn="dna")
-    fresh.load_state_dict(separate, strict=True)
+    fresh.load_state_dict(dna_authors_state_dict(fresh, separate), strict=True)  # layout auto: "separate"
     x = torch.randn(2, 1, 8, 8)
     with torch.no_grad():
         torch.testing.assert_close(fresh.eval()(x), model.eval()(x), rtol=0, atol=0)
