@@ -23,6 +23,7 @@ for the self- and the cross-attention module on four backends. docs/methods.md, 
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
