@@ -338,7 +338,7 @@ class AttnlabAttention(Declares, nn.Module):
         """The fused projection's output (B, N, .) as :meth:`project` returns it: views of the query blocks' heads,
         the key heads and the value blocks' heads, normalised (:meth:`normed`)."""
         q_heads = self.num_heads * sum(name.startswith("q") for name in self.qkv_blocks)
-        heads = y.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # split, not tensor_split: one gradient, not one per block
+        heads = y.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # split: one gradient (tensor_split: 3 slices')
         return self.normed(*heads.split([q_heads, self.num_kv_heads, heads.shape[1] - q_heads - self.num_kv_heads], 1))
 
     def row_stride(self) -> int:
