@@ -93,7 +93,7 @@ class DnAAttention(AttnlabAttention):
         self.scale_neg = self.head_dim ** -0.5
         self.scale_pos = self.scale_neg if scale == "both" else 1.0
         self.qkv = nn.Linear(dim, self.head_dim * sum(self.block_heads()), bias=self.qkv.bias is not None)
-        if init == "copy":
+        if init == "copy" and not self.takes_context:  # cross-attention copies once its projections exist
             with torch.no_grad():
                 self._init_negative(self.rows())
 

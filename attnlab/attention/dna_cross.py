@@ -39,8 +39,7 @@ class DnACrossAttention(CrossAttention, DnAAttention):
                  init: str = "random", neg_init: float = 1e-4) -> None:
         super().__init__(dim, num_heads, head_dim=head_dim, proj_bias=proj_bias, attn_drop=attn_drop,
                          proj_drop=proj_drop, backend=backend, variant=variant, alpha_init=alpha_init, scale=scale,
-                         neg_init=neg_init)
-        self.init = init
+                         init=init, neg_init=neg_init)
         self.cross_projections(kv_dim, qkv_bias)
         if init == "copy":
             with torch.no_grad():

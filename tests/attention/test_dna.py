@@ -202,6 +202,9 @@ def test_spec_registered_and_errors():
         attnlab.parse_spec("dna(variant=qk)")
     with pytest.raises(SpecError, match="alpha"):
         DnAAttention(16, 2, variant="sum", alpha_init=0.3)
+    for cls in (DnAAttention, DnACrossAttention):  # the cross-attention module checks its options as DnA's does
+        with pytest.raises(SpecError, match=r"dna\(init=bogus\) is not valid; init is one of: random, copy"):
+            cls(16, 2, init="bogus")
 
 
 @pytest.mark.parametrize("variant", ["qv", "v"])
