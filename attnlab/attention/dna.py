@@ -109,11 +109,11 @@ class DnAAttention(AttnlabAttention):
         super().adopt(module)  # takes module.qkv (and proj, norms, position bias) as the base class does
         src_rows = module.rows() if isinstance(module, AttnlabAttention) else \
             block_rows(module.qkv, ("q", "k", "v"), [self.attn_dim] * 3)  # timm's: no grouped keys
-        dst_rows = block_rows(fused, self.qkv_blocks, self.qkv_widths())
+        self.qkv = fused  # this module's own (wider) projection, filled from the source's rows
+        dst_rows = self.rows()
         with torch.no_grad():
             copy_rows(dst_rows, src_rows)  # the blocks both have: not a negative branch the source lacks
             self._init_negative(dst_rows, only=tuple(n for n in ("q_neg", "v_neg") if n not in src_rows))
-        self.qkv = fused
         alpha = getattr(module, "alpha", None)
         if self.alpha is not None and isinstance(alpha, nn.Parameter) and alpha.shape == self.alpha.shape:
             self.alpha = alpha

@@ -84,9 +84,7 @@ def clip_(model: nn.Module) -> None:
     """Apply QK-clip to every module of ``model`` that has it, from the maxima recorded since the last call, and
     reset the record (module docstring). Modules that recorded nothing (-inf) are left alone."""
     modules = clipped_modules(model)
-    if not modules:
-        return
-    if dist.is_available() and dist.is_initialized():
+    if modules and dist.is_available() and dist.is_initialized():
         stacked = torch.cat([m.qk_clip.max_logit for m in modules])
         dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
         for m, part in zip(modules, stacked.split([m.num_heads for m in modules])):
