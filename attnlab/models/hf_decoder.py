@@ -298,4 +298,5 @@ def export_hf(model: nn.Module, out_dir: str | Path) -> Path:
     return out_dir
 
 
-__all__ = ["MODEL_TYPES", "checkpoint_files", "export_hf", "hf_geometry", "llama_from_hf", "load_hf_decoder", "read_config", "to_attnlab"]
+__all__ = ["MODEL_TYPES", "checkpoint_files", "export_hf", "hf_geometry", "llama_from_hf", "load_hf_decoder", "read_config",
+           "to_attnlab"]

@@ -49,8 +49,8 @@ class OptimConfig(Section):
                                              "L trains at lr x layer_decay^(L+1-i), the embeddings at "
                                              "layer_decay^(L+1), heads at lr (default: none)",
                                        within(0, 1, open_low=True, hint="ViTDet uses 0.7 for ViT-B"))
-    clip_grad: float | None = option(None, "clip the total gradient norm of the trained tensors to this value (default: no clipping)",
-                                     lambda v: None if v > 0 else "be positive")
+    clip_grad: float | None = option(None, "clip the total gradient norm of the trained tensors to this value "
+                                           "(default: no clipping)", lambda v: None if v > 0 else "be positive")
 
 
 @dataclass(frozen=True)
