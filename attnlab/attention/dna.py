@@ -144,14 +144,15 @@ class DnAAttention(AttnlabAttention):
     def deferred_bias(self) -> torch.Tensor | None:
         """The fused projection's bias where :meth:`project` leaves it to the kernel, else None: a float32 CPU
         forward without gradient or autocast, the C kernel allowed (``auto`` or ``kernel``), and nothing between the
-        projection and the kernel that needs it biased (QK-norm, rotary, grouped keys)."""
-        qkv = None if self.takes_context else self.qkv
-        if qkv is None or qkv.bias is None or self.backend not in ("auto", "kernel") or torch.is_grad_enabled():
+        projection and the kernel that needs it biased (QK-norm, rotary, grouped keys). Device and dtype are the
+        bias's: reading a parametrised weight (sigma, speccond) computes it."""
+        bias = None if self.takes_context else self.qkv.bias
+        if bias is None or self.backend not in ("auto", "kernel") or torch.is_grad_enabled():
             return None
-        if qkv.weight.device.type != "cpu" or qkv.weight.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
+        if bias.device.type != "cpu" or bias.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
             return None
         plain = isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
-        return qkv.bias if plain and self.rotary is None and self.num_kv_heads == self.num_heads else None
+        return bias if plain and self.rotary is None and self.num_kv_heads == self.num_heads else None
 
     def project(self, x: torch.Tensor, context: torch.Tensor | None = None) -> tuple:
         """The heads of :meth:`split_heads`: the Q+ then the Q- heads, the K heads, the V+ then the V- heads (a shared

@@ -341,3 +341,24 @@ def test_deferred_bias_reaches_every_backend_and_the_kv_cache(variant, head_dim)
         cache = LayerCache()
         steps = [m(x[:, :5], cache=cache)] + [m(x[:, i:i + 1], cache=cache) for i in range(5, 9)]
     torch.testing.assert_close(torch.cat(steps, dim=1).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_forward_computes_a_parametrised_projection_once():
+    """Reading a parametrised weight runs its parametrisation (sigma's power iteration): the C kernel's forward,
+    bias deferred, reads ``qkv.weight`` once, for the GEMM, and checks device and dtype on the bias."""
+    from torch.nn.utils import parametrize
+
+    class Counted(torch.nn.Module):
+        calls = 0
+
+        def forward(self, w):
+            Counted.calls += 1
+            return w
+
+    m = DnAAttention(16, 2, qkv_bias=True).eval()
+    parametrize.register_parametrization(m.qkv, "weight", Counted())
+    with torch.no_grad():
+        assert m.deferred_bias() is not None  # the path whose checks must not read the weight
+        Counted.calls = 0
+        m(torch.randn(2, 5, 16))
+    assert Counted.calls == 1
