@@ -26,13 +26,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from timm.layers import Attention as TimmAttention
-from timm.models.davit import ChannelAttention as DaViTChannelAttention
-from timm.models.davit import ChannelAttentionV2 as DaViTChannelAttentionV2
-from timm.models.davit import WindowAttention as DaViTWindowAttention
 from timm.models.swin_transformer import WindowAttention as TimmWindowAttention
 from timm.models.swin_transformer import get_relative_position_index
-from timm.models.xcit import XCA
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..ops.logits import screened_max_logits
@@ -443,15 +438,5 @@ class AttnlabAttention(Declares, nn.Module):
         return f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}{win}, backend={self.backend}"
 
 
-#: module types :func:`attnlab.convert` replaces (exact types: subclasses may change the forward); DaViT's window
-#: attention is token softmax attention without a bias; XCA and the channel attentions go to ``attention.channel``
-SUPPORTED_TYPES: tuple[type, ...] = (TimmAttention, TimmWindowAttention, DaViTWindowAttention, XCA,
-                                     DaViTChannelAttention, DaViTChannelAttentionV2)
-
-
-def is_supported(module: nn.Module) -> bool:
-    return type(module) in SUPPORTED_TYPES or isinstance(module, AttnlabAttention) and not module.takes_context
-
-
 __all__ = ["AttentionMask", "AttnlabAttention", "Branch", "Call", "Capabilities", "Intermediates", "LayerCache", "Mask",
-           "SUPPORTED_TYPES", "Want", "block_rows", "copy_rows", "is_supported", "make_call"]
+           "Want", "block_rows", "copy_rows", "make_call"]

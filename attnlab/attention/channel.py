@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from timm.models.davit import ChannelAttention as TimmChannelAttention
 from timm.models.davit import ChannelAttentionV2 as TimmChannelAttentionV2
-from timm.models.xcit import XCA as TimmXCA
 
 from .base import AttnlabAttention, Intermediates
 from .capabilities import Capabilities
@@ -96,16 +94,4 @@ class DaViTChannelAttention(ChannelMapAttention):
         return super().extra_repr() + (f", v2=True, dynamic_scale={self.dynamic_scale}" if self.v2 else "")
 
 
-def channel_mechanism(module) -> type[ChannelMapAttention] | None:
-    """The attnlab class that computes ``module``'s channel map (timm's XCA / DaViT channel attention, or an attnlab
-    one), or None for token attention."""
-    from .xca import XCAttention  # xca imports this module
-
-    if isinstance(module, ChannelMapAttention):
-        return type(module)
-    return {TimmXCA: XCAttention, TimmChannelAttention: DaViTChannelAttention,
-            TimmChannelAttentionV2: DaViTChannelAttention}.get(type(module))
-
-
-__all__ = ["CHANNEL_REFUSALS", "ChannelMapAttention", "DaViTChannelAttention", "channel_capabilities",
-           "channel_mechanism"]
+__all__ = ["CHANNEL_REFUSALS", "ChannelMapAttention", "DaViTChannelAttention", "channel_capabilities"]

@@ -14,10 +14,9 @@ from timm.models.swin_transformer import SwinTransformer
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ..attention.base import SUPPORTED_TYPES
 from ..errors import ConfigError, ModelNotFoundError, did_you_mean
 from .blocks import PostNormBlock
-from .convert import convert
+from .convert import SUPPORTED_TYPES, convert
 from .gpt import GPT, GPT_PRESETS
 from .gpt_loaders import load_gpt_file
 from .hf_decoder import load_hf_decoder

@@ -6,13 +6,40 @@ from __future__ import annotations
 import re
 from fnmatch import fnmatchcase
 
+from timm.layers import Attention as TimmAttention
+from timm.models.davit import ChannelAttention as TimmChannelAttention
+from timm.models.davit import ChannelAttentionV2 as TimmChannelAttentionV2
+from timm.models.davit import WindowAttention as TimmDaViTWindowAttention
+from timm.models.swin_transformer import WindowAttention as TimmWindowAttention
+from timm.models.xcit import XCA as TimmXCA
 from torch import nn
 
-from ..attention.base import AttnlabAttention, is_supported
-from ..attention.channel import channel_mechanism
+from ..attention.base import AttnlabAttention
+from ..attention.channel import ChannelMapAttention, DaViTChannelAttention
+from ..attention.xca import XCAttention
 from ..errors import ConfigError, SpecError, UnsupportedModelError
 from ..spec import Spec, parse_spec
 from ..variants import VARIANTS
+
+#: module types :func:`convert` replaces (exact types: subclasses may change the forward); DaViT's window attention
+#: is token softmax attention without a bias; XCA and the channel attentions keep their own formula
+SUPPORTED_TYPES: tuple[type, ...] = (TimmAttention, TimmWindowAttention, TimmDaViTWindowAttention, TimmXCA,
+                                     TimmChannelAttention, TimmChannelAttentionV2)
+#: the attnlab class that computes each timm channel map
+CHANNEL_MECHANISMS = {TimmXCA: XCAttention, TimmChannelAttention: DaViTChannelAttention,
+                      TimmChannelAttentionV2: DaViTChannelAttention}
+
+
+def is_supported(module: nn.Module) -> bool:
+    """Whether :func:`convert` replaces ``module``: a timm type of :data:`SUPPORTED_TYPES` or attnlab's
+    self-attention."""
+    return type(module) in SUPPORTED_TYPES or isinstance(module, AttnlabAttention) and not module.takes_context
+
+
+def channel_mechanism(module: nn.Module) -> type[ChannelMapAttention] | None:
+    """The attnlab class that computes ``module``'s channel map (timm's XCA / DaViT channel attention, or an attnlab
+    one), or None for token attention."""
+    return type(module) if isinstance(module, ChannelMapAttention) else CHANNEL_MECHANISMS.get(type(module))
 
 
 def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
