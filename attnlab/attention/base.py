@@ -96,19 +96,6 @@ class Call(NamedTuple):
     compiling: bool
 
 
-def make_call(module: nn.Module, x: torch.Tensor, keys: int, mask: Mask | None, want: Want,
-              masked: bool = False) -> Call:
-    """The :class:`Call` of ``module``'s forward on queries x (B, N, .) and ``keys`` keys; ``masked``: a position
-    bias is to come."""
-    device = x.device.type
-    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))
-    return Call(x.device, torch.get_autocast_dtype(device) if autocast else x.dtype, needs_grad, module.training,
-                module.training and module.attn_drop.p > 0, masked or mask is not None, module.head_dim,
-                x.shape[0] * module.num_heads, x.shape[1], keys, module.row_stride(), want,
-                torch.compiler.is_compiling())
-
-
 def block_rows(linear: nn.Linear, names: tuple[str, ...], widths) -> dict[str, tuple]:
     """Views (weight rows, bias entries) of each named block of a fused Linear (``widths``: one per block), a shared
     query or value block (``q``, ``v``) also under its positive branch's name (``q_pos``, ``v_pos``, as DnA's)."""
@@ -296,15 +283,20 @@ class AttnlabAttention(Declares, nn.Module):
                             bias=self.rel_pos_bias() if self.window_size is not None else None, offset=offset,
                             cross=context is not None)
         if mask is not None or position_bias is not None:
-            parts = None if mask is None else mask.parts
             for record in (self.capabilities, *(capabilities_of(head) for head in self.heads())):
-                why = record.refusal(parts, position_bias is not None)
+                why = record.refusal(None if mask is None else mask.parts, position_bias is not None)
                 if why:
                     raise UnsupportedModelError(f"{why}.")
         observers = [o for o in self._observers.values() if self.training or not o[2]]
         for seen, _, _ in observers:
             want = want | seen
-        backend = self.choose(make_call(self, x, M, mask, want, masked=position_bias is not None))
+        device = x.device.type  # the call the dispatcher decides on: compute dtype (autocast's), gradient, shapes
+        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        backend = self.choose(Call(x.device, torch.get_autocast_dtype(device) if autocast else x.dtype, needs_grad,
+                                   self.training, self.training and self.attn_drop.p > 0,
+                                   mask is not None or position_bias is not None, self.head_dim, B * self.num_heads,
+                                   N, M, self.row_stride(), want, torch.compiler.is_compiling()))
         q, k, v = self.project(x, context)
         if self.rotary is not None:
             q, k = self.rotary(q, k, offset=offset)
@@ -340,14 +332,11 @@ class AttnlabAttention(Declares, nn.Module):
         """The token stride of q, k and v as :meth:`project` returns them: the fused projection's width."""
         return self.qkv.out_features
 
-    def block_heads(self) -> list[int]:
-        """Heads per block of the fused projection (:attr:`qkv_blocks`): queries num_heads, keys and values
-        num_kv_heads."""
-        return [self.num_heads if name.startswith("q") else self.num_kv_heads for name in self.qkv_blocks]
-
     def qkv_widths(self) -> list[int]:
-        """Rows per block of the fused projection ``qkv``."""
-        return [heads * self.head_dim for heads in self.block_heads()]
+        """Rows per block of the fused projection (:attr:`qkv_blocks`): num_heads heads of a query block, num_kv_heads
+        of a key or value block."""
+        return [(self.num_heads if name.startswith("q") else self.num_kv_heads) * self.head_dim
+                for name in self.qkv_blocks]
 
     def rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """(weight, bias) views of every block of the projection by name (:func:`block_rows`)."""
@@ -439,4 +428,4 @@ class AttnlabAttention(Declares, nn.Module):
 
 
 __all__ = ["AttentionMask", "AttnlabAttention", "Branch", "Call", "Capabilities", "Intermediates", "LayerCache", "Mask",
-           "Want", "block_rows", "copy_rows", "make_call"]
+           "Want", "block_rows", "copy_rows"]

@@ -92,7 +92,7 @@ class DnAAttention(AttnlabAttention):
         self.alpha = None if variant == "sum" else nn.Parameter(torch.full((self.num_heads,), float(alpha_init)))
         self.scale_neg = self.head_dim ** -0.5
         self.scale_pos = self.scale_neg if scale == "both" else 1.0
-        self.qkv = nn.Linear(dim, self.head_dim * sum(self.block_heads()), bias=self.qkv.bias is not None)
+        self.qkv = nn.Linear(dim, sum(self.qkv_widths()), bias=self.qkv.bias is not None)
         if init == "copy" and not self.takes_context:  # cross-attention copies once its projections exist
             with torch.no_grad():
                 self._init_negative(self.rows())
@@ -179,36 +179,29 @@ class DnAAttention(AttnlabAttention):
             torch.float16, torch.bfloat16, torch.float32), bias=call.masked, needs_grad=call.needs_grad,
             head_dim=call.head_dim, batch_heads=call.batch_heads, queries=call.queries, row_stride=call.row_stride)
 
-    def branches(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> tuple:
-        """(q+, q-, k, v+, v-, input bias) from :meth:`project`'s heads, a shared query or value in both of its
-        slots. The deferred bias is added here unless the C kernel adds it (K's too: a constant per query row, yet
-        cached keys must hold it); then it is the kernel's input bias, five (H, 1, D) views in the same order."""
-        heads, bias = (q, k, v), self.deferred_bias()
-        if bias is not None:
-            bias = bias.view(-1, 1, self.head_dim).split([t.shape[1] for t in heads])
-            if backend != "kernel":
-                heads, bias = tuple(t + b for t, b in zip(heads, bias)), None
-
-        def pair(t, neg):  # the positive and the negative branch's heads, stacked along dim -3 by project
-            return t.chunk(2, dim=-3) if neg in self.qkv_blocks else (t, t)
-        q, k, v = heads
-        (q_pos, q_neg), (v_pos, v_neg) = pair(q, "q_neg"), pair(v, "v_neg")
-        input_bias = None if bias is None else (*pair(bias[0], "q_neg"), bias[1], *pair(bias[2], "v_neg"))
-        return q_pos, q_neg, k, v_pos, v_neg, input_bias
-
     def kernel(self, q, k: torch.Tensor, v, mask: Mask | None, want: Want, backend: str
                ) -> tuple[torch.Tensor, Intermediates]:
         """A_h = softmax(s^+) V^+ + alpha_h softmin(s^-) V^-, (B, H, N, D), on ``backend``, from :meth:`project`'s
-        heads (:meth:`branches`); the branches (before alpha) and the weight maps when ``want`` asks. The explicit
-        path with a shared V (variants q, shared, sum) forms [softmax(s^+) + alpha softmin(s^-)] V, one product with
-        V, as Table 12 writes it; a shared query's q k^T is computed once, as in the paper's operation count."""
-        q_pos, q_neg, k, v_pos, v_neg, input_bias = self.branches(q, k, v, backend)
+        heads, the positive branch's then the negative's along dim -3 (a shared query or value once, in both slots
+        here); the branches (before alpha) and the weight maps when ``want`` asks. The explicit path with a shared V
+        (variants q, shared, sum) forms [softmax(s^+) + alpha softmin(s^-)] V, one product with V, as Table 12 writes
+        it; a shared query's q k^T is computed once, as in the paper's operation count."""
+        heads, bias = (q, k, v), self.deferred_bias()
+        if bias is not None:  # the deferred bias, K's too (a constant per query row, yet cached keys must hold it)
+            bias = bias.view(-1, 1, self.head_dim).split([t.shape[1] for t in heads])
+            if backend != "kernel":  # the C kernel adds it as its input bias
+                heads, bias = tuple(t + b for t, b in zip(heads, bias)), None
+
+        def pair(t, neg):  # the positive and the negative branch's heads
+            return t.chunk(2, dim=-3) if neg in self.qkv_blocks else (t, t)
+        (q_pos, q_neg), k, (v_pos, v_neg) = pair(heads[0], "q_neg"), heads[1], pair(heads[2], "v_neg")
         dtype, p, found = q_pos.dtype, self.attn_drop.p if self.training else 0.0, Intermediates()
         if backend == "kernel":
             return dna_cpu.dna_attention(q_pos, q_neg, k, v_pos, v_neg, self.alpha, scale_pos=self.scale_pos,
                                          scale_neg=self.scale_neg, bias_pos=None if mask is None else
                                          mask.softmax_bias(dtype), bias_neg=None if mask is None else
-                                         mask.negated(dtype), input_bias=input_bias), found
+                                         mask.negated(dtype), input_bias=None if bias is None else
+                                         (*pair(bias[0], "q_neg"), bias[1], *pair(bias[2], "v_neg"))), found
         if backend == "triton":
             return dna_attention_triton(q_pos, q_neg, k, v_pos, v_neg, self.alpha, scale_pos=self.scale_pos,
                                         scale_neg=self.scale_neg), found
@@ -227,7 +220,7 @@ class DnAAttention(AttnlabAttention):
             kt = k.transpose(-2, -1)
             qk_pos = q_pos @ kt
             qk_neg = qk_pos if q_neg is q_pos else q_neg @ kt
-            w_pos = (qk_pos * self.scale_pos if mask is None else mask.add_to(qk_pos * self.scale_pos)).softmax(-1)
+            w_pos = self.softmax(qk_pos * self.scale_pos, mask)
             neg_logits = qk_neg * -self.scale_neg  # softmin(s) = softmax(-s)
             bias_neg = None if mask is None else mask.negated(dtype)
             w_neg = (neg_logits if bias_neg is None else neg_logits + bias_neg).softmax(dim=-1)
