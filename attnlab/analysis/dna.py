@@ -136,20 +136,14 @@ def plot_branch_instruments(results: dict[str, BranchInstruments], out_dir: str 
         fig.tight_layout()
         paths.append(save_png(fig, out_dir / name, dpi=120))
 
-    fig = agg_figure(figsize=(6, 4))
-    ax = fig.add_subplot()
-    # one bar per count 0..k and model, side by side, each model's bars summing to 1
-    ax.hist([r.pooled("intruders").numpy() for r in results.values()], bins=torch.arange(k + 2).numpy() - 0.5,
-            density=True, label=list(results))
-    ax.set(xlabel=f"intruder dimensions (k={first.k}, eps={first.eps:.3g})", ylabel="fraction of (sample, head, layer)",
-           title="Intruder dimensions between the two branches")
-    save(fig, "intruders.png")
-    for key, label in (("value_similarity", "C(V+, V-)"), ("branch_cosine", "cosine(O+, O-)")):
+    for key, label in zip(MEASURES, (f"intruder dimensions (k={first.k}, eps={first.eps:.3g})", "C(V+, V-)",
+                                     "cosine(O+, O-)")):
         fig = agg_figure(figsize=(6, 4))
         ax = fig.add_subplot()
-        for name, r in results.items():
-            ax.hist(r.pooled(key).numpy(), bins=50, range=(-1, 1), alpha=0.6, density=True,
-                    label=f"{name} (mean {float(r.pooled(key).mean()):.2f})")
+        # one bar per bin and model, side by side; a bin per intruder count 0..k (its density: the fraction)
+        bins = torch.arange(k + 2) - 0.5 if key == "intruders" else torch.linspace(-1, 1, 41)
+        ax.hist([r.pooled(key).numpy() for r in results.values()], bins=bins.numpy(), density=True,
+                label=[f"{name} (mean {float(r.pooled(key).mean()):.2f})" for name, r in results.items()])
         ax.set(xlabel=label, ylabel="density", title=f"{label} per sample, head and layer")
         save(fig, f"{key}.png")
     fig = agg_figure(figsize=(10, 3))

@@ -11,9 +11,8 @@ with key padding, only the n real tokens' outputs are rows of J (n * D rows). Fo
 DaViT's channel attentions, Nyström and FAVOR+ alike) O_h is the module's own forward on the block's captured
 input, read from its per-head output intermediate (:func:`head_function`). J comes from ``torch.func.jacrev``
 (reverse mode: N * D outputs are fewer than 3 * D * C inputs), kappa from ``torch.linalg.svdvals``, in float64 by
-default: the paper reports kappa up to 1e10, beyond float32's reach. Cost: one (N D) x (3 D C) SVD per head, block
-and sequence, for ``vit_cifar`` (N 65, D 16, C 192) 1040 x 9216, about a second on two CPU cores, and a backward
-through the block's whole input per Jacobian: pass a few images and, if need be, a subset of blocks and heads.
+default: the paper reports kappa up to 1e10, beyond float32's reach. Each J costs a backward through the block's
+input and an (N D) x (3 D C) SVD: pass a few images and, if need be, a subset of blocks and heads.
 """
 
 from __future__ import annotations

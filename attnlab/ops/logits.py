@@ -14,16 +14,6 @@ CHUNK_ELEMENTS = 1 << 24  # the most float32 elements a tile of logits, or of q 
 BOUND_MARGIN = 1e-4  # relative margin on the bound, so float32 rounding cannot certify a head that is over tau
 
 
-def _tile_sizes(B: int, H: int, N: int, M: int, D: int, block: int) -> tuple[int, int, int, int]:
-    """The largest (images, heads, queries, keys) per tile whose logits (b h r c elements) and float32 q and k
-    slices (b h r D, b h c D) each hold at most max(block, D) elements."""
-    c = min(M, max(1, block // D))
-    r = min(N, max(1, block // max(c, D)))
-    per_head = max(r * max(c, D), c * D)
-    h = min(H, max(1, block // per_head))
-    return min(B, max(1, block // (h * per_head))), h, r, c
-
-
 def max_scaled_logits(q: torch.Tensor, k: torch.Tensor, scale: float, heads: torch.Tensor | None = None,
                       keep: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
     """Per-head max of (q_i . k_j) * scale over batch, i and j, in float32, computed tile by tile.
@@ -34,8 +24,14 @@ def max_scaled_logits(q: torch.Tensor, k: torch.Tensor, scale: float, heads: tor
     :data:`CHUNK_ELEMENTS` elements when that is >= D.
     """
     (B, H, N, D), M = q.shape, k.shape[-2]
-    count = H if heads is None else heads.numel()
-    tb, th, tr, tc = _tile_sizes(B, count, N, M, D, CHUNK_ELEMENTS)
+    count, block = H if heads is None else heads.numel(), CHUNK_ELEMENTS
+    # the largest (samples, heads, queries, keys) per tile whose logits (tb th tr tc elements) and float32 q and k
+    # slices (tb th tr D, tb th tc D) each hold at most max(block, D) elements
+    tc = min(M, max(1, block // D))
+    tr = min(N, max(1, block // max(tc, D)))
+    per_head = max(tr * max(tc, D), tc * D)
+    th = min(count, max(1, block // per_head))
+    tb = min(B, max(1, block // (th * per_head)))
     keep = None if keep is None else keep.expand(B, 1, N, M)  # a view: tiles slice it without copying
     out = torch.full((count,), float("-inf"), device=q.device, dtype=torch.float32)
 
