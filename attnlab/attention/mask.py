@@ -52,11 +52,6 @@ class AttentionMask(NamedTuple):
         return attn_mask._replace(is_causal=attn_mask.is_causal or bool(is_causal), attn_mask=user,
                                   window=attn_mask.window if window is None else window)
 
-    @classmethod
-    def from_tokens(cls, tokens: torch.Tensor, pad_id: int, *, is_causal: bool = False) -> "AttentionMask":
-        """Key padding from token ids (B, N): every position holding ``pad_id`` is padding."""
-        return cls(is_causal=is_causal, key_padding=tokens != pad_id)
-
     @property
     def causal_only(self) -> bool:
         """Only causality is asked: SDPA's ``is_causal`` path, no mask in memory."""

@@ -263,7 +263,3 @@ def test_dna_cross_attention_honours_context_padding():
         m(x, ctx, attn_mask=AttentionMask(is_causal=True))
 
 
-def test_key_padding_from_token_ids():
-    tokens = torch.tensor([[5, 7, 0, 0], [0, 3, 4, 1]])
-    mask = AttentionMask.from_tokens(tokens, pad_id=0, is_causal=True)
-    assert mask.is_causal and torch.equal(mask.key_padding, tokens != 0)
