@@ -261,5 +261,3 @@ def test_dna_cross_attention_honours_context_padding():
         torch.testing.assert_close(by_float, a[:1], rtol=1e-12, atol=1e-12)
     with pytest.raises(UnsupportedModelError, match="no causal mask"):
         m(x, ctx, attn_mask=AttentionMask(is_causal=True))
-
-
